@@ -1,0 +1,623 @@
+"""Encoder-cache configuration.
+
+:class:`ECStoreConfig` is the validated, immutable set of values an
+:class:`ecstore.ECStore` is opened with. Sizes are in GiB (2**30 bytes), as in
+LMCache's YAML; the ``*_bytes`` properties give them in bytes.
+
+:func:`load_config` (below) builds one from LMCache-style YAML, environment
+variables and overrides, remembering where every value came from
+(:attr:`ECStoreConfig.sources`, :meth:`ECStoreConfig.source_of`,
+:func:`describe_config`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import yaml
+
+from .errors import ConfigError
+
+GiB = 1 << 30
+
+
+def normalize_local_disk(value: Any, source: str = "ECStoreConfig argument") -> str | None:
+    """Turn a ``local_disk`` value into an absolute directory path, or None.
+
+    Accepts a plain path (relative paths resolve against the current working
+    directory) or a ``file://`` URI. ``None`` or an empty string means no disk
+    tier. Any other URI scheme raises :class:`ConfigError`.
+    """
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"local_disk (from {source}): expected a path or file:// URI, got {value!r}"
+        )
+    text = value.strip()
+    if not text:
+        return None
+    if "://" in text:
+        parsed = urlparse(text)
+        if parsed.scheme != "file":
+            raise ConfigError(
+                f"local_disk (from {source}): unsupported URI scheme {parsed.scheme!r} "
+                f"in {value!r}; expected a plain path or a file:// URI"
+            )
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(
+                f"local_disk (from {source}): file:// URI {value!r} names host "
+                f"{parsed.netloc!r}; only local paths are supported"
+            )
+        text = unquote(parsed.path)
+        if not text:
+            raise ConfigError(f"local_disk (from {source}): file:// URI {value!r} has no path")
+    return os.path.abspath(os.path.expanduser(text))
+
+
+# What each numeric field holds, for error messages.
+_NUMBER_KINDS = {
+    "max_local_cpu_size": "a size in GiB",
+    "max_local_disk_size": "a size in GiB",
+    "max_write_queue_size": "a size in GiB",
+    "lease_seconds": "a duration in seconds",
+}
+
+
+def _check_size(name: str, value: Any, source: str) -> float:
+    kind = _NUMBER_KINDS.get(name, "a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} (from {source}): expected {kind} (a number >= 0), got {value!r}")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v) or v < 0:
+        raise ConfigError(f"{name} (from {source}): expected {kind} (a finite number >= 0), got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class ECStoreConfig:
+    """Validated encoder-cache settings.
+
+    Attributes:
+        local_cpu: keep an in-memory (per-process) LRU tier above the disk tier.
+        max_local_cpu_size: bound of the memory tier, GiB of tensor data.
+        local_disk: directory of the LMDB store (absolute path after
+            normalisation; ``file://`` URIs accepted), or None for memory only.
+            There is no implicit default location.
+        max_local_disk_size: bound of the disk tier, GiB of stored blobs. Must
+            be > 0 when ``local_disk`` is set.
+        max_write_queue_size: GiB of tensors waiting for the background LMDB
+            writer before ``put`` blocks (back-pressure instead of unbounded
+            memory).
+        lease_seconds: how long an entry announced to a loader stays pinned
+            against eviction if the loader never releases it.
+        sources: where each value came from (see :func:`load_config`): one
+            entry per field when built by :func:`load_config`, plus
+            ``"__file__"`` (absolute path of the YAML file read) and
+            ``"config_file"`` (where that path was taken from) when a file
+            was read.
+    """
+
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.0
+    max_write_queue_size: float = 1.0
+    lease_seconds: float = 120.0
+    # Where each value came from ("default", "path:line", "env VAR", "override KEY").
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
+        if not isinstance(self.local_cpu, bool):
+            raise ConfigError(
+                f"local_cpu (from {src('local_cpu')}): expected true or false, got {self.local_cpu!r}"
+            )
+        for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds"):
+            object.__setattr__(self, name, _check_size(name, getattr(self, name), src(name)))
+        object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ConfigError(
+                f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
+                f"{src('max_local_disk_size')}) but local_disk is {self.local_disk!r} (from "
+                f"{src('local_disk')}): a disk tier needs max_local_disk_size > 0 GiB. Set "
+                f"max_local_disk_size (or ec_max_local_disk_size), or unset local_disk "
+                f"(ec_local_disk: null) for a memory-only encoder cache"
+            )
+
+    @property
+    def cpu_capacity_bytes(self) -> int:
+        """Memory-tier bound in bytes (0 when the memory tier is disabled)."""
+        return int(self.max_local_cpu_size * GiB) if self.local_cpu else 0
+
+    @property
+    def disk_capacity_bytes(self) -> int:
+        """Disk-tier bound in bytes (0 when there is no disk tier)."""
+        return int(self.max_local_disk_size * GiB) if self.local_disk else 0
+
+    @property
+    def write_queue_bytes(self) -> int:
+        return max(1, int(self.max_write_queue_size * GiB))
+
+    @property
+    def config_file(self) -> str | None:
+        """Absolute path of the YAML file :func:`load_config` read, or None."""
+        return self.sources.get("__file__")
+
+    def source_of(self, key: str) -> str:
+        """Where the effective value of ``key`` came from.
+
+        One of ``"default"``, ``"<abs path>:<line>"`` (YAML file),
+        ``"env <VARIABLE>"`` or ``"override <key>"``. ``source_of("config_file")``
+        tells where the YAML path itself was taken from (``"argument path"``,
+        ``"override config_file"``, ``"env LMCACHE_CONFIG_FILE"``).
+        """
+        return self.sources.get(key, "default")
+
+
+# ---------------------------------------------------------------------------
+# Loading: defaults < YAML base keys < LMCACHE_<KEY> < YAML ec_<key>/ec: <key>
+#          < LMCACHE_EC_<KEY> < overrides
+# ---------------------------------------------------------------------------
+
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+"""Environment variable naming the LMCache YAML file shared with the KV cache."""
+
+ENV_PREFIX = "LMCACHE_"
+EC_ENV_PREFIX = "LMCACHE_EC_"
+EC_KEY_PREFIX = "ec_"
+EC_SECTION = "ec"
+CONFIG_FILE_KEY = "config_file"
+"""Key of ``overrides`` (the connector's extra config) naming the YAML file."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration oddity that is not fatal (e.g. an unknown base key)."""
+
+
+_TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
+_FALSE_WORDS = frozenset({"false", "0", "no", "off"})
+
+
+def _parse_bool(value: Any) -> bool:
+    """A boolean: YAML true/false, the ints 1/0, or one of the strings
+    true/false, 1/0, yes/no, on/off in any case. Anything else is ValueError."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    raise ValueError
+
+
+def _parse_number(value: Any) -> float:
+    """A finite number >= 0: an int, a float or a numeric string ("2.5").
+
+    Booleans, NaN, infinities, negatives and other strings are ValueError."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ValueError from None  # "lots"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError
+    return number
+
+
+def _parse_local_disk(value: Any, source: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError
+    if "," in value:
+        raise ValueError(
+            "ecstore needs a single directory; LMCache's comma-separated multi-disk "
+            "form is not supported here, give the encoder cache its own ec_local_disk"
+        )
+    return normalize_local_disk(value, source)
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """How one ecstore key is documented and parsed.
+
+    ``parse(value, source)`` returns the typed value or raises ValueError
+    (its message, if any, is appended to the error; a ConfigError it raises
+    itself is passed through unchanged).
+    """
+
+    type: str
+    unit: str
+    expected: str
+    parse: Callable[[Any, str], Any]
+    doc: str
+
+
+_SIZE = "a size in GiB: a finite number >= 0 (e.g. 16 or 2.5)"
+
+# Policy as data: every key ecstore reads, with its parser. Field names of
+# ECStoreConfig; defaults come from the dataclass.
+KEYS: dict[str, KeySpec] = {
+    "local_cpu": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: _parse_bool(v), "keep the in-memory LRU tier"),
+    "max_local_cpu_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v),
+        "bound of the memory tier"),
+    "local_disk": KeySpec(
+        "path", "-", "a directory path or file:// URI (null or empty for no disk tier)",
+        _parse_local_disk, "directory of the persistent (LMDB) tier; none = memory only"),
+    "max_local_disk_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v),
+        "bound of the disk tier; must be > 0 when local_disk is set"),
+    "max_write_queue_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v),
+        "tensors queued for the background disk writer before put() blocks"),
+    "lease_seconds": KeySpec(
+        "float", "s", "a duration in seconds: a finite number >= 0",
+        lambda v, _s: _parse_number(v),
+        "how long an entry handed to a loader stays pinned against eviction"),
+}
+
+assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}
+
+# Keys LMCache defines for its KV cache (current names, aliases and legacy
+# names). They may appear in the shared YAML, bare or ec_-prefixed (LMCache's
+# own EC engine reads ec_<key>), and are ignored without a warning.
+LMCACHE_KEYS: frozenset[str] = frozenset("""
+    chunk_size local_cpu max_local_cpu_size local_cpu_use_hugepages reserve_local_cpu_size
+    local_disk local_disk_path_sharding max_local_disk_size max_local_cache_size local_device
+    remote_url remote_serde remote_config_url app_id use_layerwise save_decode_cache
+    save_unfull_chunk pre_caching_hash_algorithm pipelined_backend backend
+    enable_blending blend_recompute_ratio blend_recompute_ratios blend_thresholds
+    blend_check_layers blend_min_tokens blend_special_str blend_separator
+    blend_add_special_in_precomp retrieve_locations store_location
+    enable_p2p p2p_host p2p_init_ports p2p_lookup_ports lookup_url distributed_url
+    mp_host mp_port enable_controller controller_url controller_pull_url controller_reply_url
+    lmcache_instance_id lmcache_worker_port lmcache_worker_ports lmcache_worker_ids
+    lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time
+    enable_pd enable_xpyd pd_role pd_buffer_size pd_buffer_device pd_peer_host
+    pd_peer_init_port pd_peer_alloc_port pd_peer_query_port pd_proxy_host pd_proxy_port
+    transfer_channel enable_nixl nixl_role nixl_backends nixl_buffer_size nixl_buffer_device
+    nixl_receiver_host nixl_receiver_port nixl_enable_gc nixl_peer_host nixl_peer_port
+    nixl_peer_init_port nixl_peer_alloc_port nixl_proxy_host nixl_proxy_port
+    gds_path gds_path_sharding gds_buffer_size gds_backend use_gds cufile_buffer_size weka_path
+    maru_path maru_pool_size audit_actual_remote_url extra_config blocking_timeout_secs
+    external_lookup_client py_enable_gc cache_policy cost_aware_half_life_seconds
+    cost_aware_ewma_alpha numa_mode enable_async_loading internal_api_server_enabled
+    internal_api_server_host internal_api_server_port_start
+    internal_api_server_include_index_list internal_api_server_socket_path_prefix
+    priority_limit plugin_locations runtime_plugin_locations external_backends storage_plugins
+    remote_storage_plugins lookup_timeout_ms min_retrieve_tokens hit_miss_ratio
+    lookup_server_worker_ids enable_scheduler_bypass_lookup script_allowed_imports
+    enable_lazy_memory_allocator lazy_memory_initial_ratio lazy_memory_expand_trigger_ratio
+    lazy_memory_step_ratio lazy_memory_safe_size enable_chunk_statistics enable_kv_events
+    use_gpu_connector_v3 pin_timeout_sec pin_check_interval_sec enable_hidden_state_cache
+    max_hidden_state_cpu_size hidden_state_layers hidden_states_retrieve_mode
+""".split())
+
+# Whole families of LMCache keys (new ones appear with each release).
+LMCACHE_KEY_PREFIXES: tuple[str, ...] = (
+    "pd_", "nixl_", "p2p_", "blend_", "gds_", "lmcache_worker_", "internal_api_server_",
+    "lazy_memory_", "chunk_statistics_", "controller_", "lookup_",
+)
+
+
+def _is_lmcache_key(key: str) -> bool:
+    return key in LMCACHE_KEYS or key.startswith(LMCACHE_KEY_PREFIXES)
+
+
+def _closest(key: str, spelled: Callable[[str], str]) -> str:
+    """' (did you mean X?)' for the valid key nearest ``key``, spelled in the
+    caller's form; ecstore's keys are preferred to LMCache's."""
+    for candidates in (KEYS, sorted(LMCACHE_KEYS)):
+        match = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+        if match:
+            return f"; did you mean {spelled(match[0])!r}?"
+    return f"; ecstore's keys are: {', '.join(spelled(k) for k in KEYS)}"
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One raw value as found in one source."""
+
+    value: Any
+    source: str  # "default", "/abs/ec.yaml:5", "env VAR", "override key"
+    spelled: str  # the key as the user wrote it, for messages
+
+
+# Precedence, lowest first (built-in defaults sit below all of them).
+_LEVELS = ("file", "env", "ec_file", "ec_env", "override")
+# Levels addressed to LMCache as well as ecstore: only their effective value is
+# validated, so a shadowed value LMCache accepts but ecstore would not (e.g. a
+# comma-separated local_disk) does not break the encoder cache.
+_SHARED_LEVELS = frozenset({"file", "env"})
+
+
+def _parse(key: str, setting: _Setting) -> Any:
+    spec = KEYS[key]
+    try:
+        return spec.parse(setting.value, setting.source)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        detail = str(exc) if isinstance(exc, ValueError) and exc.args else ""
+        raise ConfigError(
+            f"{setting.spelled} (from {setting.source}): expected {spec.expected}, "
+            f"got {setting.value!r}" + (f" ({detail})" if detail else "")
+        ) from None
+
+
+def _put(layer: dict[str, _Setting], key: str, setting: _Setting) -> None:
+    previous = layer.get(key)
+    if previous is not None:
+        raise ConfigError(
+            f"{key} is set twice for the same level: {previous.spelled} (from "
+            f"{previous.source}) and {setting.spelled} (from {setting.source}); keep one"
+        )
+    layer[key] = setting
+
+
+def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]]:
+    """Top-level entries of the YAML mapping in ``path`` as (key, value, line, ec).
+
+    ``ec`` is the (key, value, line) list of a nested ``ec:`` mapping (value
+    None), else None. Lines are 1-based. An empty file yields no entries.
+    ``origin`` (where the path was named) goes into file-level errors.
+    """
+    what = f"config file {path} (from {origin})"
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} is a directory, not a YAML file") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+
+    loader = yaml.SafeLoader(data)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return []
+        if not isinstance(root, yaml.MappingNode):
+            kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
+            raise ConfigError(
+                f"{what}: the top level must be a mapping of keys to values, got {kind} "
+                f"at line {root.start_mark.line + 1}"
+            )
+
+        def pairs(node: yaml.MappingNode) -> list[tuple[Any, yaml.Node, int]]:
+            loader.flatten_mapping(node)  # resolve "<<" merge keys
+            out = []
+            for key_node, value_node in node.value:
+                key = loader.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)) and key is not None:
+                    key = repr(key)  # a list or mapping used as a key
+                out.append((key, value_node, key_node.start_mark.line + 1))
+            return out
+
+        entries = []
+        for key, value_node, line in pairs(root):
+            if key == EC_SECTION and isinstance(value_node, yaml.MappingNode):
+                nested = [(k, loader.construct_object(v, deep=True), ln) for k, v, ln in pairs(value_node)]
+                entries.append((key, None, line, nested))
+                continue
+            value = loader.construct_object(value_node, deep=True)
+            if key == EC_SECTION:
+                if value is not None:
+                    raise ConfigError(
+                        f"{EC_SECTION} (from {path}:{line}): expected a mapping of ecstore "
+                        f"keys (e.g. 'ec: {{max_local_disk_size: 64}}'), got {value!r}"
+                    )
+                entries.append((key, None, line, []))
+            else:
+                entries.append((key, value, line, None))
+        return entries
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{what}: malformed YAML{where}: {exc}") from None
+    finally:
+        loader.dispose()
+
+
+def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]) -> None:
+    for key, value, line, nested in _read_yaml(path, origin):
+        src = f"{path}:{line}"
+        if key == EC_SECTION:
+            for sub, sub_value, sub_line in nested or []:
+                sub_src = f"{path}:{sub_line}"
+                if isinstance(sub, str) and sub in KEYS:
+                    _put(layers["ec_file"], sub, _Setting(sub_value, sub_src, f"ec.{sub}"))
+                elif not (isinstance(sub, str) and _is_lmcache_key(sub)):
+                    raise ConfigError(
+                        f"unknown key {EC_SECTION}.{sub} (from {sub_src})"
+                        + _closest(str(sub), lambda k: f"{EC_SECTION}.{k}")
+                    )
+        elif isinstance(key, str) and key.startswith(EC_KEY_PREFIX):
+            name = key[len(EC_KEY_PREFIX):]
+            if name in KEYS:
+                _put(layers["ec_file"], name, _Setting(value, src, key))
+            elif not _is_lmcache_key(name):
+                raise ConfigError(
+                    f"unknown key {key} (from {src})"
+                    + _closest(name, lambda k: f"{EC_KEY_PREFIX}{k}")
+                )
+        elif isinstance(key, str) and key in KEYS:
+            _put(layers["file"], key, _Setting(value, src, key))
+        elif not (isinstance(key, str) and _is_lmcache_key(key)):
+            hint = _closest(str(key), str)
+            if hint.startswith("; ecstore's keys"):
+                hint = ""
+            warnings.warn(
+                f"{src}: ignoring unknown key {key!r} (neither an ecstore nor a known "
+                f"LMCache key){hint}",
+                ConfigWarning,
+                stacklevel=3,
+            )
+
+
+def _unquote(text: str) -> str:
+    """Strip one pair of matching surrounding quotes, as LMCache does for env values."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _collect_env(env: Mapping[str, str], layers: dict[str, dict[str, _Setting]]) -> None:
+    for var in sorted(env):
+        if var.startswith(EC_ENV_PREFIX):
+            name = var[len(EC_ENV_PREFIX):].lower()
+            if name in KEYS:
+                _put(layers["ec_env"], name, _Setting(_unquote(env[var]), f"env {var}", name))
+            elif not _is_lmcache_key(name):
+                raise ConfigError(
+                    f"unknown key {name} (from env {var})"
+                    + _closest(name, lambda k: f"{EC_ENV_PREFIX}{k.upper()}")
+                )
+        elif var.startswith(ENV_PREFIX):
+            # Other LMCACHE_* variables belong to LMCache: never an error here.
+            name = var[len(ENV_PREFIX):].lower()
+            if name in KEYS and var == f"{ENV_PREFIX}{name.upper()}":
+                _put(layers["env"], name, _Setting(_unquote(env[var]), f"env {var}", name))
+
+
+def _collect_overrides(overrides: Mapping[Any, Any], layers: dict[str, dict[str, _Setting]]) -> None:
+    for key, value in overrides.items():
+        if key == CONFIG_FILE_KEY:
+            continue
+        if isinstance(key, str) and key in KEYS:
+            layers["override"][key] = _Setting(value, f"override {key}", key)
+            continue
+        if isinstance(key, str) and key.startswith(EC_KEY_PREFIX) and key[len(EC_KEY_PREFIX):] in KEYS:
+            hint = f"; overrides take bare key names: did you mean {key[len(EC_KEY_PREFIX):]!r}?"
+        else:
+            hint = _closest(str(key), str)
+        raise ConfigError(f"unknown key {key!r} (from override {key}){hint}")
+
+
+def _choose_file(
+    path: str | os.PathLike[str] | None, env: Mapping[str, str], overrides: Mapping[Any, Any]
+) -> tuple[str, str] | None:
+    """(absolute path, where it was named) of the YAML file to read, or None."""
+    candidates: Iterable[tuple[Any, str]] = (
+        (path, "argument path"),
+        (overrides.get(CONFIG_FILE_KEY), f"override {CONFIG_FILE_KEY}"),
+        (env.get(CONFIG_FILE_ENV), f"env {CONFIG_FILE_ENV}"),
+    )
+    for value, origin in candidates:
+        if value is None:
+            continue
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"config file (from {origin}): expected a path, got {value!r}")
+        if value.strip():
+            return os.path.abspath(os.path.expanduser(value.strip())), origin
+    return None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ECStoreConfig:
+    """Build the encoder-cache config from LMCache's YAML, env and overrides.
+
+    Precedence, lowest to highest: built-in defaults < base keys of the YAML
+    file < ``LMCACHE_<KEY>`` < ``ec_<key>`` / ``ec: {<key>: ...}`` in the
+    YAML < ``LMCACHE_EC_<KEY>`` < ``overrides``.
+
+    Args:
+        path: YAML file to read. If None, ``overrides["config_file"]`` is used,
+            else ``env["LMCACHE_CONFIG_FILE"]``, else no file is read. The
+            file is never written.
+        env: environment to read (default ``os.environ``).
+        overrides: programmatic values (the vLLM connector's
+            ``ec_connector_extra_config``): ecstore key names, plus an optional
+            ``config_file``.
+
+    Returns:
+        An :class:`ECStoreConfig` whose ``sources`` names, for every field, the
+        place its value came from.
+
+    Raises:
+        ConfigError: unreadable/malformed file, unknown ec key or
+            ``LMCACHE_EC_*`` variable or override key, or a bad value.
+
+    Warns:
+        ConfigWarning: a base YAML key that neither ecstore nor LMCache knows.
+    """
+    env = os.environ if env is None else env
+    overrides = {} if overrides is None else overrides
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides: expected a mapping of ecstore keys, got {overrides!r}")
+
+    layers: dict[str, dict[str, _Setting]] = {level: {} for level in _LEVELS}
+    extra_sources: dict[str, str] = {}
+    chosen = _choose_file(path, env, overrides)
+    if chosen is not None:
+        file_path, origin = chosen
+        _collect_file(file_path, origin, layers)
+        extra_sources = {"__file__": file_path, CONFIG_FILE_KEY: origin}
+    _collect_env(env, layers)
+    _collect_overrides(overrides, layers)
+
+    # Values addressed to ecstore only are all validated (fail fast); shared
+    # base values only when they are the effective ones.
+    for level in _LEVELS:
+        if level not in _SHARED_LEVELS:
+            for key, setting in layers[level].items():
+                _parse(key, setting)
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in KEYS:
+        for level in reversed(_LEVELS):
+            setting = layers[level].get(key)
+            if setting is not None:
+                values[key] = _parse(key, setting)
+                sources[key] = setting.source
+                break
+        else:
+            sources[key] = "default"
+    sources.update(extra_sources)
+    return ECStoreConfig(**values, sources=sources)
+
+
+def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
+    """(key, effective value, source) rows, for ``ecstore-dump config``.
+
+    The first row is ``("config_file", <abs path or None>, <where the path was
+    named, or "default">)``; then one row per ECStoreConfig field.
+    """
+    rows: list[tuple[str, Any, str]] = [
+        (CONFIG_FILE_KEY, cfg.config_file, cfg.source_of(CONFIG_FILE_KEY))
+    ]
+    rows.extend((key, getattr(cfg, key), cfg.source_of(key)) for key in KEYS)
+    return rows

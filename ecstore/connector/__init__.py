@@ -1,0 +1,1 @@
+"""vLLM connector (see issue: connector)."""

@@ -1,0 +1,47 @@
+"""Exceptions raised by ecstore.
+
+Every error ecstore raises on purpose derives from :class:`ECStoreError`, so a
+caller (the vLLM connector, for one) can catch the whole family in one place.
+"""
+
+from __future__ import annotations
+
+
+class ECStoreError(Exception):
+    """Base class of every error ecstore raises deliberately."""
+
+
+class ConfigError(ECStoreError, ValueError):
+    """A configuration value is missing, malformed or out of range.
+
+    The message names the key, where the value came from (file and line,
+    environment variable, or programmatic override) and what was expected.
+    """
+
+
+class InvalidEntryError(ECStoreError, ValueError):
+    """A tensor or identifier that the store refuses to hold.
+
+    Raised before anything is written: the store is unchanged.
+    """
+
+
+class SchemaError(ECStoreError):
+    """The on-disk store has a schema this version cannot open safely."""
+
+
+class StoreOpenError(ECStoreError):
+    """The ``local_disk`` location cannot be opened as an ecstore store
+    (not a store, truncated or garbage data file, permissions...)."""
+
+
+class StoreFullError(ECStoreError):
+    """The persistent tier cannot make room for an entry (disk full, map full
+    with nothing left to evict). Earlier entries are intact."""
+
+
+class ForkedStoreError(ECStoreError):
+    """A store handle opened in one process was used in a forked child.
+
+    LMDB environments must never be shared across ``fork()``: open a new
+    :class:`ecstore.ECStore` in the child instead."""

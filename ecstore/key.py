@@ -1,0 +1,133 @@
+"""The EC key: ``<model>@1@0@<chunk_hash>@<dtype>``.
+
+* ``model`` is the served model name (``vllm_config.model_config.model``); it
+  may itself contain ``@`` or ``/``, so keys are parsed from the right.
+* ``1`` and ``0`` are sentinel world_size and worker_id: every tensor-parallel
+  rank of a deployment maps to the same entry (the encoder output is
+  replicated across ranks, so one copy serves all of them).
+* ``chunk_hash`` is a stable 64-bit hash of vLLM's mm identifier (xxh64,
+  seed 0, over its UTF-8 bytes), 16 lower-case hex digits. Being 64-bit it can
+  collide; every entry therefore also stores the full identifier and reads
+  compare it, so two colliding identifiers are never confused.
+* ``dtype`` is the torch dtype name of the encoder output without ``torch.``
+  (the model dtype, never the KV-cache dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import xxhash
+
+from .errors import InvalidEntryError
+
+WORLD_SIZE_SENTINEL = 1
+WORKER_ID_SENTINEL = 0
+
+#: LMDB keys are limited to 511 bytes; leave room for the hash and dtype.
+MAX_MODEL_NAME_BYTES = 400
+#: Identifiers are stored in full inside each entry; bound them so a runaway
+#: caller cannot bloat records. vLLM's are ~64-80 characters.
+MAX_IDENTIFIER_BYTES = 4096
+
+ChunkHasher = Callable[[str], str]
+
+
+def chunk_hash(identifier: str) -> str:
+    """Stable 64-bit hash of an mm identifier as 16 lower-case hex digits."""
+    return xxhash.xxh64_hexdigest(identifier.encode("utf-8"))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidEntryError(f"expected a torch.dtype, got {dtype!r}")
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; raises InvalidEntryError otherwise."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidEntryError(f"unknown torch dtype name {name!r}")
+    return dt
+
+
+def check_identifier(identifier: object) -> str:
+    """Validate an mm identifier; returns it unchanged.
+
+    Must be a non-empty ``str`` that encodes to UTF-8 (lone surrogates do
+    not) and is at most MAX_IDENTIFIER_BYTES long. Any character is allowed,
+    ``@``, ``/`` and NUL included: the identifier is hashed into the key and
+    stored verbatim in the entry, never parsed.
+    """
+    if not isinstance(identifier, str):
+        raise InvalidEntryError(f"mm identifier must be a str, got {type(identifier).__name__}")
+    if not identifier:
+        raise InvalidEntryError("mm identifier must not be empty")
+    try:
+        raw = identifier.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidEntryError(f"mm identifier is not valid Unicode text: {e}") from None
+    if len(raw) > MAX_IDENTIFIER_BYTES:
+        raise InvalidEntryError(
+            f"mm identifier is {len(raw)} bytes; at most {MAX_IDENTIFIER_BYTES} are accepted"
+        )
+    return identifier
+
+
+def check_model(model: object) -> str:
+    """Validate a model name for use in keys (non-empty UTF-8 str, bounded)."""
+    if not isinstance(model, str) or not model:
+        raise InvalidEntryError(f"model must be a non-empty str, got {model!r}")
+    try:
+        raw = model.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidEntryError(f"model name is not valid Unicode text: {e}") from None
+    if len(raw) > MAX_MODEL_NAME_BYTES:
+        raise InvalidEntryError(
+            f"model name is {len(raw)} bytes; at most {MAX_MODEL_NAME_BYTES} fit in an LMDB key"
+        )
+    if "\x00" in model:
+        raise InvalidEntryError("model name must not contain NUL")
+    return model
+
+
+def make_key(model: str, chunk: str, dtype: str) -> str:
+    return f"{model}@{WORLD_SIZE_SENTINEL}@{WORKER_ID_SENTINEL}@{chunk}@{dtype}"
+
+
+@dataclass(frozen=True)
+class ECKey:
+    """A parsed EC key."""
+
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_hash: str
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.model}@{self.world_size}@{self.worker_id}@{self.chunk_hash}@{self.dtype}"
+
+
+def parse_key(key: str) -> ECKey:
+    """Parse ``<model>@<ws>@<wid>@<chunk_hash>@<dtype>`` (model may contain ``@``)."""
+    parts = key.rsplit("@", 4)
+    if len(parts) != 5 or not parts[0]:
+        raise InvalidEntryError(f"not an EC key: {key!r}")
+    model, ws, wid, chunk, dtype = parts
+    try:
+        return ECKey(model, int(ws), int(wid), chunk, dtype)
+    except ValueError:
+        raise InvalidEntryError(f"not an EC key: {key!r}") from None
+
+
+def looks_like_key(text: str) -> bool:
+    try:
+        parse_key(text)
+        return True
+    except InvalidEntryError:
+        return False

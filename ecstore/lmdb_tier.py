@@ -1,0 +1,598 @@
+"""The persistent tier: one LMDB environment in the ``local_disk`` directory.
+
+This module is ecstore's only I/O seam: every byte that reaches or leaves
+the disk goes through :class:`LMDBTier`.
+
+Layout (see ``migrations/``): sub-databases ``blobs`` (key -> safetensors
+blob), ``entries`` (key -> packed Record), ``lru`` (u64 BE seq -> key) and
+``meta`` (schema version, total bytes, next LRU sequence number). A blob, its
+record and its LRU position are always written and removed in the same write
+transaction, and ``total_bytes`` is updated in that transaction too, so the
+accounting can never drift from the entries.
+
+Leases (pins against eviction while a loader is about to read an entry) live
+in a second, tiny LMDB file, ``leases.mdb``, opened without fsync: they are
+ephemeral, and keeping them apart means a scheduler taking a lease never
+waits behind a writer committing a 100 MB blob.
+
+Design notes
+------------
+* Map size. LMDB files never shrink and can only grow up to the map size, so
+  the map size is what actually bounds the file. We use
+  ``1.25 * cap + 16 MiB``. When fragmentation makes a commit hit the map
+  limit (``MapFullError``), we evict extra least-recently-used entries in a
+  separate transaction (pages freed by a committed transaction become
+  reusable) and retry: a full map costs hit ratio, never a crash.
+* Readers. Read transactions are opened per call and closed before
+  returning, so no reader pins old pages across calls; ``reader_check()``
+  clears slots of dead processes at open and whenever the map fills.
+* Durability. The environment is opened with ``metasync=False``: one fsync
+  per commit; the newest commit can be lost on power failure (not on a
+  process crash), integrity is preserved. ``sync()`` forces it to disk.
+* Processes and threads. Any number of processes may open the same directory
+  (LMDB serialises writers with a lock in ``lock.mdb``). Within a process
+  one environment per directory is shared by all handles (LMDB forbids
+  opening the same file twice in a process); every method is thread-safe.
+  An environment must never be used across ``fork()``: the child gets
+  ForkedStoreError and must open its own store.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import lmdb
+import torch
+
+from . import codec, schema
+from .codec import CorruptBlobError, Record
+from .errors import ForkedStoreError, SchemaError, StoreFullError, StoreOpenError
+
+log = logging.getLogger("ecstore")
+
+MiB = 1 << 20
+_U64 = struct.Struct("<Q")
+_SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+_LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
+
+MAP_HEADROOM_FACTOR = 1.25
+MAP_HEADROOM_BYTES = 16 * MiB
+MAX_MAPFULL_RETRIES = 8
+
+
+def map_size_for(capacity_bytes: int) -> int:
+    """LMDB map size (bytes) for a disk cap: bounds the data file size."""
+    size = int(capacity_bytes * MAP_HEADROOM_FACTOR) + MAP_HEADROOM_BYTES
+    page = 4096
+    return (size + page - 1) // page * page
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class PutRequest:
+    """One entry for :meth:`LMDBTier.write_batch`."""
+
+    key: str
+    identifier: str
+    model: str
+    tensor: torch.Tensor  # contiguous, CPU
+    blob: bytearray | None = None
+    result: str = "pending"  # "stored" | "present" | "collision" | "failed"
+    error: BaseException | None = None
+
+
+class _SharedEnv:
+    """One lmdb.Environment per directory per process, reference counted."""
+
+    _lock = threading.Lock()
+    _open: dict[str, "_SharedEnv"] = {}
+
+    def __init__(self, path: str, env: lmdb.Environment, leases: lmdb.Environment | None, readonly: bool):
+        self.path = path
+        self.env = env
+        self.leases = leases
+        self.readonly = readonly
+        self.refs = 0
+        self.pid = os.getpid()
+        self.write_lock = threading.Lock()  # LMDB allows one write txn per env
+
+    @classmethod
+    def acquire(cls, path: str, map_size: int, readonly: bool, create: bool) -> "_SharedEnv":
+        real = os.path.realpath(path)
+        with cls._lock:
+            shared = cls._open.get(real)
+            if shared is not None and shared.pid != os.getpid():
+                cls._open.pop(real)  # inherited across fork: never touch it here
+                shared = None
+            if shared is not None:
+                if shared.readonly and not readonly:
+                    raise StoreOpenError(
+                        f"{path} is already open read-only in this process; close that handle first"
+                    )
+                shared.refs += 1
+                return shared
+            shared = cls(real, *_open_env(real, map_size, readonly, create), readonly=readonly)
+            shared.refs = 1
+            cls._open[real] = shared
+            return shared
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            if self._open.get(self.path) is self:
+                del self._open[self.path]
+        if self.pid == os.getpid():
+            self.env.close()
+            if self.leases is not None:
+                self.leases.close()
+
+
+def _open_env(path: str, map_size: int, readonly: bool, create: bool) -> tuple[lmdb.Environment, lmdb.Environment | None]:
+    data = os.path.join(path, "data.mdb")
+    if not os.path.exists(data):
+        if not create or readonly:
+            if not os.path.exists(path):
+                raise StoreOpenError(f"{path}: no such directory")
+            raise StoreOpenError(f"{path} is not an ecstore store (no data.mdb)")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
+    elif os.path.getsize(data) > 0:
+        map_size = max(map_size, os.path.getsize(data))
+    try:
+        env = lmdb.open(
+            path, map_size=map_size, subdir=True, max_dbs=8, readonly=readonly, lock=True,
+            sync=True, metasync=False, max_readers=256, meminit=False, create=create and not readonly,
+        )
+    except lmdb.Error as e:
+        raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
+    leases = None
+    if not readonly:
+        leases = _open_leases(path)
+    return env, leases
+
+
+def _open_leases(path: str) -> lmdb.Environment:
+    lpath = os.path.join(path, "leases.mdb")
+    for attempt in (1, 2):
+        try:
+            return lmdb.open(lpath, subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
+                             metasync=False, lock=True, max_readers=256)
+        except lmdb.Error:
+            if attempt == 2:
+                raise
+            # Leases are ephemeral: a damaged lease file is simply recreated.
+            log.warning("ecstore: lease file %s unreadable; recreating it", lpath)
+            for p in (lpath, lpath + "-lock"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+    raise AssertionError("unreachable")
+
+
+class LMDBTier:
+    """Persistent, size-bounded, multi-process LRU tier.
+
+    ``capacity_bytes`` bounds the sum of stored blob sizes (tensor bytes plus
+    a few hundred bytes of safetensors header each). ``readonly`` handles
+    never write (no eviction, no LRU updates, corrupt entries are reported
+    but not removed).
+    """
+
+    def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
+                 create: bool = True, schema_target: int | None = None) -> None:
+        self.path = path
+        self.capacity_bytes = int(capacity_bytes)
+        self.readonly = readonly
+        self._shared = _SharedEnv.acquire(path, map_size_for(self.capacity_bytes), readonly, create)
+        self.env = self._shared.env
+        self._pid = os.getpid()
+        self._closed = False
+        try:
+            if not readonly:
+                self.env.reader_check()
+            self.schema_version = schema.ensure_schema(self.env, readonly=readonly, path=path,
+                                                       target=schema_target)
+            self._blobs = self.env.open_db(b"blobs", create=False)
+            self._entries = self.env.open_db(b"entries", create=False)
+            self._meta = self.env.open_db(b"meta", create=False)
+            self._lru = (self.env.open_db(b"lru", create=False)
+                         if self.schema_version >= 2 else None)
+        except lmdb.Error as e:
+            self._shared.release()
+            raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
+        except (SchemaError, StoreOpenError):
+            self._shared.release()
+            raise
+        self.evictions = 0
+        self.corrupt_dropped = 0
+        if not readonly and self.total_bytes() > self.capacity_bytes:
+            self._evict_to(self.capacity_bytes)  # reopened with a smaller cap
+
+    # ------------------------------------------------------------------ utils
+    def _check(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedStoreError(
+                f"this ecstore handle was opened in process {self._pid} and used in forked child "
+                f"{os.getpid()}; open a new ECStore in the child"
+            )
+        if self._closed:
+            raise StoreOpenError(f"store at {self.path} is closed")
+
+    def _begin(self, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
+        try:
+            return self.env.begin(write=write, buffers=buffers)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)  # another process grew the map: adopt its size
+            return self.env.begin(write=write, buffers=buffers)
+
+    @staticmethod
+    def _k(key: str) -> bytes:
+        return key.encode("utf-8")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if os.getpid() == self._pid:
+                self._shared.release()
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, key: str, identifier: str) -> bool:
+        return self.identifier_at(key) == identifier
+
+    def identifier_at(self, key: str) -> str | None:
+        """The full identifier stored under ``key``, or None if absent."""
+        self._check()
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(self._k(key), db=self._entries)
+            return None if raw is None else codec.record_identifier(raw)
+
+    def record(self, key: str) -> Record | None:
+        self._check()
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(self._k(key), db=self._entries)
+            return None if raw is None else codec.unpack_record(raw)
+
+    def get(self, key: str, identifier: str) -> torch.Tensor | None:
+        """The stored tensor (a fresh CPU copy), or None on a miss.
+
+        A blob failing its checksum/header check is logged, removed (unless
+        read-only) and reported as a miss: garbage is never returned.
+        """
+        self._check()
+        k = self._k(key)
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(k, db=self._entries)
+            if raw is None:
+                return None
+            try:
+                rec = codec.unpack_record(raw)
+            except CorruptBlobError as e:
+                rec, err = None, e
+            else:
+                if rec.identifier != identifier:
+                    return None
+                blob = txn.get(k, db=self._blobs)
+                try:
+                    if blob is None:
+                        raise CorruptBlobError("record without blob")
+                    t = codec.decode(blob, expected_checksum=rec.checksum, identifier=identifier)
+                    if str(t.dtype).removeprefix("torch.") != rec.dtype or tuple(t.shape) != rec.shape:
+                        raise CorruptBlobError("blob header does not match its record")
+                    return t
+                except CorruptBlobError as e:
+                    err = e
+        log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, err, self.path,
+                    "" if self.readonly else ", removed")
+        if not self.readonly:
+            self._drop_corrupt(k, raw_expected=None if rec is None else rec.checksum)
+        return None
+
+    def _drop_corrupt(self, k: bytes, raw_expected: int | None) -> None:
+        with self._shared.write_lock, self._begin(write=True) as txn:
+            raw = txn.get(k, db=self._entries)
+            if raw is None:
+                return
+            try:
+                rec = codec.unpack_record(raw)
+            except CorruptBlobError:
+                rec = None
+            if rec is not None and raw_expected is not None and rec.checksum != raw_expected:
+                return  # replaced by a fresh entry meanwhile
+            self._remove(txn, k, rec)
+            self.corrupt_dropped += 1
+
+    def iter_records(self, *, reverse: bool = False) -> Iterator[tuple[str, Record | None]]:
+        """(key, record) for every entry, in key order; None for an unreadable record.
+
+        Holds one read transaction while iterating: use for tooling, not on
+        the serving path.
+        """
+        self._check()
+        with self._begin() as txn, txn.cursor(db=self._entries) as cur:
+            for k, raw in (cur.iterprev() if reverse else cur):
+                try:
+                    yield k.decode("utf-8"), codec.unpack_record(raw)
+                except CorruptBlobError:
+                    yield k.decode("utf-8", "replace"), None
+
+    def blob_bytes(self, key: str) -> bytes | None:
+        """A copy of an entry's raw blob (for export/verify tooling)."""
+        self._check()
+        with self._begin() as txn:
+            return txn.get(self._k(key), db=self._blobs)
+
+    def lru_keys(self) -> list[str]:
+        """Keys from least to most recently used."""
+        self._check()
+        with self._begin() as txn:
+            if self._lru is not None:
+                return [bytes(v).decode() for _, v in txn.cursor(db=self._lru)]
+            recs = [(codec.unpack_record(v).lru_seq, bytes(k).decode()) for k, v in txn.cursor(db=self._entries)]
+        return [k for _, k in sorted(recs)]
+
+    def total_bytes(self) -> int:
+        with self._begin() as txn:
+            raw = txn.get(b"total_bytes", db=self._meta)
+            return _U64.unpack(raw)[0] if raw else 0
+
+    def entry_count(self) -> int:
+        with self._begin() as txn:
+            return txn.stat(self._entries)["entries"]
+
+    def env_info(self) -> dict[str, Any]:
+        info = dict(self.env.info())
+        info["psize"] = self.env.stat()["psize"]
+        try:
+            info["file_size"] = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except OSError:
+            info["file_size"] = 0
+        return info
+
+    # ----------------------------------------------------------------- leases
+    def lease(self, keys: list[str], ttl_s: float, pid: int | None = None) -> None:
+        """Pin ``keys`` against eviction for ``ttl_s`` seconds (or until
+        released, or until process ``pid`` dies)."""
+        if self._shared.leases is None or not keys:
+            return
+        self._check()
+        pid = os.getpid() if pid is None else pid
+        expiry = time.time_ns() + int(ttl_s * 1e9)
+        with self._shared.leases.begin(write=True) as txn:
+            for key in keys:
+                k = self._k(key)
+                cur = txn.get(k) or b""
+                txn.put(k, bytes(cur) + _LEASE.pack(pid, expiry))
+
+    def release(self, keys: list[str], pid: int | None = None) -> None:
+        """Drop one lease of ``pid`` on each of ``keys``."""
+        if self._shared.leases is None or not keys:
+            return
+        self._check()
+        pid = os.getpid() if pid is None else pid
+        with self._shared.leases.begin(write=True) as txn:
+            for key in keys:
+                k = self._k(key)
+                cur = txn.get(k)
+                if cur is None:
+                    continue
+                items = [_LEASE.unpack_from(cur, i) for i in range(0, len(cur), _LEASE.size)]
+                for i, (p, _) in enumerate(items):
+                    if p == pid:
+                        del items[i]
+                        break
+                if items:
+                    txn.put(k, b"".join(_LEASE.pack(*it) for it in items))
+                else:
+                    txn.delete(k)
+
+    def leased_keys(self) -> set[bytes]:
+        """Keys with at least one live lease (unexpired, owner alive)."""
+        if self._shared.leases is None:
+            return set()
+        now = time.time_ns()
+        live: set[bytes] = set()
+        dead: list[bytes] = []
+        alive_cache: dict[int, bool] = {}
+        with self._shared.leases.begin() as txn:
+            for k, v in txn.cursor():
+                ok = False
+                for i in range(0, len(v), _LEASE.size):
+                    pid, exp = _LEASE.unpack_from(v, i)
+                    if exp > now:
+                        if pid not in alive_cache:
+                            alive_cache[pid] = _pid_alive(pid)
+                        ok = ok or alive_cache[pid]
+                (live.add if ok else dead.append)(bytes(k))
+        if dead:
+            with self._shared.leases.begin(write=True) as txn:
+                for k in dead:
+                    txn.delete(k)
+        return live
+
+    # ----------------------------------------------------------------- writes
+    def _remove(self, txn: lmdb.Transaction, k: bytes, rec: Record | None) -> int:
+        """Delete an entry inside ``txn``; returns the bytes freed."""
+        if rec is None:
+            raw = txn.get(k, db=self._entries)
+            if raw is not None:
+                try:
+                    rec = codec.unpack_record(raw)
+                except CorruptBlobError:
+                    rec = None
+        blob = txn.get(k, db=self._blobs)
+        size = rec.blob_size if rec is not None else (len(blob) if blob is not None else 0)
+        txn.delete(k, db=self._blobs)
+        txn.delete(k, db=self._entries)
+        if rec is not None and self._lru is not None:
+            txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
+        total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+        txn.put(b"total_bytes", _U64.pack(max(0, total - size)), db=self._meta)
+        return size
+
+    def _evict_in(self, txn: lmdb.Transaction, need: int, protect: set[bytes]) -> int:
+        """Evict LRU entries inside ``txn`` until ``need`` bytes are freed.
+
+        Skips leased entries and ``protect``. Returns bytes freed (may be
+        less than ``need`` when everything left is pinned).
+        """
+        freed = 0
+        pinned = self.leased_keys() | protect
+        victims: list[bytes] = []
+        if self._lru is not None:
+            with txn.cursor(db=self._lru) as cur:
+                for _, k in cur:
+                    if freed >= need:
+                        break
+                    k = bytes(k)
+                    if k in pinned:
+                        continue
+                    rec = codec.unpack_record(txn.get(k, db=self._entries))
+                    victims.append(k)
+                    freed += rec.blob_size
+        else:
+            recs = sorted((codec.unpack_record(v).lru_seq, bytes(k), codec.unpack_record(v).blob_size)
+                          for k, v in txn.cursor(db=self._entries))
+            for _, k, size in recs:
+                if freed >= need:
+                    break
+                if k not in pinned:
+                    victims.append(k)
+                    freed += size
+        for k in victims:
+            self._remove(txn, k, None)
+        self.evictions += len(victims)
+        return freed
+
+    def _evict_to(self, target_bytes: int, extra: int = 0) -> int:
+        with self._shared.write_lock, self._begin(write=True) as txn:
+            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            need = max(extra, total - target_bytes)
+            return self._evict_in(txn, need, set()) if need > 0 else 0
+
+    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple[str, int, int]] | None = None) -> None:
+        """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
+        last_access_ns)) in one transaction, evicting LRU entries to stay
+        within the cap. Sets each request's ``result``; never raises for a
+        single bad entry. Raises StoreFullError only if the whole batch could
+        not be committed (disk full...), with nothing written.
+        """
+        self._check()
+        touches = touches or {}
+        for p in puts:
+            if p.blob is None:
+                p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model)
+            if len(p.blob) > self.capacity_bytes:
+                p.result, p.error = "failed", StoreFullError(
+                    f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
+        todo = [p for p in puts if p.result == "pending"]
+        extra = 0
+        for attempt in range(MAX_MAPFULL_RETRIES + 1):
+            try:
+                self._write_once(todo, touches)
+                return
+            except lmdb.MapFullError:
+                if attempt == MAX_MAPFULL_RETRIES:
+                    break
+                # Fragmentation: free more pages in a committed transaction, retry.
+                self.env.reader_check()
+                extra = max(extra * 2, sum(len(p.blob) for p in todo) + 4 * MiB)
+                if self._evict_to(self.capacity_bytes, extra) == 0 and self.entry_count() == 0:
+                    break
+            except lmdb.Error as e:
+                err = StoreFullError(f"write to {self.path} failed: {e}")
+                if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
+                    err = StoreFullError(f"disk full while writing to {self.path}: {e}")
+                for p in todo:
+                    p.result, p.error = "failed", err
+                raise err from None
+        err = StoreFullError(f"LMDB map of {self.path} is full and nothing more can be evicted")
+        for p in todo:
+            p.result, p.error = "failed", err
+        raise err
+
+    def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple[str, int, int]]) -> None:
+        now = time.time_ns()
+        with self._shared.write_lock, self._begin(write=True) as txn:
+            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            seq = _U64.unpack(txn.get(b"next_seq", db=self._meta))[0]
+            results: list[str] = []
+            written: set[bytes] = set()
+            for p in todo:
+                k = self._k(p.key)
+                raw = txn.get(k, db=self._entries)
+                if raw is not None:
+                    same = codec.record_identifier(raw) == p.identifier
+                    results.append("present" if same else "collision")
+                    continue
+                size = len(p.blob)
+                if total + size > self.capacity_bytes:
+                    self._evict_in(txn, total + size - self.capacity_bytes, written)
+                    total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+                    if total + size > self.capacity_bytes:
+                        results.append("full")
+                        continue
+                rec = Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."), tuple(p.tensor.shape),
+                             codec.tensor_nbytes(p.tensor), size, codec.checksum(p.blob), now, now, 0, seq)
+                txn.put(k, p.blob, db=self._blobs)
+                txn.put(k, codec.pack_record(rec), db=self._entries)
+                if self._lru is not None:
+                    txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
+                seq += 1
+                total += size
+                written.add(k)
+                results.append("stored")
+            for key, (identifier, hits, last_ns) in touches.items():
+                k = self._k(key)
+                raw = txn.get(k, db=self._entries)
+                if raw is None or codec.record_identifier(raw) != identifier:
+                    continue
+                rec = codec.unpack_record(raw)
+                if self._lru is not None:
+                    txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
+                    txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
+                txn.put(k, codec.pack_record(rec.touched(last_ns, seq, hits)), db=self._entries)
+                seq += 1
+            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+            txn.put(b"next_seq", _U64.pack(seq), db=self._meta)
+        for p, r in zip(todo, results):
+            if r == "full":
+                p.result, p.error = "failed", StoreFullError(
+                    f"no room for {len(p.blob)} bytes: the rest of the store is pinned by leases")
+            else:
+                p.result = r
+
+    def delete(self, key: str) -> bool:
+        self._check()
+        k = self._k(key)
+        with self._shared.write_lock, self._begin(write=True) as txn:
+            if txn.get(k, db=self._entries) is None:
+                return False
+            self._remove(txn, k, None)
+            return True
+
+    def sync(self) -> None:
+        """Force committed transactions to stable storage."""
+        self._check()
+        if not self.readonly:
+            self.env.sync(True)

