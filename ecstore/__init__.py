@@ -10,7 +10,7 @@ Public API::
 The vLLM connector lives in :mod:`ecstore.connector` (imports vLLM lazily).
 """
 
-from .config import ECStoreConfig, load_config
+from .config import ConfigWarning, ECStoreConfig, describe_config, load_config
 from .errors import (
     ConfigError,
     ECStoreError,
@@ -30,6 +30,8 @@ __all__ = [
     "ECStoreConfig",
     "StoreStats",
     "load_config",
+    "describe_config",
+    "ConfigWarning",
     "ECKey",
     "chunk_hash",
     "make_key",

@@ -102,7 +102,10 @@ def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> bytearray:
     struct.pack_into("<Q", blob, 0, len(hbytes))
     blob[8:off] = hbytes
     if nbytes:
-        np.frombuffer(blob, dtype=np.uint8, count=nbytes, offset=off)[:] = _raw_bytes_view(tensor)
+        # torch's copy releases the GIL (numpy's does not): the background
+        # writer encoding a 100 MB blob must not stall the model-runner thread.
+        torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=off).copy_(
+            tensor.reshape(-1).view(torch.uint8))
     return blob
 
 

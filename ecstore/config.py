@@ -330,8 +330,10 @@ def _is_lmcache_key(key: str) -> bool:
 
 
 def _closest(key: str, spelled: Callable[[str], str]) -> str:
-    """' (did you mean X?)' for the valid key nearest ``key``, spelled in the
-    caller's form; ecstore's keys are preferred to LMCache's."""
+    """Message tail "; did you mean 'X'?" naming the valid key nearest ``key``
+    (ecstore's keys first, then LMCache's), spelled by ``spelled`` in the
+    caller's form (``ec_x``, ``ec.x``, ``LMCACHE_EC_X``); the list of
+    ecstore's keys when nothing is close."""
     for candidates in (KEYS, sorted(LMCACHE_KEYS)):
         match = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
         if match:
@@ -398,11 +400,13 @@ def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[A
     except OSError as exc:
         raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
 
-    loader = yaml.SafeLoader(data)
+    loader: yaml.SafeLoader | None = None
     try:
+        loader = yaml.SafeLoader(data)  # ReaderError for bytes that are not UTF-8/16
+        loader.name = path  # marks in YAML's messages then name the file
         root = loader.get_single_node()
-        if root is None:
-            return []
+        if root is None or (isinstance(root, yaml.ScalarNode) and loader.construct_object(root) is None):
+            return []  # empty file, comments only, or a lone "---"
         if not isinstance(root, yaml.MappingNode):
             kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
             raise ConfigError(
@@ -442,7 +446,8 @@ def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[A
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{what}: malformed YAML{where}: {exc}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]) -> None:
