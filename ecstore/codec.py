@@ -79,8 +79,8 @@ def _raw_bytes_view(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy() if t.dtype != torch.uint8 else flat.numpy()
 
 
-def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> bytearray:
-    """Serialize a contiguous CPU tensor into a safetensors blob (one copy)."""
+def _header_bytes(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
+    """The safetensors header of ``tensor``'s blob, padded to 8 bytes."""
     dtype_name = str(tensor.dtype).removeprefix("torch.")
     nbytes = tensor_nbytes(tensor)
     code = _ST_CODE.get(tensor.dtype)
@@ -96,7 +96,18 @@ def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> bytearray:
         },
     }
     hbytes = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    hbytes += b" " * (-len(hbytes) % 8)  # safetensors aligns the data to 8 bytes
+    return hbytes + b" " * (-len(hbytes) % 8)  # safetensors aligns the data to 8 bytes
+
+
+def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
+    """``len(encode(tensor, ...))`` without building the blob (header only)."""
+    return 8 + len(_header_bytes(tensor, identifier, model)) + tensor_nbytes(tensor)
+
+
+def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> bytearray:
+    """Serialize a contiguous CPU tensor into a safetensors blob (one copy)."""
+    nbytes = tensor_nbytes(tensor)
+    hbytes = _header_bytes(tensor, identifier, model)
     off = 8 + len(hbytes)
     blob = bytearray(off + nbytes)
     struct.pack_into("<Q", blob, 0, len(hbytes))

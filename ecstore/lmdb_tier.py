@@ -39,6 +39,7 @@ Design notes
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -61,6 +62,9 @@ MiB = 1 << 20
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
+#: Lease-file keys under this prefix are eviction tombstones (see _evict_in).
+_TOMB = b"\x00evicting\x00"
+TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 
 MAP_HEADROOM_FACTOR = 1.25
 MAP_HEADROOM_BYTES = 16 * MiB
@@ -95,6 +99,9 @@ class PutRequest:
     blob: bytearray | None = None
     result: str = "pending"  # "stored" | "present" | "collision" | "failed"
     error: BaseException | None = None
+    #: Position of this put among the puts and touches of a batch (see
+    #: :meth:`LMDBTier.write_batch`); None: in list order, before all touches.
+    order: int | None = None
 
 
 class _SharedEnv:
@@ -226,6 +233,7 @@ class LMDBTier:
             raise
         self.evictions = 0
         self.corrupt_dropped = 0
+        self._tombstones: list[bytes] = []
         if not readonly and self.total_bytes() > self.capacity_bytes:
             self._evict_to(self.capacity_bytes)  # reopened with a smaller cap
 
@@ -245,6 +253,17 @@ class LMDBTier:
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)  # another process grew the map: adopt its size
             return self.env.begin(write=write, buffers=buffers)
+
+    @contextlib.contextmanager
+    def _write_txn(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction under this process's write lock; eviction
+        tombstones it left are cleared once it has committed or aborted."""
+        with self._shared.write_lock:
+            try:
+                with self._begin(write=True) as txn:
+                    yield txn
+            finally:
+                self._clear_tombstones()
 
     @staticmethod
     def _k(key: str) -> bytes:
@@ -309,7 +328,7 @@ class LMDBTier:
         return None
 
     def _drop_corrupt(self, k: bytes, raw_expected: int | None) -> None:
-        with self._shared.write_lock, self._begin(write=True) as txn:
+        with self._write_txn() as txn:
             raw = txn.get(k, db=self._entries)
             if raw is None:
                 return
@@ -369,6 +388,16 @@ class LMDBTier:
             info["file_size"] = 0
         return info
 
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[tuple[lmdb.Transaction, dict[str, Any]]]:
+        """One read transaction (``buffers=True``) and the sub-database handles
+        ``{"blobs", "entries", "meta", "lru"}`` (``lru`` None in schema 1), for
+        tooling (``ecstore-dump``) that needs a consistent view. Read-only;
+        buffers are valid only inside the ``with`` block; keep it short."""
+        self._check()
+        with self._begin(buffers=True) as txn:
+            yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru}
+
     # ----------------------------------------------------------------- leases
     def lease(self, keys: list[str], ttl_s: float, pid: int | None = None) -> None:
         """Pin ``keys`` against eviction for ``ttl_s`` seconds (or until
@@ -406,6 +435,37 @@ class LMDBTier:
                 else:
                     txn.delete(k)
 
+    def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
+        """Lease ``key`` and report whether it holds ``identifier``, such that
+        a True answer guarantees no process evicts the entry before the lease
+        ends.
+
+        Leases and entries live in two LMDB files, so this needs a protocol
+        with the evictor (``_evict_in``): the evictor (1) picks victims that
+        are not leased, (2) writes tombstones for them to the lease file,
+        (3) drops any victim that got leased meanwhile, (4) commits the
+        deletion, (5) clears the tombstones. Here we (a) lease, (b) check for
+        a tombstone, (c) check the entry. If (a) precedes (3) the evictor sees
+        the lease and spares the entry; otherwise (2) precedes (b) and we see
+        the tombstone, unless it was already cleared, in which case (4)
+        precedes (c) and the entry is visibly gone.
+        """
+        if self._shared.leases is None:
+            return self.contains(key, identifier)
+        self.lease([key], ttl_s)
+        k = self._k(key)
+        with self._shared.leases.begin() as txn:
+            tomb = txn.get(_TOMB + k)
+        if (tomb is not None and self._tombstone_live(tomb)) or not self.contains(key, identifier):
+            self.release([key])
+            return False
+        return True
+
+    @staticmethod
+    def _tombstone_live(raw: bytes) -> bool:
+        pid, t_ns = _LEASE.unpack(raw)
+        return time.time_ns() - t_ns < TOMBSTONE_MAX_AGE_NS and _pid_alive(pid)
+
     def leased_keys(self) -> set[bytes]:
         """Keys with at least one live lease (unexpired, owner alive)."""
         if self._shared.leases is None:
@@ -416,6 +476,8 @@ class LMDBTier:
         alive_cache: dict[int, bool] = {}
         with self._shared.leases.begin() as txn:
             for k, v in txn.cursor():
+                if k.startswith(_TOMB):
+                    continue
                 ok = False
                 for i in range(0, len(v), _LEASE.size):
                     pid, exp = _LEASE.unpack_from(v, i)
@@ -479,23 +541,53 @@ class LMDBTier:
                 if k not in pinned:
                     victims.append(k)
                     freed += size
+        if victims and self._shared.leases is not None:
+            # Tombstone protocol, steps (2) and (3): see pin_if_present.
+            stamp = _LEASE.pack(os.getpid(), time.time_ns())
+            with self._shared.leases.begin(write=True) as ltxn:
+                for k in victims:
+                    ltxn.put(_TOMB + k, stamp)
+            self._tombstones.extend(victims)
+            pinned_now = self.leased_keys()
+            kept = [k for k in victims if k in pinned_now]
+            if kept:
+                victims = [k for k in victims if k not in pinned_now]
+                freed = 0
+                for k in victims:
+                    rec = codec.unpack_record(txn.get(k, db=self._entries))
+                    freed += rec.blob_size
         for k in victims:
             self._remove(txn, k, None)
         self.evictions += len(victims)
         return freed
 
+    def _clear_tombstones(self) -> None:
+        """Step (5) of the tombstone protocol: after the eviction committed."""
+        if not self._tombstones or self._shared.leases is None:
+            return
+        with self._shared.leases.begin(write=True) as ltxn:
+            for k in self._tombstones:
+                ltxn.delete(_TOMB + k)
+        self._tombstones = []
+
     def _evict_to(self, target_bytes: int, extra: int = 0) -> int:
-        with self._shared.write_lock, self._begin(write=True) as txn:
+        with self._write_txn() as txn:
             total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
             need = max(extra, total - target_bytes)
             return self._evict_in(txn, need, set()) if need > 0 else 0
 
-    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple[str, int, int]] | None = None) -> None:
+    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None) -> None:
         """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
-        last_access_ns)) in one transaction, evicting LRU entries to stay
-        within the cap. Sets each request's ``result``; never raises for a
+        last_access_ns[, orders])) in one transaction, evicting LRU entries to
+        stay within the cap. Sets each request's ``result``; never raises for a
         single bad entry. Raises StoreFullError only if the whole batch could
         not be committed (disk full...), with nothing written.
+
+        Order: when every put has an ``order`` and every touch a tuple of
+        ``orders`` (the positions at which the key was read), puts and touches
+        are applied in that order, so an entry read before a put is already
+        most recently used when that put evicts. Otherwise puts are applied
+        in list order, then touches.
         """
         self._check()
         touches = touches or {}
@@ -531,26 +623,66 @@ class LMDBTier:
             p.result, p.error = "failed", err
         raise err
 
-    def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple[str, int, int]]) -> None:
+    @staticmethod
+    def _in_call_order(todo: list[PutRequest], touches: dict[str, tuple]) -> list[tuple]:
+        """``("put", index)`` and ``("touch", key, identifier, hits, last_ns)``
+        operations in the order they were made (see :meth:`write_batch`). A
+        key read at several positions gets one touch per position; its hits
+        are counted on the last one."""
+        ordered = (all(p.order is not None for p in todo)
+                   and all(len(t) > 3 and t[3] for t in touches.values()))
+        if not ordered:
+            return ([("put", i) for i in range(len(todo))]
+                    + [("touch", key, t[0], t[1], t[2]) for key, t in touches.items()])
+        ops: list[tuple[int, tuple]] = [(p.order, ("put", i)) for i, p in enumerate(todo)]
+        for key, (identifier, hits, last_ns, orders, *_) in touches.items():
+            orders = sorted(orders)
+            for o in orders[:-1]:
+                ops.append((o, ("touch", key, identifier, 0, 0)))
+            ops.append((orders[-1], ("touch", key, identifier, hits, last_ns)))
+        ops.sort(key=lambda op: op[0])
+        return [op for _, op in ops]
+
+    def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
         now = time.time_ns()
-        with self._shared.write_lock, self._begin(write=True) as txn:
+        with self._write_txn() as txn:
             total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
             seq = _U64.unpack(txn.get(b"next_seq", db=self._meta))[0]
-            results: list[str] = []
-            written: set[bytes] = set()
-            for p in todo:
+            results: list[str] = ["pending"] * len(todo)
+            for op in self._in_call_order(todo, touches):
+                if op[0] == "touch":
+                    _, key, identifier, hits, last_ns = op
+                    k = self._k(key)
+                    raw = txn.get(k, db=self._entries)
+                    if raw is None or codec.record_identifier(raw) != identifier:
+                        continue
+                    rec = codec.unpack_record(raw)
+                    if self._lru is not None:
+                        txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
+                        txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
+                    txn.put(k, codec.pack_record(rec.touched(last_ns, seq, hits)), db=self._entries)
+                    seq += 1
+                    continue
+                i = op[1]
+                p = todo[i]
                 k = self._k(p.key)
                 raw = txn.get(k, db=self._entries)
                 if raw is not None:
                     same = codec.record_identifier(raw) == p.identifier
-                    results.append("present" if same else "collision")
+                    results[i] = "present" if same else "collision"
                     continue
                 size = len(p.blob)
                 if total + size > self.capacity_bytes:
-                    self._evict_in(txn, total + size - self.capacity_bytes, written)
+                    # _remove updates total_bytes in meta: bring it up to date
+                    # with the entries written so far in this transaction.
+                    txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+                    # Entries written earlier in this batch are evictable like
+                    # any other: the batch behaves as the same puts committed
+                    # one by one.
+                    self._evict_in(txn, total + size - self.capacity_bytes, set())
                     total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
                     if total + size > self.capacity_bytes:
-                        results.append("full")
+                        results[i] = "full"
                         continue
                 rec = Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."), tuple(p.tensor.shape),
                              codec.tensor_nbytes(p.tensor), size, codec.checksum(p.blob), now, now, 0, seq)
@@ -560,19 +692,7 @@ class LMDBTier:
                     txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
                 seq += 1
                 total += size
-                written.add(k)
-                results.append("stored")
-            for key, (identifier, hits, last_ns) in touches.items():
-                k = self._k(key)
-                raw = txn.get(k, db=self._entries)
-                if raw is None or codec.record_identifier(raw) != identifier:
-                    continue
-                rec = codec.unpack_record(raw)
-                if self._lru is not None:
-                    txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
-                    txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
-                txn.put(k, codec.pack_record(rec.touched(last_ns, seq, hits)), db=self._entries)
-                seq += 1
+                results[i] = "stored"
             txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
             txn.put(b"next_seq", _U64.pack(seq), db=self._meta)
         for p, r in zip(todo, results):
@@ -585,7 +705,7 @@ class LMDBTier:
     def delete(self, key: str) -> bool:
         self._check()
         k = self._k(key)
-        with self._shared.write_lock, self._begin(write=True) as txn:
+        with self._write_txn() as txn:
             if txn.get(k, db=self._entries) is None:
                 return False
             self._remove(txn, k, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -36,6 +36,9 @@ class MemoryTier:
         self._used = 0
         self._lock = threading.Lock()
         self.evictions = 0
+        #: Called as ``on_evict(key, item)`` for each LRU eviction (not for
+        #: delete), under the tier's lock: it must be quick and not re-enter.
+        self.on_evict: Callable[[str, MemoryItem], None] | None = None
 
     def put(self, key: str, identifier: str, tensor: torch.Tensor, nbytes: int) -> bool:
         """Insert (or refresh) an item, evicting LRU items to make room.
@@ -54,9 +57,11 @@ class MemoryTier:
                 self._items.move_to_end(key)
                 return True
             while self._used + nbytes > self.capacity_bytes and self._items:
-                _, victim = self._items.popitem(last=False)
+                vkey, victim = self._items.popitem(last=False)
                 self._used -= victim.nbytes
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(vkey, victim)
             self._items[key] = MemoryItem(identifier, tensor, nbytes)
             self._used += nbytes
             return True

@@ -36,7 +36,8 @@ from .memory import MemoryTier
 
 log = logging.getLogger("ecstore")
 
-#: A put estimates the blob as tensor bytes + this much safetensors header.
+#: Upper bound of a typical safetensors header (informational: put sizes each
+#: blob exactly with codec.blob_size).
 HEADER_ESTIMATE = 1024
 #: The writer commits at most this many bytes of blobs per transaction.
 MAX_BATCH_BYTES = 256 << 20
@@ -83,6 +84,7 @@ class _Pending:
     nbytes: int
     mm_hash: str
     touch_hits: int = 0
+    order: int = 0  # position among this handle's puts and touches (writer ticket)
 
 
 class _Writer(threading.Thread):
@@ -99,7 +101,12 @@ class _Writer(threading.Thread):
         self.cv = threading.Condition()
         self.queue: OrderedDict[str, _Pending] = OrderedDict()  # key -> not yet written
         self.inflight: dict[str, _Pending] = {}  # key -> being written now
-        self.touches: dict[str, tuple[str, int, int]] = {}
+        # key -> (identifier, hits, last_access_ns, orders): ``orders`` holds the
+        # ticket of the last read of the key between two consecutive puts, so
+        # the LMDB tier can replay reads and puts in the order they were made.
+        self.touches: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
+        self.ticket = 0  # orders puts and touches as they were made
+        self.last_put_ticket = 0
         self.queued_bytes = 0
         self.stopping = False
         self.errors: list[BaseException] = []
@@ -109,14 +116,23 @@ class _Writer(threading.Thread):
         with self.cv:
             while self.queue and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
                 self.cv.wait()
+            self.ticket += 1
+            item.order = self.last_put_ticket = self.ticket
             self.queue[key] = item
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
 
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
-            _, hits, _ = self.touches.get(key, (identifier, 0, 0))
-            self.touches[key] = (identifier, hits + 1, time.time_ns())
+            self.ticket += 1
+            held, hits, _, orders = self.touches.get(key, (identifier, 0, 0, ()))
+            if held != identifier:  # the key changed hands (delete + put of another identifier)
+                hits, orders = 0, ()
+            if orders and orders[-1] > self.last_put_ticket:
+                orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
+            else:
+                orders = orders + (self.ticket,)
+            self.touches[key] = (identifier, hits + 1, time.time_ns(), orders)
             self.cv.notify_all()
 
     def identifier_at(self, key: str) -> str | None:
@@ -131,13 +147,18 @@ class _Writer(threading.Thread):
                 return item.tensor
             return None
 
-    def cancel(self, key: str) -> None:
-        """Drop a queued put and wait until no write of ``key`` is in flight."""
+    def cancel(self, key: str, identifier: str) -> None:
+        """Drop a queued put (and pending LRU touches) of ``identifier`` under
+        ``key`` and wait until no write of ``key`` is in flight. A put of
+        another identifier under the same key (hash collision) is kept."""
         with self.cv:
-            item = self.queue.pop(key, None)
-            if item is not None:
+            item = self.queue.get(key)
+            if item is not None and item.identifier == identifier:
+                del self.queue[key]
                 self.queued_bytes -= item.nbytes
-            self.touches.pop(key, None)
+            touch = self.touches.get(key)
+            if touch is not None and touch[0] == identifier:
+                del self.touches[key]
             while key in self.inflight:
                 self.cv.wait()
             self.cv.notify_all()
@@ -339,7 +360,10 @@ class ECStore:
             )
         nbytes = codec.tensor_nbytes(tensor)
         fits_memory = self.memory is not None and nbytes <= self.memory.capacity_bytes
-        fits_disk = self.disk is not None and nbytes + HEADER_ESTIMATE <= self.disk.capacity_bytes
+        # The disk cap counts whole blobs: size them exactly (the header holds
+        # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped).
+        fits_disk = self.disk is not None and codec.blob_size(
+            tensor, identifier=mm_hash, model=self.model) <= self.disk.capacity_bytes
         if not (fits_memory or fits_disk):
             log.warning("ecstore: refused mm_hash=%s: %d bytes exceed every tier's capacity "
                         "(memory %d, disk %d bytes)", mm_hash, nbytes,
@@ -374,10 +398,10 @@ class ECStore:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         return True
 
-    def _write(self, batch: list[tuple[str, _Pending]], touches: dict[str, tuple[str, int, int]]) -> None:
+    def _write(self, batch: list[tuple[str, _Pending]], touches: dict[str, tuple]) -> None:
         """Writer-thread side of put: one LMDB transaction for the batch."""
         assert self.disk is not None
-        reqs = [PutRequest(key, it.identifier, self.model, it.tensor) for key, it in batch]
+        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, order=it.order) for key, it in batch]
         try:
             self.disk.write_batch(reqs, touches)
         except StoreFullError as e:
@@ -404,7 +428,7 @@ class ECStore:
         found = False
         if self._writer is not None:
             found = self._writer.lookup(key, mm_hash) is not None
-            self._writer.cancel(key)
+            self._writer.cancel(key, mm_hash)
         if self.memory is not None and self.memory.contains(key, mm_hash):
             found = self.memory.delete(key) or found
         if self.disk is not None and self.disk.contains(key, mm_hash):
@@ -452,6 +476,17 @@ class ECStore:
         if self.disk is not None and not self.readonly:
             self.disk.lease([self.key(h) for h in mm_hashes],
                             self.config.lease_seconds if ttl_s is None else ttl_s)
+
+    def pin_if_present(self, mm_hash: str, ttl_s: float | None = None) -> bool:
+        """Lease ``mm_hash`` and return True if the disk tier holds it; a True
+        answer guarantees no process evicts it until :meth:`release` (or the
+        lease expires, or this process dies). False: nothing stays leased.
+        Memory-only stores answer :meth:`contains` (nothing to pin)."""
+        self._check()
+        if self.disk is None or self.readonly:
+            return self.contains(mm_hash)
+        return self.disk.pin_if_present(self.key(mm_hash), mm_hash,
+                                        self.config.lease_seconds if ttl_s is None else ttl_s)
 
     def release(self, mm_hashes: list[str]) -> None:
         self._check()

@@ -1,0 +1,136 @@
+"""``ECStoreConnector``: a thin, role-routed shell over the two sides.
+
+vLLM creates one instance with role SCHEDULER (engine-core process) and one
+with role WORKER per worker rank; each delegates to :class:`SchedulerSide` or
+:class:`WorkerSide`. Roles from ``ec_role``: ``ec_producer`` saves and never
+loads, ``ec_consumer`` loads and never saves, ``ec_both`` does both.
+
+Configuration: ``ec_connector_extra_config`` may name the YAML file
+(``config_file``; else ``LMCACHE_CONFIG_FILE``) and any config key, which
+overrides every other source (see ``ecstore.config``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+
+from ..config import ECStoreConfig, load_config
+from .logs import ensure_console_logging
+from .metadata import ECStoreConnectorMetadata
+from .scheduler_side import SchedulerSide
+from .stats import ECStoreConnectorStats, ECStorePromMetrics
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("ecstore")
+
+
+def config_from_vllm(vllm_config: "VllmConfig") -> ECStoreConfig:
+    """The effective ecstore config for a vLLM engine."""
+    extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config or {})
+    path = extra.pop("config_file", None)
+    return load_config(path, overrides=extra)
+
+
+def model_dtype(vllm_config: "VllmConfig") -> torch.dtype:
+    dtype = vllm_config.model_config.dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+class ECStoreConnector(ECConnectorBase):
+    """vLLM EC connector storing encoder outputs in an ecstore store."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        ensure_console_logging()
+        self.config = config_from_vllm(vllm_config)
+        model = vllm_config.model_config.model
+        dtype = model_dtype(vllm_config)
+        kw = dict(model=model, dtype=dtype, is_producer=self.is_producer, is_consumer=self.is_consumer)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(vllm_config, self.config, **kw)
+        else:
+            self.worker_side = WorkerSide(vllm_config, self.config, **kw)
+        log.info("ecstore connector: role=%s ec_role=%s model=%s dtype=%s local_disk=%s "
+                 "(%.3g GiB) local_cpu=%s (%.3g GiB)", role.name,
+                 vllm_config.ec_transfer_config.ec_role, model, str(dtype).removeprefix("torch."),
+                 self.config.local_disk, self.config.max_local_disk_size, self.config.local_cpu,
+                 self.config.max_local_cpu_size)
+
+    # ---------------------------------------------------------------- worker
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ECStoreConnectorMetadata)
+        self.worker_side.start_load_caches(encoder_cache, meta)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        self.worker_side.save_caches(encoder_cache, mm_hash)
+
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        return None if self.worker_side is None else self.worker_side.build_worker_meta()
+
+    # ------------------------------------------------------------- scheduler
+    def has_cache_item(self, identifier: str) -> bool:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.has_cache_item(identifier)
+
+    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, index)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ECConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return set() if self.scheduler_side is None else self.scheduler_side.take_unavailable_requests()
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler_side is None:
+            return False, None
+        return self.scheduler_side.request_finished(request)
+
+    # ------------------------------------------------------------- metrics
+    def get_ec_connector_stats(self) -> ECStoreConnectorStats | None:
+        # Worker-side counters travel in the worker metadata (vLLM's V1 runner
+        # never asks workers for stats), so only the scheduler reports.
+        return None if self.scheduler_side is None else self.scheduler_side.get_stats()
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECStoreConnectorStats | None:
+        return ECStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> ECStorePromMetrics:
+        return ECStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ------------------------------------------------------------- lifecycle
+    def shutdown(self) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
+        if self.worker_side is not None:
+            self.worker_side.shutdown()

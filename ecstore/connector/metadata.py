@@ -1,0 +1,67 @@
+"""What travels between the scheduler side and the worker side each step.
+
+Both directions are pickled between processes when vLLM runs multi-process,
+so these hold only plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One encoder output the worker must put into vLLM's encoder cache."""
+
+    req_id: str
+    identifier: str  # vLLM's mm identifier (mm_hash)
+    num_embeds: int  # rows the model expects
+    width: int  # columns the model expects (encoder output width)
+
+
+@dataclass
+class ECStoreConnectorMetadata(ECConnectorMetadata):
+    """Scheduler -> worker, built once per step by ``build_connector_meta``.
+
+    ``acks`` (memory-only mode) lists identifiers the scheduler has removed
+    from its index after the worker reported them evicted: only then may the
+    worker free them (see ``worker_side``).
+    """
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    acks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step (aggregated across ranks by vLLM).
+
+    ``saved``/``evicted`` feed the scheduler's index in memory-only mode;
+    ``loaded``/``failed`` let the scheduler release leases and fail requests
+    whose entry could not be loaded; ``stats`` carries worker-side counters
+    (vLLM's V1 model runner does not collect worker connector stats itself).
+    """
+
+    saved: dict[str, int] = field(default_factory=dict)  # identifier -> tensor bytes
+    evicted: list[str] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str, str]] = field(default_factory=list)  # (req_id, identifier, reason)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> "ECStoreWorkerMetadata":
+        assert isinstance(other, ECStoreWorkerMetadata)
+        stats = dict(self.stats)
+        for k, v in other.stats.items():
+            stats[k] = stats.get(k, 0) + v
+        return ECStoreWorkerMetadata(
+            saved={**self.saved, **other.saved},
+            evicted=sorted(set(self.evicted) | set(other.evicted)),
+            loaded=sorted(set(self.loaded) | set(other.loaded)),
+            failed=sorted(set(self.failed) | set(other.failed)),
+            stats=stats,
+        )
+
+    def is_empty(self) -> bool:
+        return not (self.saved or self.evicted or self.loaded or self.failed or self.stats)

@@ -1,0 +1,161 @@
+"""Worker side of the connector: loads into and saves from vLLM's encoder cache.
+
+Runs in each worker process, called from the model-runner thread.
+
+* ``start_load_caches`` puts every announced entry into ``encoder_cache`` on
+  the runner's device with the shape and dtype the model expects. An entry
+  that cannot be loaded (corrupt, wrong shape, gone) gets a zero stand-in so
+  the step does not crash the engine, and is reported: the scheduler fails
+  that request through vLLM's unavailable-request path.
+* ``save_caches`` copies the new encoder output off the device once (into
+  pinned memory on CUDA) and hands it to the store, whose background writer
+  does the LMDB write. With tensor parallelism only rank 0 writes to disk;
+  every rank of a memory-only store keeps its own copy (no I/O).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ..codec import tensor_nbytes
+from ..config import ECStoreConfig
+from ..errors import ECStoreError
+from ..memory import MemoryItem
+from ..store import ECStore
+from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata
+
+log = logging.getLogger("ecstore")
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # distributed state not initialised (single process)
+        return 0
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, cfg: ECStoreConfig, *, model: str, dtype: torch.dtype,
+                 is_producer: bool, is_consumer: bool) -> None:
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.dtype = dtype
+        self.device = torch.device(vllm_config.device_config.device)
+        self.store = ECStore(cfg, model=model, dtype=dtype)
+        self.memory_only = cfg.local_disk is None
+        self._limbo: dict[str, torch.Tensor] = {}  # memory-only: evicted, not yet acked
+        if self.memory_only and self.store.memory is not None:
+            self.store.memory.on_evict = self._on_evict
+        self._saved: dict[str, int] = {}
+        self._evicted: list[str] = []
+        self._loaded: list[str] = []
+        self._failed: list[tuple[str, str, str]] = []
+        self._stats: dict[str, float] = {}
+        self._rank: int | None = None
+        self._disk_evictions_seen = 0
+        atexit.register(self.shutdown)
+
+    def _count(self, key: str, value: float = 1) -> None:
+        self._stats[key] = self._stats.get(key, 0) + value
+
+    def _on_evict(self, key: str, item: MemoryItem) -> None:
+        # Called under the memory tier's lock: just park it.
+        self._limbo[item.identifier] = item.tensor
+        self._evicted.append(item.identifier)
+        self._count("evictions")
+
+    # -- loading ------------------------------------------------------------
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: ECStoreConnectorMetadata) -> None:
+        for identifier in meta.acks:
+            self._limbo.pop(identifier, None)
+        if not meta.loads:
+            return
+        t0 = time.perf_counter()
+        for spec in meta.loads:
+            if spec.identifier in encoder_cache:
+                self._loaded.append(spec.identifier)
+                continue
+            tensor, reason = None, "not in the store"
+            try:
+                tensor = self.store.get(spec.identifier, device=self.device)
+            except ECStoreError as e:
+                reason = str(e)
+            if tensor is None and spec.identifier in self._limbo:
+                tensor = self._limbo[spec.identifier].to(self.device)
+            if tensor is not None:
+                expect = (spec.num_embeds, spec.width)
+                if tuple(tensor.shape) != expect or tensor.dtype != self.dtype:
+                    reason = (f"stored shape {tuple(tensor.shape)} {tensor.dtype} does not match "
+                              f"the model's {expect} {self.dtype}")
+                    tensor = None
+            if tensor is None:
+                self._failed.append((spec.req_id, spec.identifier, reason))
+                self._count("load_failures")
+                # Keep the step alive; the request is failed by the scheduler.
+                encoder_cache[spec.identifier] = torch.zeros(
+                    spec.num_embeds, spec.width, dtype=self.dtype, device=self.device)
+                continue
+            encoder_cache[spec.identifier] = tensor
+            self._loaded.append(spec.identifier)
+            self._count("loads")
+            self._count("bytes_loaded", tensor_nbytes(tensor))
+        self._count("load_seconds", time.perf_counter() - t0)
+
+    # -- saving -------------------------------------------------------------
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        if not self.is_producer:
+            return
+        if self._rank is None:
+            self._rank = _tp_rank()
+        if self._rank != 0 and not self.memory_only:
+            return  # rank 0 writes the shared entry; the others do no I/O
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.store.contains(mm_hash):
+                self._count("save_skipped")
+                return
+            if tensor.device.type == "cuda":
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor)
+                stored = self.store.put(mm_hash, host, copy=False)
+            else:
+                # A view into the batch's output: copy so we do not keep the batch alive.
+                stored = self.store.put(mm_hash, tensor, copy=True)
+        except ECStoreError as e:
+            log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
+            return
+        if stored:
+            self._saved[mm_hash] = tensor_nbytes(tensor)
+            self._count("saves")
+            self._count("bytes_saved", tensor_nbytes(tensor))
+        else:
+            self._count("save_skipped")
+        self._count("save_seconds", time.perf_counter() - t0)
+
+    # -- reporting ------------------------------------------------------------
+    def build_worker_meta(self) -> ECStoreWorkerMetadata | None:
+        if self.store.disk is not None:
+            evictions = self.store.disk.evictions
+            if evictions > self._disk_evictions_seen:
+                self._count("evictions", evictions - self._disk_evictions_seen)
+                self._disk_evictions_seen = evictions
+        wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
+                                   failed=self._failed, stats=self._stats)
+        self._saved, self._evicted, self._loaded, self._failed, self._stats = {}, [], [], [], {}
+        return None if wm.is_empty() else wm
+
+    def shutdown(self) -> None:
+        try:
+            self.store.close()
+        except Exception as e:  # never raise during interpreter/engine teardown
+            log.warning("ecstore: error while closing the store: %s", e)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job, from a fresh machine: sets up .venv, then runs the demo.
+# Arguments go to the demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup_env.sh
+VENV=${ECSTORE_VENV:-.venv}
+if [ -f tools/demo.py ]; then
+  exec "$VENV/bin/python" tools/demo.py "$@"
+fi
+exec "$VENV/bin/python" tools/store_demo.py "$@"
