@@ -1,0 +1,1369 @@
+"""``ecstore-dump``: inspect and maintain an ecstore encoder-cache store.
+
+With LMCache, operators look at the encoder cache by listing the ``.pt`` files
+under ``local_disk``; ecstore keeps every entry inside one LMDB file, so this
+tool is how people see them::
+
+    ecstore-dump list    [PATH] [--model M] [--sort key|lru|size|hits|age] [--limit N] [--json]
+    ecstore-dump show    [PATH] KEY_OR_MM_HASH [--model M] [--json]
+    ecstore-dump stats   [PATH] [--json]
+    ecstore-dump export  [PATH] KEY_OR_MM_HASH OUT.safetensors [--model M]
+    ecstore-dump verify  [PATH] [--json]
+    ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --all) [--dry-run]
+    ecstore-dump compact [PATH]
+    ecstore-dump config  [--config FILE] [--json]
+
+PATH is the ``local_disk`` directory (or a ``file://`` URI). When omitted it
+comes from the effective configuration (:func:`ecstore.config.load_config`:
+``--config FILE``, else ``LMCACHE_CONFIG_FILE``, plus ``LMCACHE_EC_*``). With
+one positional, ``show`` takes it as the key and the path from the config;
+with two, they are PATH and KEY (``export``: two or three positionals).
+
+Behaviour
+---------
+* Read-only commands (list, show, stats, export, verify, config) open the
+  store read-only: no write lock, no LRU or hit-count change, safe while vLLM
+  writes to the same store. Records are read in batches of short read
+  transactions; each blob is checked in its own transaction.
+* The disk cap is not stored in the file: it is taken from the effective
+  config when that config's ``local_disk`` is this store, else reported as
+  unknown (``null`` in JSON).
+* KEY_OR_MM_HASH: a full EC key (``<model>@1@0@<chunk_hash>@<dtype>``) or an
+  mm identifier. An identifier selects every entry whose stored identifier
+  equals it (several models/dtypes may hold one): ``show`` shows them all,
+  ``export`` needs exactly one (narrow with ``--model`` or pass the key).
+* purge deletes through a writable :class:`~ecstore.lmdb_tier.LMDBTier`, one
+  short write transaction per entry (accounting stays exact and a running
+  vLLM is never blocked for long); entries under a live lease are skipped.
+* compact needs exclusive use of the store: see :func:`cmd_compact`.
+* Progress bars go to stderr, and only when stderr is a terminal.
+
+Exit status: 0 success; 1 ``verify`` found bad entries; 2 error (usage, not
+a store, missing path, unknown key, newer schema, corrupt entry on export,
+bad config; nothing changed); 3 ``compact`` refused because another process
+has the store open (nothing changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import lmdb
+
+from . import codec, schema
+from .codec import CorruptBlobError, Record
+from .config import ECStoreConfig, load_config, normalize_local_disk
+from .errors import ConfigError, ECStoreError
+from .key import parse_key
+from .lmdb_tier import LMDBTier, _SharedEnv
+
+PROG = "ecstore-dump"
+
+EXIT_OK = 0
+EXIT_BAD = 1
+EXIT_ERROR = 2
+EXIT_BUSY = 3
+
+#: Records read per read transaction while scanning (short transactions).
+SCAN_BATCH = 2048
+#: LMDB's data-file magic (MDB_meta.mm_magic, after the 16-byte page header).
+_LMDB_MAGIC = 0xBEEFC0DE
+_COMPACT_PREFIX = ".ecstore-compact-"
+
+
+class CLIError(Exception):
+    """A user-facing failure: one line on stderr, then ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------
+# Small output helpers
+# --------------------------------------------------------------------------
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split("\n")).replace("\r", " ")
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped (identifiers may hold any)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _err(message: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {_one_line(message)}\n")
+    sys.stderr.flush()
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"{PROG}: warning: {_one_line(message)}\n")
+    sys.stderr.flush()
+
+
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
+def _out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+
+
+def _json_out(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def human_size(n: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units, like the GiB of the config)."""
+    if n is None:
+        return "?"
+    if n < 1024:
+        return f"{n} B"
+    v = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        v /= 1024
+        if v < 1024 or unit == "PiB":
+            return f"{v:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_age(ns: int | None, now_ns: int) -> str:
+    """How long before ``now_ns`` the instant ``ns`` was: ``"3m ago"``."""
+    if ns is None:
+        return "?"
+    s = (now_ns - ns) / 1e9
+    if s < 0:
+        return "in future"
+    for limit, div, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h"),
+                             (7 * 86400, 86400, "d"), (float("inf"), 7 * 86400, "w")):
+        if s < limit:
+            return f"{int(s // div)}{unit} ago"
+    raise AssertionError("unreachable")
+
+
+def iso(ns: int | None) -> str | None:
+    """Nanoseconds since the epoch -> ISO 8601 UTC, microsecond precision."""
+    if ns is None:
+        return None
+    sec, rest = divmod(int(ns), 10**9)
+    t = _dt.datetime.fromtimestamp(sec, tz=_dt.timezone.utc) + _dt.timedelta(microseconds=rest // 1000)
+    return t.isoformat(timespec="microseconds")
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: set[int] = frozenset()) -> None:
+    rows = [list(r) for r in rows]
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+
+    def fmt(cells: Sequence[str]) -> str:
+        parts = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)]
+        return "  ".join(parts).rstrip()
+
+    _out(fmt(headers))
+    for r in rows:
+        _out(fmt(r))
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal.
+
+    Redrawn at most every 0.1 s; cleared on close. Piped output never sees it.
+    """
+
+    WIDTH = 28
+
+    def __init__(self, label: str, total: int | None, stream: Any = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = _isatty(self.stream)
+        self.label = label
+        self.total = total
+        self.done = 0
+        self._last_draw = 0.0
+        self._width = 0
+        if self.enabled:
+            self._draw()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled and (time.monotonic() - self._last_draw >= 0.1 or self.done == self.total):
+            self._draw()
+
+    def _draw(self) -> None:
+        if self.total:
+            frac = min(1.0, self.done / self.total)
+            fill = int(frac * self.WIDTH)
+            text = (f"{self.label} [{'#' * fill}{'.' * (self.WIDTH - fill)}] "
+                    f"{self.done}/{self.total} {frac * 100:3.0f}%")
+        else:
+            text = f"{self.label} {self.done}"
+        self._width = max(self._width, len(text))
+        self.stream.write("\r" + text.ljust(self._width))
+        self.stream.flush()
+        self._last_draw = time.monotonic()
+
+    def close(self) -> None:
+        if self.enabled and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
+
+
+# --------------------------------------------------------------------------
+# Locating and opening the store
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """The store a command works on, and its cap when the config knows it."""
+
+    path: str
+    cfg: ECStoreConfig | None
+    cap_bytes: int | None
+    cap_source: str | None
+
+    def cap_json(self, used: int) -> dict[str, Any]:
+        return {
+            "cap_bytes": self.cap_bytes,
+            "cap_source": self.cap_source,
+            "cap_used": (used / self.cap_bytes) if self.cap_bytes else None,
+        }
+
+    def cap_text(self, used: int) -> str:
+        if not self.cap_bytes:
+            return "cap unknown (max_local_disk_size not configured for this store)"
+        return (f"cap {human_size(self.cap_bytes)} (from {self.cap_source}), "
+                f"{used / self.cap_bytes * 100:.1f}% used")
+
+
+def _load_config(path: str | None, *, show_warnings: bool) -> ECStoreConfig:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(path)
+    if show_warnings:
+        for w in caught:
+            _warn(str(w.message))
+    return cfg
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """PATH from the command line, else ``local_disk`` of the effective config."""
+    explicit = getattr(args, "path", None)
+    cfg: ECStoreConfig | None = None
+    try:
+        cfg = _load_config(args.config, show_warnings=explicit is None)
+    except ConfigError:
+        # An explicit PATH does not need the config (only its cap): ignore a
+        # broken ambient config, but not one named with --config.
+        if explicit is None or args.config is not None:
+            raise
+    if explicit is not None:
+        path = normalize_local_disk(explicit, "command line")
+        if not path:
+            raise CLIError("empty store path")
+    else:
+        assert cfg is not None
+        if not cfg.local_disk:
+            where = cfg.config_file or "no config file (LMCACHE_CONFIG_FILE unset)"
+            raise CLIError(f"no store given: pass PATH, or set local_disk (ec_local_disk, "
+                           f"LMCACHE_EC_LOCAL_DISK) in the config; config read: {where}")
+        path = cfg.local_disk
+    cap = src = None
+    if cfg is not None and cfg.local_disk and _same_dir(cfg.local_disk, path) and cfg.disk_capacity_bytes:
+        cap, src = cfg.disk_capacity_bytes, cfg.source_of("max_local_disk_size")
+    return Target(path, cfg, cap, src)
+
+
+def _precheck_store(path: str) -> None:
+    """Refuse, without touching anything, what is clearly not a store.
+
+    Opening LMDB creates ``lock.mdb``; checking the data file's magic first
+    means a random directory or file is left exactly as it was.
+    """
+    if not os.path.exists(path):
+        raise CLIError(f"{path}: no such directory")
+    if not os.path.isdir(path):
+        raise CLIError(f"{path} is not a directory (expected an ecstore local_disk directory)")
+    data = os.path.join(path, "data.mdb")
+    if not os.path.isfile(data):
+        raise CLIError(f"{path} is not an ecstore store (no data.mdb)")
+    try:
+        with open(data, "rb") as fh:
+            head = fh.read(24)
+    except OSError as e:
+        raise CLIError(f"cannot read {data}: {e.strerror or e}") from None
+    if len(head) < 24 or struct.unpack_from("=I", head, 16)[0] != _LMDB_MAGIC:
+        raise CLIError(f"{path} is not an ecstore store (data.mdb is not an LMDB file)")
+
+
+@contextlib.contextmanager
+def open_readonly(target: Target) -> Iterator[LMDBTier]:
+    """The store opened read-only (no write lock, no migration, no LRU change).
+
+    ``schema_target=1`` lets tooling read a store of any supported schema
+    without upgrading it; a newer schema raises SchemaError.
+    """
+    _precheck_store(target.path)
+    tier = LMDBTier(target.path, target.cap_bytes or 0, readonly=True, create=False, schema_target=1)
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
+# --------------------------------------------------------------------------
+# Reading entries
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One entry: its key and record (None if the record is unreadable)."""
+
+    key: str
+    rec: Record | None
+    error: str | None = None
+
+    @property
+    def model(self) -> str:
+        try:
+            return parse_key(self.key).model
+        except ECStoreError:
+            return "?"
+
+    def as_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"key": self.key, "model": self.model}
+        try:
+            d["chunk_hash"] = parse_key(self.key).chunk_hash
+        except ECStoreError:
+            d["chunk_hash"] = None
+        r = self.rec
+        if r is None:
+            d["error"] = self.error or "unreadable record"
+            return d
+        d.update(
+            identifier=r.identifier, shape=list(r.shape), dtype=r.dtype, bytes=r.blob_size,
+            tensor_bytes=r.nbytes, created=iso(r.created_ns), created_ns=r.created_ns,
+            last_access=iso(r.last_access_ns), last_access_ns=r.last_access_ns, hits=r.hits,
+            lru_seq=r.lru_seq, checksum=f"{r.checksum:016x}",
+        )
+        return d
+
+
+def _row(k: bytes, raw: Any) -> Row:
+    key = bytes(k).decode("utf-8", "replace")
+    try:
+        return Row(key, codec.unpack_record(raw))
+    except CorruptBlobError as e:
+        return Row(key, None, f"unreadable record: {e}")
+
+
+def scan(tier: LMDBTier, progress: Progress | None = None) -> Iterator[Row]:
+    """Every entry in key order, read SCAN_BATCH records per read transaction.
+
+    Short transactions never pin old pages for long while vLLM writes; the
+    price is that a scan of a busy store is not one atomic snapshot.
+    """
+    last: bytes | None = None
+    while True:
+        chunk: list[tuple[bytes, bytes]] = []
+        with tier.snapshot() as (txn, dbs), txn.cursor(db=dbs["entries"]) as cur:
+            ok = cur.set_range(last) if last is not None else cur.first()
+            while ok and len(chunk) < SCAN_BATCH:
+                k = bytes(cur.key())
+                if k != last:
+                    chunk.append((k, bytes(cur.value())))
+                ok = cur.next()
+        if not chunk:
+            return
+        last = chunk[-1][0]
+        for k, raw in chunk:
+            if progress is not None:
+                progress.advance()
+            yield _row(k, raw)
+
+
+def check_blob(key: str, rec: Record | None, blob: Any) -> str | None:
+    """None if the entry is sound, else a one-line reason.
+
+    The checks of a read (``codec.decode``: checksum against the record,
+    safetensors header, identifier) plus size, dtype/shape and key agreement,
+    without copying the tensor out.
+    """
+    if rec is None:
+        return "unreadable entry record"
+    if blob is None:
+        return "record without blob"
+    actual = codec.checksum(blob)
+    if actual != rec.checksum:
+        return f"checksum mismatch (record {rec.checksum:016x}, blob {actual:016x})"
+    if len(blob) != rec.blob_size:
+        return f"blob is {len(blob)} bytes, its record says {rec.blob_size}"
+    try:
+        hdr = codec.parse_header(blob)
+    except CorruptBlobError as e:
+        return f"bad safetensors header: {e}"
+    if hdr.identifier != rec.identifier:
+        return "identifier in the blob header does not match the record"
+    if hdr.dtype != rec.dtype or hdr.shape != tuple(rec.shape):
+        return (f"blob header says {hdr.dtype} {list(hdr.shape)}, record says "
+                f"{rec.dtype} {list(rec.shape)}")
+    try:
+        k = parse_key(key)
+    except ECStoreError:
+        return "key is not an EC key"
+    if k.model != hdr.model or k.dtype != rec.dtype:
+        return "model/dtype in the key do not match the entry"
+    return None
+
+
+def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record | None, bytes | None, bool]:
+    """(record, blob copy, present) of ``key`` from one read transaction."""
+    k = key.encode("utf-8")
+    with tier.snapshot() as (txn, dbs):
+        raw = txn.get(k, db=dbs["entries"])
+        if raw is None:
+            return None, None, False
+        blob = txn.get(k, db=dbs["blobs"]) if with_blob else None
+        blob = None if blob is None else bytes(blob)
+        try:
+            return codec.unpack_record(raw), blob, True
+        except CorruptBlobError:
+            return None, blob, True
+
+
+def find_entries(tier: LMDBTier, text: str, model: str | None = None) -> tuple[list[Row], str]:
+    """Entries named by a full key, else by mm identifier; (rows, how).
+
+    A string that is an existing key selects that entry. Otherwise every
+    entry whose stored identifier equals ``text`` matches (records are
+    scanned: no assumption about which hash made the key). ``model``
+    narrows either way.
+    """
+    rec, _, present = read_entry(tier, text, with_blob=False)
+    if present:
+        row = Row(text, rec, None if rec is not None else "unreadable record")
+        if model is None or row.model == model:
+            return [row], "key"
+        return [], "key"
+    rows = [r for r in scan(tier)
+            if r.rec is not None and r.rec.identifier == text and (model is None or r.model == model)]
+    return rows, "identifier"
+
+
+def _need_entries(tier: LMDBTier, target: Target, text: str, model: str | None) -> tuple[list[Row], str]:
+    rows, how = find_entries(tier, text, model)
+    if not rows:
+        extra = f" for model {model!r}" if model else ""
+        raise CLIError(f"no entry with key or mm identifier {_printable(text)!r}{extra} in {target.path}")
+    return rows, how
+
+
+# --------------------------------------------------------------------------
+# list
+# --------------------------------------------------------------------------
+
+_SORTS = {
+    "key": (lambda r: r.key, False),
+    "lru": (lambda r: (r.rec is None, r.rec.lru_seq if r.rec else 0), False),
+    "size": (lambda r: r.rec.blob_size if r.rec else -1, True),
+    "hits": (lambda r: r.rec.hits if r.rec else -1, True),
+    "age": (lambda r: (r.rec is None, r.rec.created_ns if r.rec else 0), False),
+}
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    target = resolve_target(args)
+    with open_readonly(target) as tier:
+        with Progress("reading entries", tier.entry_count()) as prog:
+            rows = list(scan(tier, prog))
+        version = tier.schema_version
+    total_entries = len(rows)
+    total_bytes = sum(r.rec.blob_size for r in rows if r.rec)
+    shown = [r for r in rows if args.model is None or r.model == args.model]
+    keyfn, reverse = _SORTS[args.sort]
+    shown.sort(key=keyfn, reverse=reverse)
+    if args.limit is not None:
+        shown = shown[: args.limit]
+    shown_bytes = sum(r.rec.blob_size for r in shown if r.rec)
+    if args.json:
+        _json_out({
+            "store": target.path,
+            "schema_version": version,
+            "sort": args.sort,
+            "model": args.model,
+            "entries": [r.as_json() for r in shown],
+            "shown": {"entries": len(shown), "bytes": shown_bytes},
+            "totals": {"entries": total_entries, "bytes": total_bytes, **target.cap_json(total_bytes)},
+        })
+        return EXIT_OK
+    now = time.time_ns()
+    table = []
+    for r in shown:
+        rec = r.rec
+        if rec is None:
+            table.append([_printable(r.key), f"<{r.error}>", "", "", "", "", "", ""])
+            continue
+        table.append([
+            _printable(r.key), _printable(rec.identifier), "x".join(map(str, rec.shape)), rec.dtype,
+            human_size(rec.blob_size), human_age(rec.created_ns, now), human_age(rec.last_access_ns, now),
+            str(rec.hits),
+        ])
+    _table(["KEY", "MM IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST ACCESS", "HITS"],
+           table, right={4, 7})
+    if len(shown) != total_entries:
+        what = f" of model {args.model!r}" if args.model else ""
+        _out(f"shown: {_entries(len(shown))}{what}, {human_size(shown_bytes)}")
+    _out(f"total: {_entries(total_entries)}, {human_size(total_bytes)} ({total_bytes} bytes); "
+         f"{target.cap_text(total_bytes)}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# show
+# --------------------------------------------------------------------------
+
+
+def _split_positionals(args: argparse.Namespace, names: Sequence[str], usage: str) -> None:
+    """Map ``args.pos`` onto ``[path] + names``: PATH only when all are given."""
+    pos = list(args.pos)
+    if len(pos) == len(names) + 1:
+        args.path = pos.pop(0)
+    elif len(pos) == len(names):
+        args.path = None
+    else:
+        raise CLIError(f"expected {usage}, got {len(pos)} argument(s)")
+    for n, v in zip(names, pos):
+        setattr(args, n, v)
+
+
+def _entry_detail(tier: LMDBTier, row: Row) -> dict[str, Any]:
+    rec, blob, present = read_entry(tier, row.key)
+    d = Row(row.key, rec, row.error).as_json()
+    if not present:
+        d["check"] = "removed while reading"
+        return d
+    d["check"] = check_blob(row.key, rec, blob) or "ok"
+    d["blob_bytes"] = None if blob is None else len(blob)
+    d["header"] = None
+    if blob is not None:
+        try:
+            hdr = codec.parse_header(blob)
+            d["header"] = hdr.raw
+            d["header_bytes"] = hdr.data_offset - 8
+            d["data_offset"] = hdr.data_offset
+        except CorruptBlobError as e:
+            d["header_error"] = str(e)
+    return d
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    _split_positionals(args, ["query"], "[PATH] KEY_OR_MM_HASH")
+    target = resolve_target(args)
+    with open_readonly(target) as tier:
+        rows, how = _need_entries(tier, target, args.query, args.model)
+        details = [_entry_detail(tier, r) for r in rows]
+    if args.json:
+        _json_out({"store": target.path, "query": args.query, "matched_by": how, "entries": details})
+        return EXIT_OK
+    now = time.time_ns()
+    if how == "identifier" and len(details) > 1:
+        _out(f"{len(details)} entries hold mm identifier {_printable(args.query)}:")
+        _out()
+    for i, d in enumerate(details):
+        if i:
+            _out()
+        lines = [("key", _printable(d["key"])), ("model", _printable(d["model"])),
+                 ("chunk hash", str(d.get("chunk_hash")))]
+        if "identifier" in d:
+            lines += [
+                ("mm identifier", _printable(d["identifier"])),
+                ("dtype", d["dtype"]),
+                ("shape", str(d["shape"])),
+                ("tensor bytes", f"{d['tensor_bytes']} ({human_size(d['tensor_bytes'])})"),
+                ("blob bytes", f"{d['bytes']} ({human_size(d['bytes'])})"),
+                ("checksum", f"xxh3-64 {d['checksum']}"),
+                ("created", f"{d['created']} ({human_age(d['created_ns'], now)})"),
+                ("last access", f"{d['last_access']} ({human_age(d['last_access_ns'], now)})"),
+                ("hits", str(d["hits"])),
+                ("lru seq", f"{d['lru_seq']} (smaller = evicted sooner)"),
+            ]
+        else:
+            lines.append(("record", d.get("error", "unreadable")))
+        lines.append(("blob check", d["check"]))
+        w = max(len(k) for k, _ in lines)
+        for k, v in lines:
+            _out(f"{k + ':':<{w + 1}} {v}")
+        if d.get("header") is not None:
+            _out(f"safetensors header ({d['header_bytes']} bytes, data at offset {d['data_offset']}):")
+            for name, value in d["header"].items():
+                if name == "__metadata__" and isinstance(value, dict):
+                    _out("  __metadata__:")
+                    mw = max((len(str(k)) for k in value), default=0)
+                    for k, v in value.items():
+                        _out(f"    {str(k) + ':':<{mw + 1}} {_printable(str(v))}")
+                else:
+                    _out(f"  tensor {json.dumps(name)}: {json.dumps(value)}")
+        elif d.get("header_error"):
+            _out(f"safetensors header: unreadable ({d['header_error']})")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# stats
+# --------------------------------------------------------------------------
+
+
+def _readers(env: lmdb.Environment) -> list[dict[str, Any]]:
+    """Active reader slots from LMDB's reader table (pid, thread, txnid)."""
+    out = []
+    me = os.getpid()
+    for line in env.readers().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        pid = int(parts[0])
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            alive = True
+        out.append({"pid": pid, "thread": parts[1], "txnid": None if parts[2] == "-" else int(parts[2]),
+                    "alive": alive, "this_process": pid == me})
+    return out
+
+
+def _lmdb_stats(tier: LMDBTier) -> dict[str, Any]:
+    """Page accounting of the LMDB file, from what LMDB exposes.
+
+    * tree pages: branch + leaf + overflow pages of the main tree and every
+      sub-database, plus the 2 meta pages (env.stat / txn.stat);
+    * free pages = (last_pgno + 1) - tree pages: pages below the high-water
+      mark that hold no live data: LMDB's free list (reused by later writes)
+      and the free list's own pages, which LMDB does not report separately;
+    * tail pages = file pages - (last_pgno + 1): file beyond the high-water mark;
+    * reclaimable by compact ~ (file pages - tree pages) * page size.
+    """
+    main_db = tier.env.open_db(None)
+    with tier.snapshot() as (txn, dbs):
+        trees = {"main": dict(txn.stat(main_db))}
+        for name, db in dbs.items():
+            if db is not None:
+                trees[name] = dict(txn.stat(db))
+        raw_total = txn.get(b"total_bytes", db=dbs["meta"])
+        accounted = struct.unpack("<Q", raw_total)[0] if raw_total is not None else None
+    info = tier.env_info()
+    psize = info["psize"]
+    used_pages = info["last_pgno"] + 1
+    file_pages = info["file_size"] // psize
+    tree_pages = 2 + sum(t["branch_pages"] + t["leaf_pages"] + t["overflow_pages"] for t in trees.values())
+    free_pages = max(0, used_pages - tree_pages)
+    tail_pages = max(0, file_pages - used_pages)
+    return {
+        "page_size": psize,
+        "map_size": info["map_size"],
+        "file_size": info["file_size"],
+        "file_pages": file_pages,
+        "last_pgno": info["last_pgno"],
+        "last_txnid": info["last_txnid"],
+        "tree_pages": tree_pages,
+        "free_pages": free_pages,
+        "free_bytes": free_pages * psize,
+        "tail_pages": tail_pages,
+        "reclaimable_bytes": max(0, file_pages - tree_pages) * psize,
+        "trees": trees,
+        "accounted_bytes": accounted,
+        "max_readers": info["max_readers"],
+        "reader_slots_high_water": info["num_readers"],
+    }
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    target = resolve_target(args)
+    with open_readonly(target) as tier:
+        with Progress("reading entries", tier.entry_count()) as prog:
+            rows = list(scan(tier, prog))
+        lm = _lmdb_stats(tier)
+        readers = _readers(tier.env)
+        version = tier.schema_version
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    unreadable = 0
+    for r in rows:
+        if r.rec is None:
+            unreadable += 1
+            continue
+        g = groups.setdefault((r.model, r.rec.dtype), {"model": r.model, "dtype": r.rec.dtype, "entries": 0,
+                                                       "bytes": 0, "tensor_bytes": 0, "hits": 0})
+        g["entries"] += 1
+        g["bytes"] += r.rec.blob_size
+        g["tensor_bytes"] += r.rec.nbytes
+        g["hits"] += r.rec.hits
+    by = sorted(groups.values(), key=lambda g: (g["model"], g["dtype"]))
+    total = sum(g["bytes"] for g in by)
+    recs = [r.rec for r in rows if r.rec is not None]
+    accounted = lm.pop("accounted_bytes")
+    res = {
+        "store": target.path,
+        "schema_version": version,
+        "schema_supported": schema.current_version(),
+        "entries": len(rows),
+        "unreadable_records": unreadable,
+        "bytes": total,
+        "accounted_bytes": accounted,
+        "tensor_bytes": sum(g["tensor_bytes"] for g in by),
+        "hits": sum(g["hits"] for g in by),
+        **target.cap_json(total),
+        "oldest_created": iso(min((r.created_ns for r in recs), default=None)),
+        "newest_access": iso(max((r.last_access_ns for r in recs), default=None)),
+        "by_model": by,
+        "lmdb": lm,
+        "readers": readers,
+    }
+    if args.json:
+        _json_out(res)
+        return EXIT_OK
+    _out(f"store:          {target.path}")
+    _out(f"schema version: {version} (this ecstore supports up to {res['schema_supported']})")
+    _out(f"entries:        {len(rows)}" + (f" ({unreadable} with unreadable records)" if unreadable else ""))
+    _out(f"bytes:          {human_size(total)} ({total} bytes; accounted in meta: {accounted})")
+    _out(f"fill:           {target.cap_text(total)}")
+    _out(f"hits:           {res['hits']}")
+    if recs:
+        _out(f"oldest entry:   {res['oldest_created']}")
+        _out(f"newest access:  {res['newest_access']}")
+    _out()
+    _table(["MODEL", "DTYPE", "ENTRIES", "SIZE", "BYTES", "HITS"],
+           [[_printable(g["model"]), g["dtype"], str(g["entries"]), human_size(g["bytes"]), str(g["bytes"]),
+             str(g["hits"])] for g in by], right={2, 3, 4, 5})
+    _out()
+    ps = lm["page_size"]
+    _out(f"LMDB file:      {human_size(lm['file_size'])} ({lm['file_pages']} pages of {ps} bytes), "
+         f"map size {human_size(lm['map_size'])}")
+    _out(f"live pages:     {lm['tree_pages']} (B-tree and overflow pages of all databases + 2 meta)")
+    _out(f"free pages:     {lm['free_pages']} ({human_size(lm['free_bytes'])}): below the high-water mark "
+         f"(last_pgno {lm['last_pgno']}) but holding no live data; reused by later writes")
+    if lm["tail_pages"]:
+        _out(f"tail pages:     {lm['tail_pages']} beyond the high-water mark")
+    _out(f"compact would reclaim about {human_size(lm['reclaimable_bytes'])}")
+    active = [r for r in readers if not r["this_process"]]
+    pids = ", ".join(f"{r['pid']}{'' if r['alive'] else ' (dead)'}" for r in active) or "none"
+    _out(f"readers:        {len(active)} slot(s) held by other processes ({pids}); "
+         f"{lm['reader_slots_high_water']} of {lm['max_readers']} slots used so far")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    _split_positionals(args, ["query", "out"], "[PATH] KEY_OR_MM_HASH OUT.safetensors")
+    target = resolve_target(args)
+    with open_readonly(target) as tier:
+        rows, how = _need_entries(tier, target, args.query, args.model)
+        if len(rows) > 1:
+            keys = ", ".join(_printable(r.key) for r in rows)
+            raise CLIError(f"{len(rows)} entries hold mm identifier {_printable(args.query)!r} ({keys}); "
+                           f"pass the full key or --model")
+        key = rows[0].key
+        rec, blob, present = read_entry(tier, key)
+    if not present:
+        raise CLIError(f"entry {key} was removed while reading it")
+    problem = check_blob(key, rec, blob)
+    if problem:
+        raise CLIError(f"entry {_printable(key)} is corrupt ({problem}); not exported. "
+                       f"Remove it with: {PROG} purge --key '{key}'")
+    assert rec is not None and blob is not None
+    out = os.path.abspath(args.out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise CLIError(f"cannot write {out}: {e.strerror or e}") from None
+    _out(f"exported {_printable(key)} ({rec.dtype} {list(rec.shape)}, {len(blob)} bytes, tensor 'ec') to {out}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    target = resolve_target(args)
+    bad: list[dict[str, Any]] = []
+    problems: list[str] = []
+    checked = vanished = 0
+    with open_readonly(target) as tier:
+        with tier.snapshot() as (txn, dbs):
+            counts = {name: txn.stat(db)["entries"] for name, db in dbs.items() if db is not None and name != "meta"}
+        if counts["blobs"] != counts["entries"]:
+            problems.append(f"{counts['blobs']} blobs but {counts['entries']} entry records")
+        if "lru" in counts and counts["lru"] != counts["entries"]:
+            problems.append(f"{counts['lru']} LRU index rows but {counts['entries']} entry records")
+        keys = [r.key for r in scan(tier)]
+        with Progress("verifying", len(keys)) as prog:
+            for key in keys:
+                k = key.encode("utf-8")
+                with tier.snapshot() as (txn, dbs):  # one short transaction per entry
+                    raw = txn.get(k, db=dbs["entries"])
+                    if raw is None:
+                        vanished += 1  # evicted or deleted since the key list was read
+                        prog.advance()
+                        continue
+                    try:
+                        rec: Record | None = codec.unpack_record(raw)
+                    except CorruptBlobError:
+                        rec = None
+                    problem = check_blob(key, rec, txn.get(k, db=dbs["blobs"]))
+                checked += 1
+                if problem:
+                    bad.append({"key": key, "identifier": rec.identifier if rec else None, "error": problem})
+                prog.advance()
+    ok = checked - len(bad)
+    if args.json:
+        _json_out({"store": target.path, "checked": checked, "ok": ok, "bad": bad, "vanished": vanished,
+                   "problems": problems})
+    else:
+        for b in bad:
+            _out(f"BAD  {_printable(b['key'])}  {b['error']}")
+        for p in problems:
+            _out(f"BAD  store: {p}")
+        _out(f"verified {_entries(checked)} in {target.path}: {ok} ok, {len(bad)} bad"
+             + (f", {vanished} removed meanwhile" if vanished else "")
+             + (f"; {len(problems)} store problem(s)" if problems else ""))
+        if bad:
+            _out(f"remove bad entries with: {PROG} purge {target.path} --key KEY")
+    return EXIT_BAD if bad or problems else EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# purge
+# --------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_older_than(text: str, now_ns: int) -> int:
+    """Cutoff (ns since the epoch) for ``--older-than``.
+
+    ``<number><unit>`` with unit s/m/h/d/w counts back from ``now_ns``;
+    an ISO 8601 timestamp (``2025-06-01T12:00:00Z``; UTC when no offset is
+    given) is used as is.
+    """
+    m = _DURATION.match(text)
+    if m:
+        return now_ns - int(round(float(m.group(1)) * _UNIT_S[m.group(2)] * 10**9))
+    try:
+        t = _dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise CLIError(f"--older-than {text!r}: expected an age like 30m, 12h, 7d, 2w "
+                       f"(units s/m/h/d/w) or an ISO 8601 timestamp") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    delta = t - _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+    return (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000
+
+
+def _purge_capacity(target: Target, tier_total: int) -> int:
+    """A cap for the writable handle that can never trigger eviction on open.
+
+    LMDBTier evicts at open when the store holds more than the cap; a purge
+    must remove exactly what was asked. The total is bounded by the data file
+    (which a concurrent writer may still grow a little), so use twice the file
+    plus 1 GiB, or the configured cap if larger. Only the virtual map size
+    depends on it.
+    """
+    try:
+        fsize = os.path.getsize(os.path.join(target.path, "data.mdb"))
+    except OSError:
+        fsize = 0
+    return max(target.cap_bytes or 0, 2 * max(fsize, tier_total) + (1 << 30))
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    if args.all and (args.model or args.older_than or args.key):
+        raise CLIError("--all cannot be combined with --model, --older-than or --key")
+    if not (args.all or args.model or args.older_than or args.key):
+        raise CLIError("say what to purge: --model M, --older-than AGE, --key K (repeatable) or --all")
+    now = time.time_ns()
+    cutoff = parse_older_than(args.older_than, now) if args.older_than else None
+    target = resolve_target(args)
+    with open_readonly(target) as tier:
+        version = tier.schema_version
+        total_now = tier.total_bytes()
+        keyset: set[str] | None = None
+        if args.key:
+            keyset = set()
+            for q in args.key:
+                rows, _ = _need_entries(tier, target, q, None)
+                keyset.update(r.key for r in rows)
+        with Progress("selecting", tier.entry_count()) as prog:
+            victims = [r for r in scan(tier, prog) if _purge_match(r, args, cutoff, keyset)]
+    nbytes = sum(r.rec.blob_size for r in victims if r.rec)
+    if args.dry_run:
+        for r in victims:
+            size = human_size(r.rec.blob_size) if r.rec else "?"
+            _out(f"would remove  {_printable(r.key)}  {size}")
+        _out(f"dry run: would remove {_entries(len(victims))} ({human_size(nbytes)}) from {target.path}")
+        return EXIT_OK
+    if not victims:
+        _out(f"nothing to remove from {target.path}")
+        return EXIT_OK
+    removed = skipped = 0
+    freed = 0
+    tier = LMDBTier(target.path, _purge_capacity(target, total_now), readonly=False, create=False,
+                    schema_target=version)
+    try:
+        leased = tier.leased_keys()
+        with Progress("purging", len(victims)) as prog:
+            for r in victims:
+                prog.advance()
+                if r.key.encode("utf-8") in leased:
+                    skipped += 1
+                    continue
+                if cutoff is not None:  # re-check: it may have been read since selection
+                    cur = tier.record(r.key)
+                    if cur is not None and cur.last_access_ns >= cutoff:
+                        continue
+                if tier.delete(r.key):
+                    removed += 1
+                    freed += r.rec.blob_size if r.rec else 0
+                    if args.verbose:
+                        _out(f"removed  {_printable(r.key)}")
+        tier.sync()
+        fsize = tier.env_info()["file_size"]
+    finally:
+        tier.close()
+    _out(f"removed {_entries(removed)} ({human_size(freed)}) from {target.path}"
+         + (f"; skipped {skipped} leased by a running loader (retry later)" if skipped else ""))
+    _out(f"data.mdb stays {human_size(fsize)} (LMDB reuses the freed pages); "
+         f"run '{PROG} compact' with vLLM stopped to shrink it")
+    return EXIT_OK
+
+
+def _purge_match(r: Row, args: argparse.Namespace, cutoff: int | None, keyset: set[str] | None) -> bool:
+    if args.all:
+        return True
+    if keyset is not None and r.key not in keyset:
+        return False
+    if args.model is not None and r.model != args.model:
+        return False
+    if cutoff is not None and (r.rec is None or r.rec.last_access_ns >= cutoff):
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# compact
+# --------------------------------------------------------------------------
+
+
+def _try_exclusive(fd: int) -> bool:
+    """Try to take LMDB's environment lock (byte 0 of lock.mdb) exclusively.
+
+    Every process with the environment open holds a shared fcntl lock on
+    that byte (LMDB's ``mdb_env_excl_lock``), so this fails exactly when
+    another process has the store open, read-only or not, in any container
+    on this kernel. POSIX locks never conflict within one process, so this
+    also upgrades this process's own shared lock.
+    """
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _proc_users(path: str) -> list[tuple[int, str]]:
+    """(pid, command) of other processes that have data.mdb or lock.mdb of
+    ``path`` open or mapped, from /proc (Linux; processes of other users or
+    PID namespaces may be invisible: the fcntl check covers those)."""
+    files = set()
+    for name in ("data.mdb", "lock.mdb"):
+        with contextlib.suppress(OSError):
+            files.add(os.path.realpath(os.path.join(path, name)))
+    if not files or not os.path.isdir("/proc"):
+        return []
+    me = os.getpid()
+    users = []
+    for pid_s in os.listdir("/proc"):
+        if not pid_s.isdigit() or int(pid_s) == me:
+            continue
+        hit = False
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid_s}/maps", "rb") as fh:
+                for line in fh:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and os.fsdecode(parts[5].strip().removesuffix(b" (deleted)")) in files:
+                        hit = True
+                        break
+        if not hit:
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid_s}/fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(f"/proc/{pid_s}/fd/{fd}") in files:
+                            hit = True
+                            break
+        if hit:
+            cmd = ""
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid_s}/cmdline", "rb") as fh:
+                    cmd = " ".join(fh.read().replace(b"\0", b" ").decode("utf-8", "replace").split())[:80]
+            users.append((int(pid_s), cmd))
+    return sorted(users)
+
+
+def _busy(path: str, users: list[tuple[int, str]]) -> CLIError:
+    who = "; ".join(f"pid {p} ({c})" if c else f"pid {p}" for p, c in users) or "a process not visible here"
+    return CLIError(f"store {path} is open in another process ({who}); stop it (e.g. vLLM) and retry. "
+                    f"Nothing was changed", EXIT_BUSY)
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_with_progress(tier: LMDBTier, tmp: str, new: str) -> None:
+    """``env.copy(tmp, compact=True)``; on a terminal, a bar of bytes written
+    against the live pages to copy (the copy runs in a thread; py-lmdb
+    releases the GIL while LMDB copies)."""
+    if not _isatty(sys.stderr):
+        tier.env.copy(tmp, compact=True)
+        return
+    prog = Progress("compacting (MiB)", max(1, _lmdb_stats(tier)["tree_pages"] * tier.env_info()["psize"] >> 20))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            tier.env.copy(tmp, compact=True)
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    worker = threading.Thread(target=run, name="ecstore-compact")
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+            with contextlib.suppress(OSError):
+                prog.done = min(prog.total, os.path.getsize(new) >> 20)
+            prog.advance(0)
+    finally:
+        worker.join()
+        prog.close()
+    if failure:
+        raise failure[0]
+
+
+def _db_summary(env: lmdb.Environment) -> tuple[int, int | None, bytes | None]:
+    """(entries, total_bytes, schema_version) of an environment."""
+    entries = env.open_db(b"entries", create=False)
+    meta = env.open_db(b"meta", create=False)
+    with env.begin() as txn:
+        raw = txn.get(b"total_bytes", db=meta)
+        return (txn.stat(entries)["entries"], None if raw is None else struct.unpack("<Q", raw)[0],
+                txn.get(b"schema_version", db=meta))
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    """Rewrite data.mdb compactly (LMDB files never shrink by themselves).
+
+    In-use detection: LMDB gives every process that has the environment open
+    a shared fcntl lock on byte 0 of lock.mdb. We try to take that byte
+    exclusively (refusing if that fails) and also look in /proc for other
+    processes mapping/holding data.mdb or lock.mdb (to name them, and as a
+    second check). Then we open the store, upgrade our lock to exclusive again
+    (closing the window in which someone may have opened it), copy it with
+    ``env.copy(compact=True)`` into a temporary directory beside it, check
+    the copy, and atomically replace data.mdb. While we hold the exclusive
+    lock, a process starting to open the store waits inside LMDB; because its
+    view of lock.mdb would describe the old file, we invalidate lock.mdb's
+    header (4 bytes) before replacing data.mdb: such a waiter then fails to
+    open cleanly (MDB_INVALID) instead of mixing states, and the next opener
+    reinitialises lock.mdb. leases.mdb is left alone.
+
+    Limits: needs POSIX fcntl locks (local filesystems; LMDB itself needs
+    them); the /proc scan is Linux-only and best-effort.
+    """
+    target = resolve_target(args)
+    with open_readonly(target):  # validates: a store, schema we support
+        pass
+    path = target.path
+    if os.path.realpath(path) in _SharedEnv._open:
+        raise CLIError(f"store {path} is open in this process; close it before compacting", EXIT_BUSY)
+    data = os.path.join(path, "data.mdb")
+    lock_path = os.path.join(path, "lock.mdb")
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except OSError as e:
+        raise CLIError(f"cannot open {lock_path}: {e.strerror or e}") from None
+    try:
+        users = _proc_users(path)
+        if not _try_exclusive(fd) or users:
+            raise _busy(path, users)
+        before = os.path.getsize(data)
+        # LMDB's open in this process takes the same lock byte (no conflict
+        # with ours) and downgrades it to shared; fd stays open until the
+        # environment is closed, since closing any descriptor of lock.mdb
+        # drops this process's locks on it.
+        tier = LMDBTier(path, 0, readonly=True, create=False, schema_target=1)
+        try:
+            users = _proc_users(path)
+            if not _try_exclusive(fd) or users:
+                raise _busy(path, users)
+            orig = _db_summary(tier.env)
+            for leftover in os.listdir(path):  # from an interrupted compact
+                if leftover.startswith(_COMPACT_PREFIX):
+                    shutil.rmtree(os.path.join(path, leftover), ignore_errors=True)
+            tmp = tempfile.mkdtemp(prefix=_COMPACT_PREFIX, dir=path)
+            try:
+                new = os.path.join(tmp, "data.mdb")
+                _copy_with_progress(tier, tmp, new)
+                _fsync_path(new)
+                copy_env = lmdb.open(tmp, readonly=True, lock=False, subdir=True, max_dbs=8)
+                try:
+                    copied = _db_summary(copy_env)
+                finally:
+                    copy_env.close()
+                if copied != orig:
+                    raise CLIError(f"compacted copy does not match the store ({copied} vs {orig}); "
+                                   f"nothing was changed")
+                os.pwrite(fd, b"\0\0\0\0", 0)  # invalidate lock.mdb's header (see docstring)
+                os.replace(new, data)
+                _fsync_path(path, directory=True)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            tier.close()
+    finally:
+        os.close(fd)
+    after = os.path.getsize(data)
+    _out(f"compacted {path}: data.mdb {human_size(before)} -> {human_size(after)} "
+         f"({before} -> {after} bytes, {_entries(orig[0])})")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------
+
+
+def _describe(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
+    try:
+        from .config import describe_config
+    except ImportError:  # pragma: no cover - older config module
+        from dataclasses import fields
+
+        rows = [("config_file", cfg.sources.get("__file__"), cfg.sources.get("config_file", "default"))]
+        return rows + [(f.name, getattr(cfg, f.name), cfg.sources.get(f.name, "default"))
+                       for f in fields(cfg) if f.name != "sources"]
+    return describe_config(cfg)
+
+
+def _yaml_value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg = _load_config(args.config, show_warnings=True)
+    rows = _describe(cfg)
+    if args.json:
+        _json_out({
+            "config_file": cfg.config_file,
+            "values": {k: {"value": v, "source": s} for k, v, s in rows},
+            "disk_capacity_bytes": cfg.disk_capacity_bytes,
+            "cpu_capacity_bytes": cfg.cpu_capacity_bytes,
+        })
+        return EXIT_OK
+    _table(["KEY", "VALUE", "SOURCE"], [[k, _yaml_value(v), s] for k, v, s in rows])
+    if cfg.local_disk:
+        _out(f"disk cap: {human_size(cfg.disk_capacity_bytes)} ({cfg.disk_capacity_bytes} bytes) "
+             f"at {cfg.local_disk}")
+    else:
+        _out("no disk tier (local_disk not set): memory-only encoder cache")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# argument parsing
+# --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and maintain an ecstore encoder-cache store (LMDB + safetensors).",
+        epilog="PATH is the local_disk directory or a file:// URI; when omitted it comes from the effective "
+               "config (--config FILE, else LMCACHE_CONFIG_FILE, plus LMCACHE_EC_* variables). Exit status: "
+               "0 ok, 1 verify found bad entries, 2 error (nothing changed), 3 compact refused: store in use.",
+    )
+    p.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", metavar="FILE",
+                        help="LMCache/ecstore YAML config (default: $LMCACHE_CONFIG_FILE)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def cmd(name: str, help_: str, func: Any, **kw: Any) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_, parents=[common], **kw)
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = cmd("list", "list entries: key, mm identifier, shape, dtype, size, times, hits, totals", cmd_list)
+    sp.add_argument("path", nargs="?", metavar="PATH")
+    sp.add_argument("--model", help="only entries of this model")
+    sp.add_argument("--sort", choices=sorted(_SORTS), default="key",
+                    help="key (default), lru (least recently used first), size (largest first), "
+                         "hits (most first), age (oldest first)")
+    sp.add_argument("--limit", type=_nonneg_int, metavar="N", help="show at most N entries")
+    sp.add_argument("--json", action="store_true", help="machine-readable output (exact bytes, ISO times)")
+
+    sp = cmd("show", "one entry's record and safetensors header", cmd_show,
+             usage=f"{PROG} show [-h] [--config FILE] [--model M] [--json] [PATH] KEY_OR_MM_HASH")
+    sp.add_argument("pos", nargs="+", metavar="[PATH] KEY_OR_MM_HASH",
+                    help="a full key, or an mm identifier (all entries holding it are shown)")
+    sp.add_argument("--model", help="with an mm identifier: only this model's entry")
+    sp.add_argument("--json", action="store_true")
+
+    sp = cmd("stats", "entries and bytes per model and dtype, fill, schema, LMDB pages, readers", cmd_stats)
+    sp.add_argument("path", nargs="?", metavar="PATH")
+    sp.add_argument("--json", action="store_true")
+
+    sp = cmd("export", "write one entry as a standalone .safetensors file (tensor 'ec')", cmd_export,
+             usage=f"{PROG} export [-h] [--config FILE] [--model M] [PATH] KEY_OR_MM_HASH OUT.safetensors")
+    sp.add_argument("pos", nargs="+", metavar="[PATH] KEY_OR_MM_HASH OUT.safetensors")
+    sp.add_argument("--model", help="with an mm identifier held by several models: pick this one")
+
+    sp = cmd("verify", "check every blob's checksum and header; exit 1 if any is bad", cmd_verify)
+    sp.add_argument("path", nargs="?", metavar="PATH")
+    sp.add_argument("--json", action="store_true")
+
+    sp = cmd("purge", "remove entries by model, last-access age, key, or all", cmd_purge)
+    sp.add_argument("path", nargs="?", metavar="PATH")
+    sp.add_argument("--model", help="entries of this model (combines with --older-than)")
+    sp.add_argument("--older-than", metavar="AGE",
+                    help="entries last used before AGE ago (30m, 12h, 7d, 2w; units s/m/h/d/w) "
+                         "or before an ISO 8601 timestamp (UTC unless an offset is given)")
+    sp.add_argument("--key", action="append", metavar="K",
+                    help="this key, or every entry holding this mm identifier (repeatable)")
+    sp.add_argument("--all", action="store_true", help="every entry")
+    sp.add_argument("--dry-run", action="store_true", help="list what would be removed; change nothing")
+    sp.add_argument("-v", "--verbose", action="store_true", help="print each removed key")
+
+    sp = cmd("compact", "rewrite data.mdb compactly; refuses while any other process has the store open",
+             cmd_compact)
+    sp.add_argument("path", nargs="?", metavar="PATH")
+
+    sp = cmd("config", "the effective encoder-cache config and where each value came from", cmd_config)
+    sp.add_argument("--json", action="store_true")
+    return p
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {n}")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``ecstore-dump`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage error (2) or --help/--version (0)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()
+        return rc
+    except CLIError as e:
+        _err(str(e))
+        return e.code
+    except ECStoreError as e:  # StoreOpenError, SchemaError, ConfigError, ...
+        _err(str(e))
+        return EXIT_ERROR
+    except lmdb.Error as e:
+        _err(f"LMDB error: {e}")
+        return EXIT_ERROR
+    except BrokenPipeError:  # `ecstore-dump list | head`
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Shared, generic test fixtures for ecstore.
+
+Keep this small: fixtures that several test files need go here; anything
+specific to one file stays in that file.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+# Helper modules imported by tests get pytest's assertion introspection too.
+pytest.register_assert_rewrite("store_contract", "helpers")
+
+GIB = 1 << 30
+
+
+def gib(nbytes: int | float) -> float:
+    """``nbytes`` bytes as a GiB float (what ECStoreConfig sizes are in).
+
+    Exact for integers below 2**53: ``int(gib(n) * 2**30) == n``.
+    """
+    return nbytes / GIB
+
+
+@pytest.fixture
+def tmp_store_dir(tmp_path: Path) -> Path:
+    """A fresh, not yet existing directory for an LMDB store."""
+    return tmp_path / "store"
+
+
+@pytest.fixture(autouse=True)
+def _ecstore_logs_to_caplog(caplog: pytest.LogCaptureFixture):
+    """Let INFO records of the ``ecstore`` logger reach ``caplog``."""
+    logger = logging.getLogger("ecstore")
+    old_level, old_propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = True
+    caplog.set_level(logging.INFO, logger="ecstore")
+    yield
+    logger.setLevel(old_level)
+    logger.propagate = old_propagate
+
+
+# ---------------------------------------------------------------------------
+# vLLM connector tests (tests/test_connector_*.py)
+# ---------------------------------------------------------------------------
+# The tiny random BLIP-2 that the real vLLM (CPU build) serves. Built once
+# into the repository's .cache/ (gitignored); tools/tiny_model.py reuses a
+# finished build whose marker matches and locks concurrent builds.
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo / "tools") not in sys.path:
+        sys.path.insert(0, str(repo / "tools"))
+    import tiny_model
+
+    return tiny_model.build_tiny_blip2(repo / ".cache" / "tiny_blip2")
