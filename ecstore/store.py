@@ -170,6 +170,23 @@ class _Writer(threading.Thread):
                 self.cv.notify_all()
                 self.cv.wait()
 
+    def _split_touches(self) -> tuple[dict[str, tuple], dict[str, tuple]]:
+        """(reads for this batch, reads to keep): when puts stay queued for a
+        later batch, reads made after them wait for that batch too."""
+        if not self.queue:
+            return self.touches, {}
+        cutoff = next(iter(self.queue.values())).order
+        now: dict[str, tuple] = {}
+        later: dict[str, tuple] = {}
+        for key, (identifier, hits, last_ns, orders) in self.touches.items():
+            early = tuple(o for o in orders if o < cutoff)
+            late = orders[len(early):]
+            if early:
+                now[key] = (identifier, 0 if late else hits, last_ns, early)
+            if late:
+                later[key] = (identifier, hits, last_ns, late)
+        return now, later
+
     def stop(self) -> None:
         with self.cv:
             self.stopping = True
@@ -191,7 +208,7 @@ class _Writer(threading.Thread):
                     batch.append((key, item))
                     size += item.nbytes
                     self.inflight[key] = item
-                touches, self.touches = self.touches, {}
+                touches, self.touches = self._split_touches()
                 self.busy = True
             store = self.store_ref()
             try:
@@ -220,13 +237,15 @@ class ECStore:
             updates; ``put``/``delete`` raise ECStoreError.
         chunk_hasher: override the 64-bit identifier hash (tests force
             collisions with it); must return 16 lower-case hex digits.
+        _map_size_bytes: test hook, the LMDB map size (see
+            :class:`~ecstore.lmdb_tier.LMDBTier`); default 1.25 x cap + 16 MiB.
 
     Use as a context manager, or call :meth:`close` (which flushes).
     """
 
     def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
                  readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
-                 _schema_target: int | None = None) -> None:
+                 _schema_target: int | None = None, _map_size_bytes: int | None = None) -> None:
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
         self.config = config
@@ -244,7 +263,7 @@ class ECStore:
         self._writer: _Writer | None = None
         if config.local_disk:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
-                                 schema_target=_schema_target)
+                                 schema_target=_schema_target, map_size_bytes=_map_size_bytes)
             if not readonly:
                 self._writer = _Writer(self, config.write_queue_bytes)
                 self._writer.start()

@@ -1,0 +1,1 @@
+"""Helpers shared by the store tests and their subprocess entry points."""

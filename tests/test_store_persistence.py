@@ -1,0 +1,289 @@
+"""Persistence across handles and processes: close/reopen, a fresh process,
+a process that dies after flush, and two processes sharing one store.
+
+Children run tests/helpers/store_child.py and are driven line by line over
+pipes: the parent only sends a phase once every child has answered the
+previous one, so no sleeps or timing are involved.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ecstore import ECStore, ECStoreConfig, codec
+from conftest import gib
+from helpers.tensors import assert_same, make_tensor
+
+CHILD = str(Path(__file__).parent / "helpers" / "store_child.py")
+MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+class Child:
+    """One store_child.py process."""
+
+    def __init__(self, tmp_path: Path, name: str) -> None:
+        self.name = name
+        self.err_path = tmp_path / f"{name}.stderr"
+        self._err = open(self.err_path, "w")
+        self.p = subprocess.Popen([sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self._err, text=True, bufsize=1)
+        self.sent = 0
+
+    def send(self, *cmds: dict[str, Any]) -> None:
+        for c in cmds:
+            self.p.stdin.write(json.dumps(c) + "\n")
+        self.p.stdin.flush()
+        self.sent += len(cmds)
+
+    def recv(self) -> list[Any]:
+        """Answers to everything sent and not yet answered, in order."""
+        out = []
+        while self.sent:
+            line = self.p.stdout.readline()
+            assert line, f"child {self.name} died:\n{self.err_path.read_text()}"
+            ans = json.loads(line)
+            assert "error" not in ans, f"child {self.name}: {ans['error']}\n{ans.get('trace', '')}"
+            out.append(ans["result"])
+            self.sent -= 1
+        return out
+
+    def call(self, op: str, **kw: Any) -> Any:
+        self.send({"op": op, **kw})
+        return self.recv()[0]
+
+    def finish(self) -> None:
+        self.p.stdin.close()
+        rc = self.p.wait(timeout=120)
+        self._err.close()
+        assert rc == 0, f"child {self.name} exited {rc}:\n{self.err_path.read_text()}"
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self._err.close()
+
+
+@pytest.fixture
+def children(tmp_path):
+    made: list[Child] = []
+
+    def make(name: str) -> Child:
+        c = Child(tmp_path, name)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.kill()
+
+
+def open_store(path: Path, cap: int, **kw) -> ECStore:
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=gib(cap))
+    return ECStore(cfg, model=MODEL, dtype=torch.bfloat16, **kw)
+
+
+def cost(ident: str, rows: int = 4, cols: int = 16) -> int:
+    return codec.blob_size(make_tensor(0, rows, cols), identifier=ident, model=MODEL)
+
+
+def seed_of(ident: str) -> int:
+    return sum(ident.encode()) * 131 + len(ident)
+
+
+def check_accounting(store: ECStore, cap: int) -> None:
+    keys = store.disk.lru_keys()
+    sizes = [len(store.disk.blob_bytes(k)) for k in keys]
+    st = store.stats()
+    assert st.disk_bytes == sum(sizes) <= cap
+    assert st.disk_entries == len(keys) == len(set(keys))
+    assert sorted(keys) == sorted(k for k, _ in store.disk.iter_records())
+    for k, rec in store.disk.iter_records():
+        assert rec is not None and rec.blob_size == len(store.disk.blob_bytes(k))
+
+
+# ----------------------------------------------------------------------------
+
+
+def test_close_and_reopen_in_process(tmp_store_dir):
+    ids = [f"img-{i}" for i in range(6)]
+    with open_store(tmp_store_dir, 1 << 20) as store:
+        for i, h in enumerate(ids):
+            store.put(h, make_tensor(i, 1 + i, 16))
+        store.get(ids[0])
+        # no flush: close flushes
+    with open_store(tmp_store_dir, 1 << 20) as store:
+        assert store.disk.lru_keys() == [store.key(h) for h in ids[1:] + ids[:1]]
+        check_accounting(store, 1 << 20)
+        for i, h in enumerate(ids):
+            assert_same(store.get(h), make_tensor(i, 1 + i, 16))
+        store.flush()
+        assert store.disk.lru_keys() == [store.key(h) for h in ids]
+
+
+def test_reopen_with_a_smaller_cap_evicts_lru_first(tmp_store_dir):
+    ids = [f"img-{i}" for i in range(6)]
+    c = cost(ids[0])
+    with open_store(tmp_store_dir, 1 << 20) as store:
+        for i, h in enumerate(ids):
+            store.put(h, make_tensor(i))
+        store.flush()
+        store.get(ids[0])
+    with open_store(tmp_store_dir, 3 * c) as store:
+        assert [h for h in ids if store.contains(h)] == [ids[0], ids[4], ids[5]]
+        assert store.disk.lru_keys() == [store.key(h) for h in (ids[4], ids[5], ids[0])]
+        check_accounting(store, 3 * c)
+
+
+def test_a_fresh_process_reads_what_was_written(tmp_store_dir, children):
+    ids = [f"proc-{i:02d}" for i in range(8)]
+    with open_store(tmp_store_dir, 1 << 20) as store:
+        for h in ids:
+            assert store.put(h, make_tensor(seed_of(h), 3, 16))
+        store.flush()
+        lru = store.disk.lru_keys()
+        disk_bytes = store.stats().disk_bytes
+    child = children("reader")
+    child.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": 1 << 20},
+               *({"op": "get", "id": h, "seed": seed_of(h), "rows": 3} for h in ids),
+               {"op": "contains", "id": "never-put"},
+               {"op": "get", "id": "never-put"},
+               {"op": "stats"})
+    _, *gets, contains, miss, stats = child.recv()
+    assert gets == ["hit"] * len(ids)
+    assert contains is False and miss == "miss"
+    assert stats["disk_bytes"] == disk_bytes and stats["disk_entries"] == len(ids)
+    assert stats["disk_hits"] == len(ids) and stats["misses"] == 1
+    # the child's gets reach LMDB once flushed: they are the new LRU order
+    child.send({"op": "flush"}, {"op": "lru_keys"}, {"op": "close"})
+    _, lru_child, _ = child.recv()
+    assert lru_child == lru  # same order: every entry was read once, oldest first
+    child.finish()
+
+
+def test_eviction_order_survives_a_restart(tmp_store_dir, children):
+    ids = [f"ev-{i:02d}" for i in range(9)]
+    c = cost(ids[0])
+    cap = 5 * c + c // 3
+    with open_store(tmp_store_dir, cap) as store:
+        for h in ids[:5]:
+            store.put(h, make_tensor(seed_of(h)))
+        store.flush()
+        store.get(ids[1])
+        store.get(ids[3])
+        store.flush()
+        keys = {h: store.key(h) for h in ids}
+        assert store.disk.lru_keys() == [keys[h] for h in ("ev-00", "ev-02", "ev-04", "ev-01", "ev-03")]
+    child = children("evictor")
+    child.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": cap},
+               {"op": "lru_keys"},
+               {"op": "put", "id": "ev-05", "seed": seed_of("ev-05")},
+               {"op": "put", "id": "ev-06", "seed": seed_of("ev-06")},
+               {"op": "flush"},
+               *({"op": "contains", "id": h} for h in ids[:7]),
+               {"op": "get", "id": "ev-04", "seed": seed_of("ev-04")},
+               {"op": "flush"},
+               {"op": "put", "id": "ev-07", "seed": seed_of("ev-07")},
+               {"op": "flush"},
+               {"op": "lru_keys"},
+               {"op": "stats"},
+               {"op": "close"})
+    (_, lru0, p5, p6, _, *contains, g4, _, p7, _, lru1, stats, _) = child.recv()
+    child.finish()
+    assert lru0 == [keys[h] for h in ("ev-00", "ev-02", "ev-04", "ev-01", "ev-03")]
+    assert (p5, p6, p7) == (True, True, True)
+    assert dict(zip(ids[:7], contains)) == {"ev-00": False, "ev-01": True, "ev-02": False, "ev-03": True,
+                                            "ev-04": True, "ev-05": True, "ev-06": True}
+    assert g4 == "hit"
+    assert lru1 == [keys[h] for h in ("ev-03", "ev-05", "ev-06", "ev-04", "ev-07")]
+    assert stats["disk_bytes"] <= cap and stats["disk_evictions"] == 3
+    with open_store(tmp_store_dir, cap) as store:  # and back in this process
+        assert store.disk.lru_keys() == lru1
+        for h in ("ev-03", "ev-05", "ev-06", "ev-04", "ev-07"):
+            assert_same(store.get(h), make_tensor(seed_of(h)))
+        check_accounting(store, cap)
+
+
+def test_flushed_entries_survive_a_process_that_dies(tmp_store_dir, children):
+    child = children("crasher")
+    ids = [f"crash-{i}" for i in range(5)]
+    child.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": 1 << 20},
+               *({"op": "put", "id": h, "seed": seed_of(h)} for h in ids),
+               {"op": "flush"},
+               {"op": "get", "id": ids[0]},
+               {"op": "flush"})
+    child.recv()
+    child.send({"op": "exit_now"})  # no close, no atexit
+    assert child.p.wait(timeout=120) == 0
+    with open_store(tmp_store_dir, 1 << 20) as store:
+        assert store.disk.lru_keys()[-1] == store.key(ids[0])
+        check_accounting(store, 1 << 20)
+        for h in ids:
+            assert_same(store.get(h), make_tensor(seed_of(h)))
+        # the dead process's reader slot does not block writers
+        assert store.put("after", make_tensor(1))
+        store.flush()
+        assert store.contains("after")
+
+
+@pytest.mark.parametrize("roomy", [True, False], ids=["all-fit", "evicting"])
+def test_two_processes_write_and_read_one_store(tmp_store_dir, children, roomy):
+    own = {name: [f"{name}-{i:02d}" for i in range(10)] for name in ("a", "b")}
+    shared = [f"shared-{i:02d}" for i in range(6)]
+    c = cost(own["a"][0])  # every identifier above has the same length
+    assert all(cost(h) == c for h in own["a"] + own["b"] + shared)
+    cap = 64 * c if roomy else 7 * c + c // 2
+    procs = {name: children(name) for name in ("a", "b")}
+    for p in procs.values():  # open both; the first one creates the store
+        p.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": cap})
+    for p in procs.values():
+        p.recv()
+    # phase 1, concurrently: own keys and shared keys interleaved, then flush
+    for name, p in procs.items():
+        cmds = []
+        for i, h in enumerate(own[name]):
+            cmds.append({"op": "put", "id": h, "seed": seed_of(h)})
+            if i < len(shared):
+                s = shared[i] if name == "a" else shared[-1 - i]
+                cmds.append({"op": "put", "id": s, "seed": seed_of(s)})
+        cmds += [{"op": "flush"}, {"op": "stats"}]
+        p.send(*cmds)
+    phase1 = {name: p.recv() for name, p in procs.items()}
+    for name in procs:
+        assert phase1[name][-1]["disk_bytes"] <= cap
+        assert phase1[name][-1]["write_errors"] == 0
+    # phase 2, after both finished: each reads the other's keys and the shared ones
+    for name, p in procs.items():
+        other = "b" if name == "a" else "a"
+        p.send(*({"op": "get", "id": h, "seed": seed_of(h)} for h in own[other] + shared),
+               {"op": "stats"}, {"op": "blob_sizes"}, {"op": "close"})
+    phase2 = {name: p.recv() for name, p in procs.items()}
+    for p in procs.values():
+        p.finish()
+    for name in procs:
+        *gets, stats, sizes, _ = phase2[name]
+        assert "mismatch" not in gets
+        if roomy:
+            assert gets == ["hit"] * len(gets)
+        assert stats["disk_bytes"] <= cap
+        assert stats["disk_bytes"] == sum(sizes.values())  # nothing is written in phase 2
+    with open_store(tmp_store_dir, cap) as store:
+        check_accounting(store, cap)
+        all_ids = own["a"] + own["b"] + shared
+        present = [h for h in all_ids if store.contains(h)]
+        for h in present:
+            assert_same(store.get(h), make_tensor(seed_of(h)))
+        if roomy:
+            assert present == all_ids
+            assert store.stats().disk_bytes == len(all_ids) * c
+            assert store.stats().disk_entries == len(all_ids)  # shared keys stored once
+        else:
+            assert 1 <= len(present) <= 7
+            assert store.stats().disk_bytes == len(store.disk.lru_keys()) * c
