@@ -152,6 +152,49 @@ class _SharedEnv:
                 self.leases.close()
 
 
+#: Names a directory may hold besides a store's files and still get a new
+#: store created in it (dot-files such as ``.nfs*`` are ignored too).
+_FOREIGN_OK = {"lock.mdb", "leases.mdb", "leases.mdb-lock", "lost+found"}
+_META = struct.Struct("<II")  # mm_magic, mm_version at offset 16 of a meta page
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def _check_data_file(data: str) -> None:
+    """Refuse a data.mdb shorter than its own meta pages say it is.
+
+    LMDB trusts the last-page number in the meta page and maps the file: a
+    truncated file (copy interrupted, disk trouble) would kill the process
+    with SIGBUS on the first read past the end. Reads both meta pages
+    (64-bit layout: page header 16 bytes, then magic, version, address,
+    map size, two 48-byte DB records -- the first's ``md_pad`` is the page
+    size -- then ``mm_last_pg``); anything not an LMDB file is left to LMDB.
+    """
+    try:
+        with open(data, "rb") as fh:
+            head = fh.read(256)
+            size = os.fstat(fh.fileno()).st_size
+            if len(head) < 152:
+                return
+            magic, _ = _META.unpack_from(head, 16)
+            if magic != _LMDB_MAGIC:
+                return  # LMDB reports MDB_INVALID
+            psize = struct.unpack_from("<I", head, 40)[0]
+            if not 512 <= psize <= 1 << 16:
+                return
+            fh.seek(psize)
+            second = fh.read(152)
+    except OSError:
+        return  # let LMDB report it
+    pages = [struct.unpack_from("<Q", head, 136)[0]]
+    if len(second) == 152 and _META.unpack_from(second, 16)[0] == _LMDB_MAGIC:
+        pages.append(struct.unpack_from("<Q", second, 136)[0])
+    need = (max(pages) + 1) * psize
+    if need > size:
+        raise StoreOpenError(
+            f"{data} is truncated: its LMDB meta page needs {need} bytes, the file has {size}; "
+            f"the store is damaged (move it away, or restore a copy)")
+
+
 def _open_env(path: str, map_size: int, readonly: bool, create: bool) -> tuple[lmdb.Environment, lmdb.Environment | None]:
     data = os.path.join(path, "data.mdb")
     if not os.path.exists(data):
@@ -159,11 +202,24 @@ def _open_env(path: str, map_size: int, readonly: bool, create: bool) -> tuple[l
             if not os.path.exists(path):
                 raise StoreOpenError(f"{path}: no such directory")
             raise StoreOpenError(f"{path} is not an ecstore store (no data.mdb)")
+        if os.path.isdir(path):
+            try:
+                others = sorted(n for n in os.listdir(path) if n not in _FOREIGN_OK and not n.startswith("."))
+            except OSError as e:
+                raise StoreOpenError(f"cannot read store directory {path}: {e.strerror}") from None
+            if others:
+                shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+                raise StoreOpenError(
+                    f"{path} is not an ecstore store (no data.mdb) and is not empty ({shown}); "
+                    f"point local_disk at a new or empty directory")
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
             raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
+    elif os.path.isdir(data):
+        raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")
     elif os.path.getsize(data) > 0:
+        _check_data_file(data)
         map_size = max(map_size, os.path.getsize(data))
     try:
         env = lmdb.open(
@@ -207,11 +263,19 @@ class LMDBTier:
     """
 
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
-                 create: bool = True, schema_target: int | None = None) -> None:
+                 create: bool = True, schema_target: int | None = None,
+                 map_size_bytes: int | None = None) -> None:
+        """``map_size_bytes`` overrides the LMDB map size (default
+        :func:`map_size_for` the cap); LMDB still uses at least the data
+        file's size, and only the first open of a directory in a process sets
+        it. A map smaller than the cap is legal: a full map makes puts evict
+        (see the design notes), it never fails them while anything is
+        evictable. Tests use it to reach a full map without filling a disk."""
         self.path = path
         self.capacity_bytes = int(capacity_bytes)
         self.readonly = readonly
-        self._shared = _SharedEnv.acquire(path, map_size_for(self.capacity_bytes), readonly, create)
+        map_size = map_size_for(self.capacity_bytes) if map_size_bytes is None else int(map_size_bytes)
+        self._shared = _SharedEnv.acquire(path, map_size, readonly, create)
         self.env = self._shared.env
         self._pid = os.getpid()
         self._closed = False
@@ -261,6 +325,14 @@ class LMDBTier:
         with self._shared.write_lock:
             try:
                 with self._begin(write=True) as txn:
+                    raw = txn.get(b"schema_version", db=self._meta)
+                    if raw is not None and int(raw) != self.schema_version:
+                        # Another process migrated the file after we opened it:
+                        # our view of the layout is stale, so write nothing.
+                        raise SchemaError(
+                            f"store at {self.path} was migrated to schema {int(raw)} by another "
+                            f"process while this handle (schema {self.schema_version}) was open; "
+                            f"reopen the store")
                     yield txn
             finally:
                 self._clear_tombstones()
@@ -603,6 +675,10 @@ class LMDBTier:
             try:
                 self._write_once(todo, touches)
                 return
+            except SchemaError as e:
+                for p in todo:
+                    p.result, p.error = "failed", e
+                raise
             except lmdb.MapFullError:
                 if attempt == MAX_MAPFULL_RETRIES:
                     break

@@ -423,7 +423,7 @@ class ECStore:
         reqs = [PutRequest(key, it.identifier, self.model, it.tensor, order=it.order) for key, it in batch]
         try:
             self.disk.write_batch(reqs, touches)
-        except StoreFullError as e:
+        except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
         for (key, it), r in zip(batch, reqs):
             if r.result == "stored":

@@ -224,3 +224,28 @@ def test_migration_2_builds_the_index_from_records(tmp_store_dir):
             txn.abort()
     finally:
         env.close()
+
+
+def test_handle_opened_before_a_migration_refuses_to_write(tmp_path):
+    """A handle still at schema 1 (an older ecstore in another process) must not
+    write once another handle migrated the file: its layout view is stale."""
+    import torch
+
+    import ecstore
+
+    cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=0.001)
+    old = ecstore.ECStore(cfg, model="m", dtype=torch.float32, _schema_target=1)
+    old.put("a", torch.ones(2, 2))
+    old.flush()
+    new = ecstore.ECStore(cfg, model="m", dtype=torch.float32)
+    assert new.disk.schema_version == 2
+    old.put("b", torch.ones(2, 2))
+    with pytest.raises(ecstore.StoreFullError, match="migrated to schema 2"):
+        old.flush()
+    assert not new.contains("b")
+    assert new.get("a") is not None
+    new.put("c", torch.ones(2, 2))
+    new.flush()
+    assert new.contains("c")
+    old.close()
+    new.close()
