@@ -105,6 +105,11 @@ class ECStoreConnector(ECConnectorBase):
         if self.scheduler_side is not None:
             self.scheduler_side.update_connector_output(connector_output)
 
+    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+        if self.scheduler_side is None:
+            return True
+        return self.scheduler_side.ensure_cache_available(request, num_computed_tokens)
+
     def take_unavailable_requests(self) -> set[str]:
         return set() if self.scheduler_side is None else self.scheduler_side.take_unavailable_requests()
 

@@ -18,7 +18,9 @@ class LoadSpec:
     req_id: str
     identifier: str  # vLLM's mm identifier (mm_hash)
     num_embeds: int  # rows the model expects
-    width: int  # columns the model expects (encoder output width)
+    #: columns the model expects: the encoder output width vLLM measured at
+    #: start-up (producers), else None (consumer-only: the stored width is used)
+    width: int | None
 
 
 @dataclass
@@ -40,14 +42,20 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
 
     ``saved``/``evicted`` feed the scheduler's index in memory-only mode;
     ``loaded``/``failed`` let the scheduler release leases and fail requests
-    whose entry could not be loaded; ``stats`` carries worker-side counters
+    whose entry could not be loaded; ``cleared`` names identifiers whose
+    zero stand-in (put in for a failed load) has left vLLM's encoder cache;
+    ``stats`` carries worker-side counters
     (vLLM's V1 model runner does not collect worker connector stats itself).
+    Loads are reported per (request, identifier): each announced load holds
+    its own lease, and with async scheduling a later step may announce the
+    same entry for another request before this report arrives.
     """
 
     saved: dict[str, int] = field(default_factory=dict)  # identifier -> tensor bytes
     evicted: list[str] = field(default_factory=list)
-    loaded: list[str] = field(default_factory=list)
+    loaded: list[tuple[str, str]] = field(default_factory=list)  # (req_id, identifier)
     failed: list[tuple[str, str, str]] = field(default_factory=list)  # (req_id, identifier, reason)
+    cleared: list[str] = field(default_factory=list)  # stand-ins gone from vLLM's encoder cache
     stats: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> "ECStoreWorkerMetadata":
@@ -60,8 +68,10 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
             evicted=sorted(set(self.evicted) | set(other.evicted)),
             loaded=sorted(set(self.loaded) | set(other.loaded)),
             failed=sorted(set(self.failed) | set(other.failed)),
+            cleared=sorted(set(self.cleared) | set(other.cleared)),
             stats=stats,
         )
 
     def is_empty(self) -> bool:
-        return not (self.saved or self.evicted or self.loaded or self.failed or self.stats)
+        return not (self.saved or self.evicted or self.loaded or self.failed or self.cleared
+                    or self.stats)

@@ -7,15 +7,21 @@ One index for scheduler and workers
 -----------------------------------
 * Disk mode: the scheduler opens the same LMDB store as the workers, so
   ``has_cache_item`` is true exactly when a worker can read the entry. Before
-  answering yes it pins the entry with a lease (``ECStore.pin_if_present``):
-  no process's eviction can remove it until the worker reports it loaded (or
-  the request ends, or the lease expires / this process dies).
+  answering yes it pins the entry with a lease (``ECStore.pin_if_present``),
+  one per announced load: no process's eviction can remove it until the
+  worker reports that load (or the request ends, or the lease expires / this
+  process dies).
 * Memory-only mode: entries live in the workers' memory, possibly another
   process. The workers report what they saved and evicted in each step's
   worker metadata, and the scheduler keeps a mirror of that index. An entry
   the worker evicts is kept by the worker in a "limbo" until the scheduler
   acknowledges the eviction in a later step's metadata, so an entry announced
   before the scheduler learned of its eviction is still loadable.
+
+A load is announced exactly for the items ``has_cache_item`` said yes to
+(vLLM then does not run the encoder for them). A load that fails anyway gets
+a stand-in from the worker and its request is failed; ``ensure_cache_available``
+keeps later requests off that stand-in while vLLM's encoder cache holds it.
 """
 
 from __future__ import annotations
@@ -49,10 +55,14 @@ class SchedulerSide:
                                  model=model, dtype=dtype)
         self.mirror: dict[str, int] = {}  # memory-only: identifier -> bytes held by workers
         self._acks: list[str] = []
-        self._step_pins: set[str] = set()  # pinned by has_cache_item this step
+        self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
         self._loads: list[LoadSpec] = []
         self._inflight: dict[str, set[str]] = defaultdict(set)  # identifier -> req_ids awaiting load
         self._unavailable: set[str] = set()
+        # Identifiers whose load failed while vLLM's encoder cache may still
+        # hold the worker's zero stand-in (see ensure_cache_available).
+        self._poisoned: set[str] = set()
+        self._failed_reqs: set[str] = set()  # already failed and logged
         self.stats = ECStoreConnectorStats()
         self.pid = os.getpid()
 
@@ -60,49 +70,91 @@ class SchedulerSide:
     def has_cache_item(self, identifier: str) -> bool:
         if not self.is_consumer:
             return False
-        if identifier in self._step_pins or identifier in self._inflight:
-            return True  # already pinned for a load
+        if identifier in self._step_hits:
+            # Already answered yes this step (and pinned) for a request that
+            # was not allocated after all: the pin is still ours to hand on.
+            return True
         if self.store is None:
-            return identifier in self.mirror
-        try:
-            if self.store.pin_if_present(identifier):
-                self._step_pins.add(identifier)
-                return True
-        except ECStoreError as e:
-            log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
-        return False
+            found = identifier in self.mirror
+        else:
+            # One lease per yes that gets allocated: every request waiting
+            # for this entry holds its own pin (see _finish_loads).
+            found = False
+            try:
+                found = self.store.pin_if_present(identifier)
+            except ECStoreError as e:
+                log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
+        if found:
+            self._step_hits.add(identifier)
+        return found
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
         identifier = feature.identifier
         if not self.is_consumer:
             return
-        if identifier in self._step_pins or identifier in self._inflight or (
-                self.store is None and identifier in self.mirror):
+        # Announce a load exactly when has_cache_item said yes: then vLLM
+        # did not schedule the encoder for it. Anything else is computed.
+        if identifier in self._step_hits:
+            self._step_hits.discard(identifier)
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
                                         self._width(feature.modality)))
             self._inflight[identifier].add(request.request_id)
-            self._step_pins.discard(identifier)
             self.stats.add("hits")
         else:
             self.stats.add("misses")
 
-    def _width(self, modality: str) -> int:
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        """Fail requests that would read a stand-in from vLLM's encoder cache.
+
+        When a load fails, the worker puts a zero stand-in under the
+        identifier (else the step crashes) and the loading request is failed.
+        vLLM's encoder cache keeps that entry (unreferenced, reusable) until
+        it needs the space, and serves it to any later request with the same
+        identifier without asking the connector: such a request is failed
+        too (retryable) instead of silently using zeros. Once vLLM frees the
+        entry (``free_encoder_mm_hashes``; or the worker reports the stand-in
+        ``cleared``, e.g. after ``reset_encoder_cache``), the item is looked
+        up and computed afresh.
+        """
+        if not self._poisoned:
+            return True
+        for feature in getattr(request, "mm_features", None) or []:
+            if feature.identifier in self._poisoned:
+                if request.request_id not in self._failed_reqs:
+                    log.error("ecstore: request %s failed: vLLM's encoder cache holds a stand-in "
+                              "for %s, whose load failed; retry once vLLM has evicted it",
+                              request.request_id, feature.identifier)
+                    self._failed_reqs.add(request.request_id)
+                self._unavailable.add(request.request_id)
+                return False
+        return True
+
+    def _width(self, modality: str) -> int | None:
+        # vLLM measures encoder output widths at start-up on producer
+        # instances only. A consumer-only instance does not know it (it can
+        # differ from the LM hidden size, e.g. Qwen3-VL's deepstack outputs),
+        # so the worker then checks rows and dtype and trusts the stored width.
         widths = getattr(self._vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
-        if modality in widths:
-            return int(widths[modality])
-        return int(self._vllm_config.model_config.get_inputs_embeds_size())
+        return int(widths[modality]) if modality in widths else None
 
     def build_connector_meta(self, scheduler_output: Any) -> ECStoreConnectorMetadata:
         meta = ECStoreConnectorMetadata(loads=self._loads, acks=self._acks)
         self._loads, self._acks = [], []
-        if self._step_pins and self.store is not None:
+        if self._step_hits and self.store is not None:
             # has_cache_item said yes but vLLM did not allocate (e.g. no KV
             # space this step): let go; it will be asked again.
-            self._release(list(self._step_pins))
-        self._step_pins = set()
+            self._release(list(self._step_hits))
+        self._step_hits = set()
+        if self._poisoned:
+            self._unpoison(getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
         return meta
+
+    def _unpoison(self, identifiers) -> None:
+        self._poisoned.difference_update(identifiers)
+        if not self._poisoned:
+            self._failed_reqs.clear()
 
     # -- feedback from workers ------------------------------------------------
     def update_connector_output(self, output: Any) -> None:
@@ -120,18 +172,27 @@ class SchedulerSide:
             log.error("ecstore: request %s failed: could not load encoder output %s: %s",
                       req_id, identifier, reason)
             self._unavailable.add(req_id)
+            self._failed_reqs.add(req_id)
+            self._poisoned.add(identifier)
             if self.store is None:
                 self.mirror.pop(identifier, None)
-            done.append(identifier)
+            done.append((req_id, identifier))
+        for identifier in wm.cleared:
+            # The stand-in is gone (vLLM freed it, or reset its encoder cache).
+            self._unpoison([identifier])
         self._finish_loads(done)
         self.stats.merge(wm.stats)
 
-    def _finish_loads(self, identifiers: list[str]) -> None:
+    def _finish_loads(self, done: list[tuple[str, str]]) -> None:
+        """Release the lease each reported (request, identifier) load held."""
         release = []
-        for identifier in identifiers:
-            reqs = self._inflight.pop(identifier, None)
-            if reqs is not None:
-                release.extend([identifier] * len(reqs))
+        for req_id, identifier in done:
+            reqs = self._inflight.get(identifier)
+            if reqs and req_id in reqs:
+                reqs.discard(req_id)
+                release.append(identifier)
+                if not reqs:
+                    del self._inflight[identifier]
         self._release(release)
 
     def _release(self, identifiers: list[str]) -> None:
@@ -148,15 +209,9 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         # A request that ends before its load was reported (aborted) must not
         # keep its entries pinned.
-        release = []
-        for feature in getattr(request, "mm_features", None) or []:
-            reqs = self._inflight.get(feature.identifier)
-            if reqs and request.request_id in reqs:
-                reqs.discard(request.request_id)
-                release.append(feature.identifier)
-                if not reqs:
-                    del self._inflight[feature.identifier]
-        self._release(release)
+        self._failed_reqs.discard(request.request_id)
+        self._finish_loads([(request.request_id, f.identifier)
+                            for f in getattr(request, "mm_features", None) or []])
         return False, None
 
     def get_stats(self) -> ECStoreConnectorStats | None:
@@ -164,6 +219,6 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         if self.store is not None:
-            pending = [i for i, reqs in self._inflight.items() for _ in reqs] + list(self._step_pins)
+            pending = [i for i, reqs in self._inflight.items() for _ in reqs] + list(self._step_hits)
             self._release(pending)
             self.store.close()

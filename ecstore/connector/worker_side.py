@@ -6,7 +6,10 @@ Runs in each worker process, called from the model-runner thread.
   the runner's device with the shape and dtype the model expects. An entry
   that cannot be loaded (corrupt, wrong shape, gone) gets a zero stand-in so
   the step does not crash the engine, and is reported: the scheduler fails
-  that request through vLLM's unavailable-request path.
+  that request through vLLM's unavailable-request path, and any later one
+  that would get the stand-in from vLLM's encoder cache. When the stand-in
+  has left that cache (vLLM freed or reset it) the worker reports it
+  ``cleared``.
 * ``save_caches`` copies the new encoder output off the device once (into
   pinned memory on CUDA) and hands it to the store, whose background writer
   does the LMDB write. With tensor parallelism only rank 0 writes to disk;
@@ -49,14 +52,21 @@ class WorkerSide:
         self.dtype = dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.store = ECStore(cfg, model=model, dtype=dtype)
+        # Width of a stand-in when vLLM measured none (consumer-only): the
+        # LM's input embedding size, what most models' encoders produce.
+        self._fallback_width = int(vllm_config.model_config.get_inputs_embeds_size())
         self.memory_only = cfg.local_disk is None
         self._limbo: dict[str, torch.Tensor] = {}  # memory-only: evicted, not yet acked
         if self.memory_only and self.store.memory is not None:
             self.store.memory.on_evict = self._on_evict
         self._saved: dict[str, int] = {}
         self._evicted: list[str] = []
-        self._loaded: list[str] = []
+        self._loaded: list[tuple[str, str]] = []  # (req_id, identifier)
         self._failed: list[tuple[str, str, str]] = []
+        # Zero stand-ins this worker put into vLLM's encoder cache, and those
+        # seen gone from it since the last report (vLLM freed or reset them).
+        self._standins: dict[str, torch.Tensor] = {}
+        self._cleared: list[str] = []
         self._stats: dict[str, float] = {}
         self._rank: int | None = None
         self._disk_evictions_seen = 0
@@ -66,8 +76,12 @@ class WorkerSide:
         self._stats[key] = self._stats.get(key, 0) + value
 
     def _on_evict(self, key: str, item: MemoryItem) -> None:
-        # Called under the memory tier's lock: just park it.
-        self._limbo[item.identifier] = item.tensor
+        # Called under the memory tier's lock: just park it. Only a consumer
+        # can have a load of it announced; a producer's scheduler side never
+        # acks (nor does vLLM deliver an encode-only instance's reports), so
+        # parking there would keep every evicted tensor forever.
+        if self.is_consumer:
+            self._limbo[item.identifier] = item.tensor
         self._evicted.append(item.identifier)
         self._count("evictions")
 
@@ -75,14 +89,19 @@ class WorkerSide:
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: ECStoreConnectorMetadata) -> None:
         for identifier in meta.acks:
             self._limbo.pop(identifier, None)
-        if not meta.loads:
-            return
+        for identifier, standin in list(self._standins.items()):
+            if encoder_cache.get(identifier) is not standin:
+                del self._standins[identifier]
+                self._cleared.append(identifier)
+        if not meta.loads or not self.is_consumer:
+            return  # a producer never loads (its scheduler side announces nothing)
         t0 = time.perf_counter()
         for spec in meta.loads:
-            if spec.identifier in encoder_cache:
-                self._loaded.append(spec.identifier)
+            held = encoder_cache.get(spec.identifier)
+            if held is not None and held is not self._standins.get(spec.identifier):
+                self._loaded.append((spec.req_id, spec.identifier))
                 continue
-            tensor, reason = None, "not in the store"
+            tensor, reason = None, "not in the store (evicted, or dropped as corrupt: see above)"
             try:
                 tensor = self.store.get(spec.identifier, device=self.device)
             except ECStoreError as e:
@@ -90,7 +109,8 @@ class WorkerSide:
             if tensor is None and spec.identifier in self._limbo:
                 tensor = self._limbo[spec.identifier].to(self.device)
             if tensor is not None:
-                expect = (spec.num_embeds, spec.width)
+                width = spec.width if spec.width is not None else tensor.shape[-1]
+                expect = (spec.num_embeds, width)
                 if tuple(tensor.shape) != expect or tensor.dtype != self.dtype:
                     reason = (f"stored shape {tuple(tensor.shape)} {tensor.dtype} does not match "
                               f"the model's {expect} {self.dtype}")
@@ -99,11 +119,13 @@ class WorkerSide:
                 self._failed.append((spec.req_id, spec.identifier, reason))
                 self._count("load_failures")
                 # Keep the step alive; the request is failed by the scheduler.
-                encoder_cache[spec.identifier] = torch.zeros(
-                    spec.num_embeds, spec.width, dtype=self.dtype, device=self.device)
+                width = spec.width if spec.width is not None else self._fallback_width
+                standin = torch.zeros(spec.num_embeds, width, dtype=self.dtype, device=self.device)
+                encoder_cache[spec.identifier] = self._standins[spec.identifier] = standin
                 continue
             encoder_cache[spec.identifier] = tensor
-            self._loaded.append(spec.identifier)
+            self._standins.pop(spec.identifier, None)
+            self._loaded.append((spec.req_id, spec.identifier))
             self._count("loads")
             self._count("bytes_loaded", tensor_nbytes(tensor))
         self._count("load_seconds", time.perf_counter() - t0)
@@ -150,8 +172,9 @@ class WorkerSide:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions
         wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
-                                   failed=self._failed, stats=self._stats)
+                                   failed=self._failed, cleared=self._cleared, stats=self._stats)
         self._saved, self._evicted, self._loaded, self._failed, self._stats = {}, [], [], [], {}
+        self._cleared = []
         return None if wm.is_empty() else wm
 
     def shutdown(self) -> None:

@@ -1,0 +1,233 @@
+"""ECStoreConnector inside vLLM's real Scheduler (vllm/v1/core/sched/scheduler.py).
+
+The Scheduler is built as EngineCore builds it (real VllmConfig for the tiny
+BLIP-2, a minimal KVCacheConfig, StructuredOutputManager) and creates the
+SCHEDULER connector itself from ``ec_transfer_config``. Each step the test
+plays the model runner: the real WORKER connector loads/saves around a
+stand-in encoder (``ECConnectorModelRunnerMixin``'s call order), and the
+step's ``ModelRunnerOutput`` goes back through ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import vllm_objects as vo
+
+from ecstore import ECStore
+from ecstore.connector import ECStoreConnector, LoadSpec
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.v1.engine import FinishReason
+
+pytestmark = pytest.mark.vllm
+
+A, B, C, D = (f"{c}" * 16 for c in "abcd")  # opaque mm identifiers
+SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
+
+
+def encoder_output(identifier: str) -> torch.Tensor:
+    """Deterministic 'encoder output' per identifier (the test's encoder)."""
+    g = torch.Generator().manual_seed(sum(map(ord, identifier)))
+    return torch.randn(*SHAPE, generator=g, dtype=torch.float32)
+
+
+class Engine:
+    """vLLM's Scheduler plus the worker connector, stepped by hand."""
+
+    def __init__(self, cfg):
+        self.scheduler = vo.make_scheduler(cfg)
+        self.worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+        self.connector = self.scheduler.ec_connector
+        assert isinstance(self.connector, ECStoreConnector)
+        self.encoder_cache: dict[str, torch.Tensor] = {}  # the model runner's
+        self.finished: dict[str, FinishReason] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.ec_stats: list[dict] = []
+
+    def step(self):
+        out = self.scheduler.schedule()
+        ec_out = vo.run_worker_step(self.worker, out, self.encoder_cache, encoder_output)
+        eco = self.scheduler.update_from_output(out, vo.runner_output(out, ec_out))
+        for outputs in eco.values():
+            for o in outputs.outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.finish_reason
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.ec_connector_stats:
+                self.ec_stats.append(dict(stats.ec_connector_stats))
+        return out
+
+    def run(self, max_steps: int = 50) -> list:
+        outs = []
+        while self.scheduler.has_requests():
+            assert len(outs) < max_steps, "requests never finished"
+            outs.append(self.step())
+        return outs
+
+    def totals(self) -> dict[str, float]:
+        tot: dict[str, float] = {}
+        for d in self.ec_stats:
+            for k, v in d.items():
+                tot[k] = tot.get(k, 0) + v
+        return tot
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_outside_config(monkeypatch):
+    """Only the test's ec_connector_extra_config configures the connector."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith("LMCACHE_"):
+            monkeypatch.delenv(var)
+
+
+@pytest.fixture
+def engines():
+    made: list[Engine] = []
+
+    def make(cfg) -> Engine:
+        eng = Engine(cfg)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+@pytest.fixture
+def disk_extra(tmp_path: Path) -> dict:
+    return {"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01, "lease_seconds": 600}
+
+
+def open_store(conn: ECStoreConnector) -> ECStore:
+    return ECStore(replace(conn.config, local_cpu=False), model=conn._vllm_config.model_config.model,
+                   dtype=torch.float32)
+
+
+def leased(conn: ECStoreConnector, *identifiers: str) -> set[str]:
+    with open_store(conn) as st:
+        keys = st.disk.leased_keys()
+        return {i for i in identifiers if st.key(i).encode() in keys}
+
+
+def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_extra, engines):
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", disk_extra)
+    eng = engines(cfg)
+    with open_store(eng.connector) as st:  # another process stored A earlier
+        st.put(A, encoder_output(A))
+        st.flush()
+
+    eng.scheduler.add_request(vo.make_request("r1", [A]))
+    eng.scheduler.add_request(vo.make_request("r2", [B]))
+    first = eng.step()
+    # A: external load, announced to the worker; B: computed by the encoder.
+    assert first.scheduled_encoder_inputs == {"r2": [0]}
+    assert first.ec_connector_metadata.loads == [LoadSpec("r1", A, *SHAPE)]
+    assert first.num_scheduled_tokens == {"r1": vo.EMBEDS_PER_IMAGE + 3, "r2": vo.EMBEDS_PER_IMAGE + 3}
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))  # loaded, bit-exact
+    assert leased(eng.connector, A, B) == set()  # released once the worker reported the load
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.LENGTH, "r2": FinishReason.LENGTH}
+    assert eng.tokens == {"r1": [7, 7, 7], "r2": [7, 7, 7]}
+    tot = eng.totals()  # scheduler + worker counters, via SchedulerStats
+    assert (tot["hits"], tot["misses"], tot["loads"], tot["saves"]) == (1, 1, 1, 1)
+    assert tot.get("load_failures", 0) == 0
+
+    # B was saved: after a restart (new scheduler, worker, encoder cache) it loads.
+    eng.close()
+    eng2 = engines(cfg)
+    eng2.scheduler.add_request(vo.make_request("r3", [B]))
+    out = eng2.step()
+    assert out.scheduled_encoder_inputs == {}
+    assert out.ec_connector_metadata.loads == [LoadSpec("r3", B, *SHAPE)]
+    assert torch.equal(eng2.encoder_cache[B], encoder_output(B))
+    eng2.run()
+    assert eng2.finished == {"r3": FinishReason.LENGTH}
+
+
+def test_repeat_in_same_process_is_served_by_vllms_own_cache(tiny_model_dir, disk_extra, engines):
+    """vLLM asks the connector only after its own encoder cache missed."""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    eng.scheduler.add_request(vo.make_request("r1", [A]))
+    eng.run()
+    eng.scheduler.add_request(vo.make_request("r2", [A]))
+    out = eng.step()
+    assert out.scheduled_encoder_inputs == {} and out.ec_connector_metadata.loads == []
+    eng.run()
+    tot = eng.totals()
+    assert (tot["misses"], tot.get("hits", 0), tot["saves"]) == (1, 0, 1)
+
+
+def test_consumer_computes_absent_and_stores_nothing(tiny_model_dir, disk_extra, engines):
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_consumer", disk_extra))
+    eng.scheduler.add_request(vo.make_request("r1", [A]))
+    out = eng.step()
+    assert out.scheduled_encoder_inputs == {"r1": [0]} and out.ec_connector_metadata.loads == []
+    eng.run()
+    eng.worker.worker_side.store.flush()
+    with open_store(eng.connector) as st:
+        assert st.stats().disk_entries == 0
+
+
+def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_model_dir, disk_extra, engines):
+    """A corrupt entry is announced (the damage shows only when read): the
+    worker's zero stand-in keeps the step alive, the Scheduler fails the
+    request (FinishReason.ERROR). vLLM's encoder cache keeps the stand-in
+    under A; a later request for A must fail too rather than be served
+    zeros, until vLLM evicts A - then A is computed afresh."""
+    # max_num_batched_tokens=64: vLLM's encoder cache holds two images.
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", disk_extra, max_num_batched_tokens=64)
+    eng = engines(cfg)
+    assert eng.scheduler.encoder_cache_manager.cache_size == 2 * vo.EMBEDS_PER_IMAGE
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+        key = st.key(A)
+        blob = bytearray(st.disk.blob_bytes(key))
+        blob[-1] ^= 0xFF
+        with st.disk.env.begin(write=True) as txn:
+            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+
+    eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5))
+    first = eng.step()
+    assert first.ec_connector_metadata.loads == [LoadSpec("r1", A, *SHAPE)]
+    assert not eng.encoder_cache[A].any()  # the stand-in
+    eng.step()
+    assert eng.finished == {"r1": FinishReason.ERROR}
+
+    eng.scheduler.add_request(vo.make_request("r2", [A]))
+    out = eng.step()
+    assert "r2" not in out.num_scheduled_tokens  # never runs on the stand-in
+    assert eng.finished["r2"] == FinishReason.ERROR
+
+    # Two other images push A out of vLLM's encoder cache.
+    eng.scheduler.add_request(vo.make_request("r3", [C]))
+    eng.scheduler.add_request(vo.make_request("r4", [D]))
+    freed = [h for o in eng.run() for h in o.free_encoder_mm_hashes]
+    assert A in freed and A not in eng.encoder_cache
+    assert eng.finished["r3"] == eng.finished["r4"] == FinishReason.LENGTH
+
+    eng.scheduler.add_request(vo.make_request("r5", [A]))
+    out = eng.step()
+    assert out.scheduled_encoder_inputs == {"r5": [0]}  # corrupt entry was dropped: computed
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))
+    eng.run()
+    assert eng.finished["r5"] == FinishReason.LENGTH
+    tot = eng.totals()
+    assert tot["load_failures"] == 1 and tot.get("loads", 0) == 0
+    eng.worker.worker_side.store.flush()
+    with open_store(eng.connector) as st:  # a good copy replaced the corrupt one
+        assert torch.equal(st.get(A), encoder_output(A))
+    assert leased(eng.connector, A, C, D) == set()

@@ -1,0 +1,645 @@
+"""ECStoreConnector against vLLM's real types, one connector call at a time.
+
+Real ``VllmConfig`` (tiny BLIP-2, ``ECTransferConfig`` naming the connector by
+module path), connectors created through vLLM's ``ECConnectorFactory``, real
+``Request``/``MultiModalFeatureSpec``/``SchedulerOutput``/``ECConnectorOutput``
+objects and a real ``ECStore`` on a temporary directory. The test drives the
+calls in the order vLLM makes them (scheduler: has_cache_item ->
+update_state_after_alloc -> build_connector_meta; worker: bind ->
+start_load_caches -> save_caches -> build_connector_worker_meta; scheduler:
+update_connector_output), without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import gib
+from helpers import vllm_objects as vo
+
+from ecstore import ECStore
+from ecstore.connector import (
+    ECStoreConnector,
+    ECStoreConnectorMetadata,
+    ECStoreConnectorStats,
+    ECStorePromMetrics,
+    ECStoreWorkerMetadata,
+    LoadSpec,
+)
+from ecstore.connector.connector import config_from_vllm
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import RequestStatus
+
+pytestmark = pytest.mark.vllm
+
+A, B, C = "img-a" * 4, "img-b" * 4, "img-c" * 4  # vLLM-style opaque identifiers
+SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
+NBYTES = SHAPE[0] * SHAPE[1] * 4
+
+
+def embedding(seed: int, shape: tuple[int, int] = SHAPE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True)
+def _no_outside_config(monkeypatch):
+    """Only the test's ec_connector_extra_config configures the connector."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith("LMCACHE_"):
+            monkeypatch.delenv(var)
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "ec"
+
+
+@pytest.fixture
+def disk_extra(store_dir: Path) -> dict:
+    return {"local_disk": str(store_dir), "max_local_disk_size": 0.01, "lease_seconds": 600}
+
+
+@pytest.fixture
+def connectors(tiny_model_dir: Path):
+    """connectors(role, extra) -> (scheduler connector, worker connector),
+    created by vLLM's factory from a real VllmConfig; shut down afterwards."""
+    made: list[ECStoreConnector] = []
+
+    def make(role: str, extra: dict) -> tuple[ECStoreConnector, ECStoreConnector]:
+        cfg = vo.vllm_config(tiny_model_dir, role, extra)
+        sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
+        worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+        made.extend([sched, worker])
+        assert isinstance(sched, ECStoreConnector) and isinstance(worker, ECStoreConnector)
+        return sched, worker
+
+    yield make
+    for conn in made:
+        conn.shutdown()
+
+
+def seed_store(sched: ECStoreConnector, entries: dict[str, torch.Tensor]) -> None:
+    """Write entries as another process (a producer) would: own handle, no memory tier."""
+    cfg = replace(sched.config, local_cpu=False)
+    with ECStore(cfg, model=sched._vllm_config.model_config.model, dtype=torch.float32) as st:
+        for ident, t in entries.items():
+            assert st.put(ident, t)
+        st.flush()
+
+
+def open_store(conn: ECStoreConnector) -> ECStore:
+    cfg = replace(conn.config, local_cpu=False)
+    return ECStore(cfg, model=conn._vllm_config.model_config.model, dtype=torch.float32)
+
+
+def snapshot(conn: ECStoreConnector) -> dict[str, tuple]:
+    """identifier -> (checksum, blob size, created) of every disk entry."""
+    with open_store(conn) as st:
+        return {rec.identifier: (rec.checksum, rec.blob_size, rec.created_ns)
+                for _, rec in st.disk.iter_records()}
+
+
+def leased(conn: ECStoreConnector, *identifiers: str) -> set[str]:
+    """Which of ``identifiers`` hold a live lease, read from the lease file."""
+    with open_store(conn) as st:
+        keys = st.disk.leased_keys()
+        return {i for i in identifiers if st.key(i).encode() in keys}
+
+
+def corrupt(conn: ECStoreConnector, identifier: str) -> None:
+    """Flip a byte of the stored blob (the checksum will not match)."""
+    with open_store(conn) as st:
+        key = st.key(identifier)
+        blob = bytearray(st.disk.blob_bytes(key))
+        blob[-1] ^= 0xFF
+        with st.disk.env.begin(write=True) as txn:
+            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+
+
+def empty_output(**fields) -> SchedulerOutput:
+    out = SchedulerOutput.make_empty()
+    for k, v in fields.items():
+        setattr(out, k, v)
+    return out
+
+
+def worker_step(worker: ECStoreConnector, meta: ECStoreConnectorMetadata, cache: dict,
+                computed: dict[str, torch.Tensor] | None = None) -> ECStoreWorkerMetadata | None:
+    """What the model runner does with the worker connector in one step."""
+    worker.bind_connector_metadata(meta)
+    if worker.is_consumer:
+        worker.start_load_caches(cache)
+    for ident, t in (computed or {}).items():
+        cache[ident] = t
+        worker.save_caches(cache, ident)
+    wm = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return wm
+
+
+def put_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("EC put:")]
+
+
+# --------------------------------------------------------------------------- roles
+@pytest.mark.parametrize("role,producer,consumer", [
+    ("ec_producer", True, False), ("ec_consumer", False, True), ("ec_both", True, True)])
+def test_role_flags(connectors, disk_extra, role, producer, consumer):
+    sched, worker = connectors(role, disk_extra)
+    for conn in (sched, worker):
+        assert (conn.is_producer, conn.is_consumer) == (producer, consumer)
+    assert sched.role == ECConnectorRole.SCHEDULER and worker.role == ECConnectorRole.WORKER
+    assert sched.scheduler_side is not None and sched.worker_side is None
+    assert worker.worker_side is not None and worker.scheduler_side is None
+
+
+def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
+    """The whole cycle for ec_both: the present item is announced, leased,
+    loaded bit-exact and released; the absent one is computed and saved."""
+    sched, worker = connectors("ec_both", disk_extra)
+    t_a, t_b = embedding(1), embedding(2)
+    seed_store(sched, {A: t_a})
+    caplog.clear()
+    req = vo.make_request("r1", [A, B])
+
+    assert sched.has_cache_item(A) is True
+    assert sched.has_cache_item(B) is False
+    assert leased(sched, A, B) == {A}  # pinned before vLLM relies on the answer
+    sched.update_state_after_alloc(req, 0)
+    sched.update_state_after_alloc(req, 1)
+    meta = sched.build_connector_meta(empty_output())
+    assert isinstance(meta, ECStoreConnectorMetadata)
+    assert meta.loads == [LoadSpec("r1", A, vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)]
+
+    cache: dict[str, torch.Tensor] = {}
+    wm = worker_step(worker, meta, cache, computed={B: t_b})
+    assert torch.equal(cache[A], t_a) and cache[A].dtype == torch.float32
+    assert isinstance(wm, ECStoreWorkerMetadata)
+    assert wm.loaded == [("r1", A)] and wm.failed == [] and wm.saved == {B: NBYTES}
+    assert wm.stats["loads"] == 1 and wm.stats["saves"] == 1
+    assert wm.stats["bytes_loaded"] == NBYTES and wm.stats["bytes_saved"] == NBYTES
+
+    assert leased(sched, A) == {A}  # held until the worker reports the load
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert leased(sched, A, B) == set()
+
+    stats = sched.get_ec_connector_stats()
+    assert isinstance(stats, ECStoreConnectorStats)
+    red = stats.reduce()
+    assert (red["hits"], red["misses"], red["loads"], red["saves"]) == (1, 1, 1, 1)
+    assert red["hit_rate"] == 0.5 and red["load_failures"] == 0
+    assert red["MB_loaded"] == round(NBYTES / 1e6, 3) == red["MB_saved"]
+    assert sched.get_ec_connector_stats() is None  # reset after each report
+    assert worker.get_ec_connector_stats() is None  # worker counters travel in the worker meta
+
+    worker.worker_side.store.flush()
+    assert put_lines(caplog) == [f"EC put: stored {NBYTES} bytes for mm_hash={B}"]
+    with open_store(sched) as st:
+        assert torch.equal(st.get(B), t_b)
+
+
+def test_metadata_is_picklable_and_reset(connectors, disk_extra):
+    sched, worker = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    req = vo.make_request("r1", [A])
+    assert sched.has_cache_item(A)
+    sched.update_state_after_alloc(req, 0)
+    meta = sched.build_connector_meta(empty_output())
+    assert pickle.loads(pickle.dumps(meta)) == meta and meta.loads
+    again = sched.build_connector_meta(empty_output())  # state reset by the build
+    assert again.loads == [] and again.acks == []
+
+    wm = worker_step(worker, meta, {}, computed={B: embedding(2)})
+    assert wm is not None and not wm.is_empty()
+    copy = pickle.loads(pickle.dumps(wm))
+    assert copy == wm and isinstance(copy, ECStoreWorkerMetadata)
+    assert worker.build_connector_worker_meta() is None  # reset: nothing new to report
+
+
+def test_worker_meta_aggregates_across_ranks():
+    # Tensor-parallel ranks each report; vLLM aggregates them for the scheduler.
+    one = ECStoreWorkerMetadata(saved={A: 1}, loaded=[("r1", A)], stats={"loads": 1, "saves": 1})
+    two = ECStoreWorkerMetadata(saved={B: 2}, loaded=[("r1", A), ("r2", B)], evicted=[C],
+                                failed=[("r9", C, "bad")], cleared=[B], stats={"loads": 2})
+    agg = one.aggregate(two)
+    assert agg.saved == {A: 1, B: 2} and agg.loaded == [("r1", A), ("r2", B)]
+    assert agg.evicted == [C] and agg.failed == [("r9", C, "bad")] and agg.cleared == [B]
+    assert agg.stats == {"loads": 3, "saves": 1}
+    assert ECStoreWorkerMetadata().is_empty() and not agg.is_empty()
+
+
+def test_computed_items_are_not_announced(connectors, disk_extra):
+    """update_state_after_alloc announces only items has_cache_item said yes
+    to; an item present in the store that vLLM computes anyway (it never
+    asked, or asked before the entry existed) is not loaded on top."""
+    sched, _ = connectors("ec_both", disk_extra)
+    req = vo.make_request("r1", [A, B])
+    assert sched.has_cache_item(A) is False  # absent at lookup time
+    seed_store(sched, {A: embedding(1), B: embedding(2)})  # appears meanwhile
+    sched.update_state_after_alloc(req, 0)
+    sched.update_state_after_alloc(req, 1)  # never asked
+    meta = sched.build_connector_meta(empty_output())
+    assert meta.loads == []
+    red = sched.get_ec_connector_stats().reduce()
+    assert (red["hits"], red["misses"]) == (0, 2)
+    assert leased(sched, A, B) == set()
+
+
+def test_unallocated_yes_is_released(connectors, disk_extra):
+    """has_cache_item said yes but vLLM did not allocate (no room this
+    step): the pin is dropped when the step's metadata is built."""
+    sched, _ = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    assert sched.has_cache_item(A) and sched.has_cache_item(A)  # asked twice: one pin
+    assert leased(sched, A) == {A}
+    meta = sched.build_connector_meta(empty_output())
+    assert meta.loads == []
+    assert leased(sched, A) == set()
+
+
+def test_producer_never_loads(connectors, disk_extra, caplog):
+    sched, worker = connectors("ec_producer", disk_extra)
+    t_a = embedding(1)
+    seed_store(sched, {A: t_a})
+    before = snapshot(sched)
+    caplog.clear()
+    req = vo.make_request("r1", [A, B])
+    assert sched.has_cache_item(A) is False  # present, but a producer computes
+    assert leased(sched, A) == set()
+    sched.update_state_after_alloc(req, 0)
+    sched.update_state_after_alloc(req, 1)
+    meta = sched.build_connector_meta(empty_output())
+    assert meta.loads == []
+    assert sched.get_ec_connector_stats() is None
+
+    # Even a load announced by someone else is not performed.
+    cache: dict[str, torch.Tensor] = {}
+    stray = ECStoreConnectorMetadata(loads=[LoadSpec("r1", A, *SHAPE)])
+    worker.bind_connector_metadata(stray)
+    worker.start_load_caches(cache)
+    worker.clear_connector_metadata()
+    assert cache == {}
+
+    # It saves what it computes; a present key is skipped (entry untouched).
+    wm = worker_step(worker, meta, cache, computed={A: embedding(7), B: embedding(2)})
+    assert wm.saved == {B: NBYTES} and wm.stats["save_skipped"] == 1 and wm.stats["saves"] == 1
+    worker.worker_side.store.flush()
+    after = snapshot(sched)
+    assert after[A] == before[A] and set(after) == {A, B}
+    assert put_lines(caplog) == [f"EC put: stored {NBYTES} bytes for mm_hash={B}"]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["empty-store", "existing-store"])
+def test_consumer_never_writes(connectors, disk_extra, caplog, seeded):
+    sched, worker = connectors("ec_consumer", disk_extra)
+    t_a = embedding(1)
+    if seeded:
+        seed_store(sched, {A: t_a})
+    before = snapshot(sched)
+    caplog.clear()
+    req = vo.make_request("r1", [A, B])
+    assert sched.has_cache_item(A) is seeded
+    assert sched.has_cache_item(B) is False
+    sched.update_state_after_alloc(req, 0)
+    sched.update_state_after_alloc(req, 1)
+    meta = sched.build_connector_meta(empty_output())
+    cache: dict[str, torch.Tensor] = {}
+    computed = {B: embedding(2)} if seeded else {A: embedding(1), B: embedding(2)}
+    wm = worker_step(worker, meta, cache, computed=computed)
+    if seeded:
+        assert torch.equal(cache[A], t_a) and wm.loaded == [("r1", A)]
+    assert wm is None or (wm.saved == {} and "saves" not in wm.stats)
+    worker.worker_side.store.flush()
+    assert snapshot(sched) == before  # no entry added, none rewritten
+    assert put_lines(caplog) == []
+    if wm is not None:
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert leased(sched, A, B) == set()
+
+
+# --------------------------------------------------------------------------- leases
+def test_aborted_request_releases_its_lease(connectors, disk_extra):
+    sched, _ = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    r1, r2 = vo.make_request("r1", [A]), vo.make_request("r2", [A])
+    assert sched.has_cache_item(A)
+    sched.update_state_after_alloc(r1, 0)
+    sched.build_connector_meta(empty_output())
+    # Next step, before r1's load was reported, r2 needs the same entry.
+    assert sched.has_cache_item(A)
+    sched.update_state_after_alloc(r2, 0)
+    meta = sched.build_connector_meta(empty_output())
+    assert [s.req_id for s in meta.loads] == ["r2"]
+    assert leased(sched, A) == {A}
+
+    r2.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(r2) == (False, None)
+    assert leased(sched, A) == {A}  # r1 still holds its own pin
+    r1.status = RequestStatus.FINISHED_ABORTED
+    sched.request_finished(r1)
+    assert leased(sched, A) == set()
+    # A late "loaded" report for them changes nothing.
+    sched.update_connector_output(ECConnectorOutput(
+        ec_connector_worker_meta=ECStoreWorkerMetadata(loaded=[("r1", A), ("r2", A)])))
+    assert leased(sched, A) == set()
+
+
+def test_each_announced_load_holds_its_own_lease(connectors, disk_extra):
+    """With async scheduling vLLM schedules step N+1 before step N's output
+    arrives: r2's load of A may be announced before r1's is reported. r1's
+    report must not drop the pin r2's pending load relies on."""
+    sched, worker = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    assert sched.has_cache_item(A)
+    sched.update_state_after_alloc(vo.make_request("r1", [A]), 0)
+    meta1 = sched.build_connector_meta(empty_output())
+    assert sched.has_cache_item(A)
+    sched.update_state_after_alloc(vo.make_request("r2", [A]), 0)
+    meta2 = sched.build_connector_meta(empty_output())
+    wm1 = worker_step(worker, meta1, {})
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm1))
+    assert leased(sched, A) == {A}  # r2's load has not run yet
+    wm2 = worker_step(worker, meta2, {})
+    assert wm2.loaded == [("r2", A)]
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm2))
+    assert leased(sched, A) == set()
+
+
+def test_shutdown_releases_pending_leases(connectors, disk_extra):
+    sched, _ = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1), B: embedding(2)})
+    assert sched.has_cache_item(A) and sched.has_cache_item(B)
+    sched.update_state_after_alloc(vo.make_request("r1", [A]), 0)
+    assert leased(sched, A, B) == {A, B}
+    sched.shutdown()
+    assert leased(sched, A, B) == set()
+
+
+# --------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("damage", ["corrupt-blob", "wrong-shape"])
+def test_unloadable_entry_gets_stand_in_and_fails_request(connectors, disk_extra, caplog, damage):
+    """An announced entry that cannot be loaded: the worker inserts a zero
+    stand-in (vLLM would crash with "Encoder cache miss" otherwise), the
+    scheduler side fails the request through take_unavailable_requests, and
+    later requests are not served the stand-in from vLLM's encoder cache."""
+    sched, worker = connectors("ec_both", disk_extra)
+    if damage == "corrupt-blob":
+        seed_store(sched, {A: embedding(1)})
+        corrupt(sched, A)
+    else:
+        seed_store(sched, {A: embedding(1, (16, vo.EMBED_WIDTH))})
+    req = vo.make_request("r1", [A])
+    assert sched.has_cache_item(A)  # present; damage shows only when read
+    sched.update_state_after_alloc(req, 0)
+    meta = sched.build_connector_meta(empty_output())
+
+    cache: dict[str, torch.Tensor] = {}
+    wm = worker_step(worker, meta, cache)  # must not raise
+    assert cache[A].shape == SHAPE and cache[A].dtype == torch.float32
+    assert not cache[A].any()
+    assert wm.loaded == [] and [f[:2] for f in wm.failed] == [("r1", A)]
+    assert wm.stats["load_failures"] == 1
+
+    assert sched.take_unavailable_requests() == set()
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert sched.take_unavailable_requests() == {"r1"}
+    assert sched.take_unavailable_requests() == set()
+    assert leased(sched, A) == set()
+    assert sched.get_ec_connector_stats().reduce()["load_failures"] == 1
+    assert any("could not load encoder output" in r.getMessage() for r in caplog.records)
+
+    # vLLM's encoder cache now holds the stand-in under A and would serve it
+    # to the next request with A without asking the connector: fail those.
+    r2 = vo.make_request("r2", [A])
+    assert sched.ensure_cache_available(r2, 0) is False
+    assert sched.take_unavailable_requests() == {"r2"}
+    assert sched.ensure_cache_available(vo.make_request("r3", [B]), 0) is True
+    # Once vLLM frees A (free_encoder_mm_hashes), A is looked up afresh.
+    sched.build_connector_meta(empty_output(free_encoder_mm_hashes=[A]))
+    assert sched.ensure_cache_available(vo.make_request("r4", [A]), 0) is True
+    if damage == "corrupt-blob":
+        assert sched.has_cache_item(A) is False  # the corrupt entry was dropped
+
+
+def test_stand_in_gone_from_vllms_cache_unblocks_the_item(connectors, disk_extra):
+    """vLLM can drop the stand-in without listing it in free_encoder_mm_hashes
+    (``reset_encoder_cache`` clears scheduler and runner caches): the worker
+    notices it is gone and reports it, and the item is usable again."""
+    sched, worker = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    corrupt(sched, A)
+    assert sched.has_cache_item(A)
+    sched.update_state_after_alloc(vo.make_request("r1", [A]), 0)
+    cache: dict[str, torch.Tensor] = {}
+    wm = worker_step(worker, sched.build_connector_meta(empty_output()), cache)
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert sched.take_unavailable_requests() == {"r1"}
+
+    wm = worker_step(worker, sched.build_connector_meta(empty_output()), cache)
+    assert wm is None  # stand-in still in vLLM's cache: nothing to report
+    assert sched.ensure_cache_available(vo.make_request("r2", [A]), 0) is False
+    cache.clear()  # what the model runner's reset_encoder_cache does
+    wm = worker_step(worker, sched.build_connector_meta(empty_output()), cache)
+    assert wm.cleared == [A]
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert sched.take_unavailable_requests() == {"r2"}
+    assert sched.ensure_cache_available(vo.make_request("r3", [A]), 0) is True
+    assert sched.take_unavailable_requests() == set()
+
+
+# --------------------------------------------------------------------------- memory only
+def test_memory_only_mirror_limbo_and_acks(connectors):
+    """No local_disk: entries live in the worker's memory tier; the scheduler
+    mirrors the worker's saved/evicted reports. An entry evicted after a
+    load was announced stays loadable (limbo) until the scheduler acks."""
+    extra = {"local_disk": None, "local_cpu": True, "max_local_cpu_size": gib(2 * NBYTES)}
+    sched, worker = connectors("ec_both", extra)
+    assert sched.config.local_disk is None and worker.worker_side.store.disk is None
+    t_a, t_b, t_c = embedding(1), embedding(2), embedding(3)
+    assert sched.has_cache_item(A) is False
+
+    # Step 1: A and B computed and saved; the scheduler learns of them.
+    r1 = vo.make_request("r1", [A, B])
+    sched.update_state_after_alloc(r1, 0)
+    sched.update_state_after_alloc(r1, 1)
+    wm1 = worker_step(worker, sched.build_connector_meta(empty_output()), {}, {A: t_a, B: t_b})
+    assert wm1.saved == {A: NBYTES, B: NBYTES}
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm1))
+    assert sched.has_cache_item(A) and sched.has_cache_item(B)
+
+    # Step 2: r2 needs A -> load announced (meta2).
+    sched.update_state_after_alloc(vo.make_request("r2", [A]), 0)
+    meta2 = sched.build_connector_meta(empty_output())
+    assert [s.identifier for s in meta2.loads] == [A]
+
+    # Meanwhile the worker saves C, which evicts A (LRU) from its memory tier.
+    wm_c = worker_step(worker, ECStoreConnectorMetadata(), {}, {C: t_c})
+    assert wm_c.evicted == [A] and wm_c.stats["evictions"] == 1
+    # The announced load still succeeds: A waits in limbo until acked.
+    cache: dict[str, torch.Tensor] = {}
+    wm2 = worker_step(worker, meta2, cache)
+    assert torch.equal(cache[A], t_a) and wm2.loaded == [("r2", A)] and wm2.failed == []
+
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm_c))
+    # Evicted: no new load of A, even while r2's load is not reported yet
+    # (the worker frees A once acked, so a later load would find nothing).
+    assert sched.has_cache_item(A) is False and sched.has_cache_item(C) is True
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm2))
+    assert sched.has_cache_item(A) is False
+    meta3 = sched.build_connector_meta(empty_output())
+    assert meta3.acks == [A] and meta3.loads == []
+    assert A in worker.worker_side._limbo
+    worker_step(worker, meta3, {})
+    assert A not in worker.worker_side._limbo  # freed only after the ack
+
+    red = sched.get_ec_connector_stats().reduce()
+    assert (red["hits"], red["misses"], red["loads"], red["saves"], red["evictions"]) == (1, 2, 1, 3, 1)
+
+
+def test_memory_only_producer_keeps_no_evicted_tensors(connectors):
+    """A producer never loads, so nothing it evicts is parked for a load."""
+    extra = {"local_disk": None, "local_cpu": True, "max_local_cpu_size": gib(2 * NBYTES)}
+    sched, worker = connectors("ec_producer", extra)
+    computed = {ident: embedding(i) for i, ident in enumerate([A, B, C, "img-d" * 4])}
+    wm = worker_step(worker, sched.build_connector_meta(empty_output()), {}, computed)
+    assert wm.evicted == [A, B] and wm.stats["evictions"] == 2
+    assert worker.worker_side._limbo == {}
+    assert worker.worker_side.store.stats().memory_entries == 2
+
+
+# --------------------------------------------------------------------------- config, stats, metrics
+def test_extra_config_and_config_file(connectors, tmp_path):
+    yaml_file = tmp_path / "lmcache.yaml"
+    yaml_file.write_text(f"chunk_size: 256\nec_local_disk: {tmp_path / 'from-yaml'}\n"
+                         "ec_max_local_disk_size: 0.02\nec_lease_seconds: 30\n")
+    sched, worker = connectors("ec_both", {"config_file": str(yaml_file), "lease_seconds": 45})
+    for conn in (sched, worker):
+        cfg = conn.config
+        assert cfg.local_disk == str(tmp_path / "from-yaml")
+        assert cfg.max_local_disk_size == 0.02 and cfg.lease_seconds == 45
+        assert cfg.source_of("lease_seconds") == "override lease_seconds"
+        assert cfg.config_file == str(yaml_file)
+    assert config_from_vllm(sched._vllm_config) == sched.config
+    assert (tmp_path / "from-yaml" / "data.mdb").exists()
+
+
+def test_stats_reduce_aggregate_and_vllm_logging(tiny_model_dir, disk_extra):
+    data = {"hits": 3, "misses": 1, "loads": 3, "saves": 1, "save_skipped": 2,
+            "bytes_loaded": 3 * NBYTES, "bytes_saved": NBYTES, "load_seconds": 0.002,
+            "save_seconds": 0.001, "evictions": 4, "load_failures": 0}
+    stats = ECStoreConnector.build_ec_connector_stats(data)
+    assert isinstance(stats, ECStoreConnectorStats) and not stats.is_empty()
+    assert stats.reduce() == {
+        "hits": 3, "misses": 1, "hit_rate": 0.75, "loads": 3, "load_failures": 0, "saves": 1,
+        "save_skipped": 2, "MB_loaded": round(3 * NBYTES / 1e6, 3), "MB_saved": round(NBYTES / 1e6, 3),
+        "load_ms": 2.0, "save_ms": 1.0, "evictions": 4}
+    both = stats.aggregate(ECStoreConnector.build_ec_connector_stats({"hits": 1, "misses": 3}))
+    assert (both.reduce()["hits"], both.reduce()["misses"], both.reduce()["hit_rate"]) == (4, 4, 0.5)
+    assert stats.data["hits"] == 3  # aggregate does not modify its inputs
+    assert ECStoreConnector.build_ec_connector_stats(None).is_empty()
+    assert ECStoreConnector.build_ec_connector_stats({}).reduce()["hit_rate"] == 0.0
+
+    # vLLM's own stat-logging path resolves the class by module path.
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", disk_extra)
+    logging_ = ECConnectorLogging(cfg.ec_transfer_config)
+    logging_.observe(data)
+    logging_.observe({"hits": 1, "misses": 3})
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert lines and lines[0].startswith("EC Transfer metrics: hits=4, misses=4, hit_rate=0.5, loads=3")
+    lines.clear()
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert lines == []  # reset after logging
+
+
+def test_prometheus_counters(tiny_model_dir, disk_extra):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("registry", registry)
+                super().__init__(*args, **kwargs)
+        return Bound
+
+    class Prom(ECConnectorProm):  # vLLM's per-connector Prometheus hook, on our registry
+        _gauge_cls, _counter_cls, _histogram_cls = bound(Gauge), bound(Counter), bound(Histogram)
+
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", disk_extra)
+    prom = Prom(cfg, ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    assert isinstance(prom.prom_metrics, ECStorePromMetrics)
+    names = {m.name for m in registry.collect()}
+    assert {"vllm:ec_store_hits", "vllm:ec_store_misses", "vllm:ec_store_loads",
+            "vllm:ec_store_saves", "vllm:ec_store_loaded_bytes", "vllm:ec_store_evictions"} <= names
+
+    def value(name, engine="0"):
+        return registry.get_sample_value(f"vllm:ec_store_{name}_total",
+                                         {"model_name": "tiny", "engine": engine})
+
+    assert value("hits") == 0.0
+    prom.observe({"hits": 2, "misses": 1, "loads": 2, "bytes_loaded": 2 * NBYTES}, engine_idx=0)
+    prom.observe({"hits": 1, "saves": 1, "bytes_saved": NBYTES}, engine_idx=0)
+    prom.observe({"hits": 5}, engine_idx=1)
+    assert (value("hits"), value("misses"), value("loads"), value("saves")) == (3, 1, 2, 1)
+    assert value("loaded_bytes") == 2 * NBYTES and value("saved_bytes") == NBYTES
+    assert value("hits", engine="1") == 5
+
+
+def test_console_logging_handler_is_attached_once(monkeypatch):
+    """Without any logging configured (vLLM's default leaves the root logger
+    bare), ecstore attaches one console handler so INFO lines show."""
+    from ecstore.connector.logs import ensure_console_logging
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+
+    logger, root = logging.getLogger("ecstore"), logging.getLogger()
+    saved = (logger.handlers[:], logger.level, logger.propagate, root.handlers[:])
+    try:
+        logger.handlers[:] = []
+        root.handlers[:] = []
+        ensure_console_logging()
+        ensure_console_logging()
+        assert len(logger.handlers) == 1 and logger.level == logging.INFO and not logger.propagate
+    finally:
+        logger.handlers[:], root.handlers[:] = saved[0], saved[3]
+        logger.setLevel(saved[1])
+        logger.propagate = saved[2]
+
+
+def test_consumer_only_trusts_the_stored_width(connectors, disk_extra):
+    """A consumer-only instance has no measured encoder output width (vLLM
+    measures it on producers only): the load keeps the stored width and
+    checks rows and dtype; a row-count mismatch still fails the request."""
+    sched, worker = connectors("ec_consumer", disk_extra)
+    wide = embedding(1, (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH * 3))  # e.g. deepstack outputs
+    short = embedding(2, (vo.EMBEDS_PER_IMAGE // 2, vo.EMBED_WIDTH))
+    seed_store(sched, {A: wide, B: short})
+    req = vo.make_request("r1", [A, B])
+    assert sched.has_cache_item(A) and sched.has_cache_item(B)
+    sched.update_state_after_alloc(req, 0)
+    sched.update_state_after_alloc(req, 1)
+    meta = sched.build_connector_meta(empty_output())
+    assert [s.width for s in meta.loads] == [None, None]
+    cache: dict[str, torch.Tensor] = {}
+    wm = worker_step(worker, meta, cache, computed={})
+    assert torch.equal(cache[A], wide)
+    assert wm.loaded == [("r1", A)]
+    assert [(r, i) for r, i, _ in wm.failed] == [("r1", B)]
+    assert tuple(cache[B].shape) == (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)  # stand-in, LM width
