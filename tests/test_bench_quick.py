@@ -1,0 +1,116 @@
+"""Keep the benchmark harness working: ``tools/bench.py --quick`` end to end.
+
+Runs the harness as a subprocess (as a user would) into a temporary output
+directory and checks that it produced its three files and a number for
+every measurement and every target. It never asserts a timing: CI machines
+are shared and noisy; the numbers themselves are for people to read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "tools" / "bench.py"
+
+SECTIONS = {"floor", "save", "hit", "write", "contains", "footprint", "mixed"}
+TARGETS = {
+    "save in model step ≤ 1.5× memcpy",
+    "save ≥ 5× cheaper than ECExampleConnector",
+    "memory-tier hit ≤ 0.1 ms",
+    "LMDB-tier warm hit ≤ 1.0× memcpy",
+    "durable write ≥ 1 GB/s",
+    "durable write ≥ raw-file peer (fsync)",
+    "contains p50 ≤ 10 µs at 1 M entries",
+    "LMDB file ≤ 1.25× max_local_disk_size after churn",
+}
+# Systems every quick run must measure (peers included), per section.
+EXPECTED = {
+    "floor": {"memcpy", "xxh3_64"},
+    "save": {"ecstore connector", "ECExampleConnector", "raw files (fsync)", "raw files (no fsync)", "diskcache"},
+    "hit": {"ecstore get (memory tier)", "ecstore get (LMDB, warm)", "ecstore get (LMDB, cold)",
+            "ecstore connector load (memory tier)", "ecstore connector load (LMDB, warm)",
+            "ECExampleConnector load (warm)", "ECExampleConnector load (cold)",
+            "raw files get (warm)", "raw files get (cold)", "diskcache get (warm)", "diskcache get (cold)"},
+    "write": {"device floor: one file + fdatasync", "ecstore put+flush", "raw files (fsync)",
+              "raw files (no fsync)", "ECExampleConnector", "diskcache"},
+    "contains": {"ecstore contains (hit)", "ecstore contains (miss)", "ecstore pin_if_present+release (hit)",
+                 "ecstore connector has_cache_item (hit)", "raw files contains (hit)", "diskcache `in` (hit)",
+                 "ECExampleConnector has_cache_item (hit)"},
+    "footprint": {"ecstore (no flush, as the connector)", "ecstore (flush every cap)", "raw files (LRU)",
+                  "diskcache (LRU, size_limit)"},
+    "mixed": {"ecstore connector", "raw files (fsync)", "raw files (no fsync)", "diskcache", "ECExampleConnector"},
+}
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, str]:
+    pytest.importorskip("vllm")
+    pytest.importorskip("diskcache")
+    pytest.importorskip("matplotlib")
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "out"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out), "--workdir", str(tmp),
+         "--model-dir", str(tiny_model_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    log = proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    return out, log
+
+
+def test_outputs_exist(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    for name in ("bench.json", "bench.md", "bench.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
+    assert "## Targets" in md and "load average" in md
+
+
+def test_every_measurement_has_a_number(quick_run: tuple[Path, str]) -> None:
+    out, log = quick_run
+    res = json.loads((out / "bench.json").read_text())
+    assert res["meta"]["quick"] is True
+    assert res["meta"]["errors"] == [], res["meta"]["errors"]
+    assert len(res["meta"]["loadavg_before"]) == 3 and len(res["meta"]["loadavg_after"]) == 3
+    rows = res["rows"]
+    assert {r["section"] for r in rows} == SECTIONS
+    for row in rows:
+        where = f"{row['section']}/{row.get('workload')}/{row['system']}"
+        assert row["n"] > 0, where
+        for key in ("median", "p10", "p90", "min", "max"):
+            assert _finite(row[key]), (where, key, row[key])
+    for section, systems in EXPECTED.items():
+        got = {r["system"] for r in rows if r["section"] == section}
+        assert systems <= got, (section, systems - got)
+    # each timed section covers every workload
+    workloads = {w["name"] for w in res["workloads"]}
+    for section in ("floor", "save", "hit", "write"):
+        assert {r["workload"] for r in rows if r["section"] == section} == workloads, section
+    # quick mode stays within 10 k entries
+    assert max(r["entries"] for r in rows if r["section"] == "contains") <= 10_000
+
+
+def test_every_target_is_evaluated(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    res = json.loads((out / "bench.json").read_text())
+    targets = res["targets"]
+    assert {t["target"] for t in targets} == TARGETS
+    for t in targets:
+        assert _finite(t["measured"]), t
+        assert _finite(t["ratio"]), t
+        assert isinstance(t["met"], bool), t
