@@ -104,20 +104,50 @@ def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
     return 8 + len(_header_bytes(tensor, identifier, model)) + tensor_nbytes(tensor)
 
 
-def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> bytearray:
-    """Serialize a contiguous CPU tensor into a safetensors blob (one copy)."""
+#: A blob under construction: a writable, C-contiguous uint8 numpy array (any
+#: bytes-like object is accepted where blobs are read).
+Blob = np.ndarray
+
+
+def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> Blob:
+    """Serialize a tensor into a safetensors blob with exactly one copy of its
+    data: from any device and any strides straight into the blob.
+
+    The blob's memory comes from torch's allocator, not ``bytearray(n)``:
+    that would zero-fill every page before the copy writes it again (a
+    second pass over 100+ MB), and numpy's allocator asks for huge pages,
+    which costs compaction stalls on machines with THP in ``madvise`` mode.
+    """
     nbytes = tensor_nbytes(tensor)
     hbytes = _header_bytes(tensor, identifier, model)
     off = 8 + len(hbytes)
-    blob = bytearray(off + nbytes)
+    blob = torch.empty(off + nbytes, dtype=torch.uint8).numpy()
     struct.pack_into("<Q", blob, 0, len(hbytes))
-    blob[8:off] = hbytes
+    blob[8:off] = np.frombuffer(hbytes, dtype=np.uint8)
     if nbytes:
         # torch's copy releases the GIL (numpy's does not): the background
         # writer encoding a 100 MB blob must not stall the model-runner thread.
-        torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=off).copy_(
-            tensor.reshape(-1).view(torch.uint8))
+        blob_tensor(blob, off, tensor.dtype, tuple(tensor.shape)).copy_(tensor.detach())
     return blob
+
+
+def blob_tensor(blob: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing the data of a writable blob (no copy; keeps it alive)."""
+    count = tensor_nbytes_of(dtype, shape)
+    raw = torch.frombuffer(blob, dtype=torch.uint8, count=count, offset=offset)
+    return raw.view(dtype).view(shape) if dtype != torch.uint8 else raw.view(shape)
+
+
+def tensor_nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def blob_data_offset(blob: Any) -> int:
+    """Offset of the tensor data in a blob (after the length and header)."""
+    return 8 + struct.unpack_from("<Q", blob, 0)[0]
 
 
 @dataclass(frozen=True)

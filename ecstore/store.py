@@ -11,7 +11,9 @@ Threading: every public method may be called from any thread, concurrently
 with the background writer. Processes: each process has its own memory tier
 and pending map; the LMDB tier is shared, so an entry committed by one
 process is visible to ``contains``/``get`` in every other. A handle must not
-be used in a child after ``fork()`` (ForkedStoreError): open a new one there.
+be used in a child after ``fork()`` (ForkedStoreError), and a forked child
+cannot reopen a directory its parent had open (StoreOpenError): processes
+that need the store should be started with ``spawn``/``forkserver``.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ log = logging.getLogger("ecstore")
 #: Upper bound of a typical safetensors header (informational: put sizes each
 #: blob exactly with codec.blob_size).
 HEADER_ESTIMATE = 1024
-#: The writer commits at most this many bytes of blobs per transaction.
+#: The writer commits at most this many bytes of blobs per transaction, and
+#: at most an eighth of the disk cap (a batch near the cap would have to evict
+#: the very entries it just wrote, and fragments the map).
 MAX_BATCH_BYTES = 256 << 20
+#: LRU updates from reads are written with the next batch of puts, or after
+#: this many seconds (or at flush): a burst of hits costs one commit, not one
+#: fsync'd commit each.
+TOUCH_DELAY_S = 1.0
 
 
 @dataclass
@@ -84,6 +92,7 @@ class _Pending:
     nbytes: int
     mm_hash: str
     touch_hits: int = 0
+    blob: codec.Blob | None = None  # already encoded (None: the writer encodes)
     order: int = 0  # position among this handle's puts and touches (writer ticket)
 
 
@@ -94,10 +103,13 @@ class _Writer(threading.Thread):
     would exceed ``max_bytes`` (back-pressure, not unbounded memory).
     """
 
-    def __init__(self, store: "ECStore", max_bytes: int) -> None:
+    def __init__(self, store: "ECStore", max_bytes: int, batch_bytes: int = MAX_BATCH_BYTES) -> None:
         super().__init__(name="ecstore-writer", daemon=True)
         self.store_ref = weakref.ref(store)
         self.max_bytes = max_bytes
+        self.batch_bytes = batch_bytes
+        self.touch_since = 0.0  # monotonic time of the oldest unwritten LRU touch
+        self.drainers = 0  # threads waiting in drain()
         self.cv = threading.Condition()
         self.queue: OrderedDict[str, _Pending] = OrderedDict()  # key -> not yet written
         self.inflight: dict[str, _Pending] = {}  # key -> being written now
@@ -132,8 +144,11 @@ class _Writer(threading.Thread):
                 orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
             else:
                 orders = orders + (self.ticket,)
+            if not self.touches:
+                self.touch_since = time.monotonic()
             self.touches[key] = (identifier, hits + 1, time.time_ns(), orders)
-            self.cv.notify_all()
+            # No wake-up: touches ride along with the next put batch, or go
+            # alone after TOUCH_DELAY_S (each commit is an fsync).
 
     def identifier_at(self, key: str) -> str | None:
         with self.cv:
@@ -166,9 +181,13 @@ class _Writer(threading.Thread):
     def drain(self) -> None:
         """Block until everything queued before the call has been written."""
         with self.cv:
-            while self.queue or self.inflight or self.touches or self.busy:
-                self.cv.notify_all()
-                self.cv.wait()
+            self.drainers += 1
+            try:
+                while self.queue or self.inflight or self.touches or self.busy:
+                    self.cv.notify_all()
+                    self.cv.wait()
+            finally:
+                self.drainers -= 1
 
     def _split_touches(self) -> tuple[dict[str, tuple], dict[str, tuple]]:
         """(reads for this batch, reads to keep): when puts stay queued for a
@@ -196,14 +215,20 @@ class _Writer(threading.Thread):
     def run(self) -> None:
         while True:
             with self.cv:
-                while not (self.queue or self.touches or self.stopping):
-                    self.cv.wait()
+                while not (self.queue or self.stopping or (self.touches and self.drainers)):
+                    if not self.touches:
+                        self.cv.wait()
+                        continue
+                    due = self.touch_since + TOUCH_DELAY_S - time.monotonic()
+                    if due <= 0:
+                        break
+                    self.cv.wait(due)
                 if self.stopping and not (self.queue or self.touches):
                     self.cv.notify_all()
                     return
                 batch: list[tuple[str, _Pending]] = []
                 size = 0
-                while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= MAX_BATCH_BYTES):
+                while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
                     key, item = self.queue.popitem(last=False)
                     batch.append((key, item))
                     size += item.nbytes
@@ -265,7 +290,8 @@ class ECStore:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes)
             if not readonly:
-                self._writer = _Writer(self, config.write_queue_bytes)
+                self._writer = _Writer(self, config.write_queue_bytes,
+                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)))
                 self._writer.start()
 
     # ----------------------------------------------------------------- basics
@@ -283,7 +309,8 @@ class ECStore:
         if os.getpid() != self._pid:
             raise ForkedStoreError(
                 f"this ECStore was opened in process {self._pid} and used in forked child "
-                f"{os.getpid()}; open a new ECStore in the child"
+                f"{os.getpid()}; open stores in the child process itself (a forked child cannot reopen a "
+                f"directory its parent had open: start such processes with spawn/forkserver)"
             )
         if self._closed:
             raise ECStoreError("store is closed")
@@ -402,17 +429,21 @@ class ECStore:
             with self._lock:
                 self._stats.puts_refused += 1
             return False
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            cpu = tensor.detach().to("cpu", copy=False).contiguous()
-            if cpu.data_ptr() == tensor.data_ptr() and copy:
-                cpu = cpu.clone()
+        blob = None
+        if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            # The one copy: straight from the caller's tensor (any device or
+            # strides) into its safetensors blob. The memory tier and pending
+            # write hold a view of the blob's data, and the writer stores the
+            # blob as is: no second copy to encode it later.
+            blob = codec.encode(tensor, identifier=mm_hash, model=self.model)
+            cpu = codec.blob_tensor(blob, codec.blob_data_offset(blob), tensor.dtype, tuple(tensor.shape))
         else:
-            cpu = tensor.detach().clone() if copy else tensor.detach()
+            cpu = tensor.detach()  # handed over: encoded by the writer
         stored_in_memory = fits_memory and self.memory is not None and self.memory.put(key, mm_hash, cpu, nbytes)
         with self._lock:
             self._stats.puts += 1
         if self._writer is not None and fits_disk:
-            self._writer.submit(key, _Pending(mm_hash, cpu, nbytes, mm_hash))
+            self._writer.submit(key, _Pending(mm_hash, cpu, nbytes, mm_hash, blob=blob))
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         return True
@@ -420,7 +451,8 @@ class ECStore:
     def _write(self, batch: list[tuple[str, _Pending]], touches: dict[str, tuple]) -> None:
         """Writer-thread side of put: one LMDB transaction for the batch."""
         assert self.disk is not None
-        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, order=it.order) for key, it in batch]
+        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
+                for key, it in batch]
         try:
             self.disk.write_batch(reqs, touches)
         except ECStoreError as e:  # disk full, map full, schema changed underneath

@@ -209,7 +209,7 @@ def test_corrupted_blob_raises_corrupt_blob_error(dtype):
     blob = codec.encode(t, identifier="img", model=MODEL)
     good = codec.checksum(blob)
     seen = 0
-    for name, bad, header_ok in _corruptions(blob):
+    for name, bad, header_ok in _corruptions(bytearray(blob)):
         with pytest.raises(CorruptBlobError):
             codec.decode(bad, expected_checksum=good)
         if not header_ok:  # caught by the header checks alone

@@ -11,7 +11,7 @@ Runs in each worker process, called from the model-runner thread.
   has left that cache (vLLM freed or reset it) the worker reports it
   ``cleared``.
 * ``save_caches`` copies the new encoder output off the device once (into
-  pinned memory on CUDA) and hands it to the store, whose background writer
+  its safetensors blob) and hands it to the store, whose background writer
   does the LMDB write. With tensor parallelism only rank 0 writes to disk;
   every rank of a memory-only store keeps its own copy (no I/O).
 """
@@ -146,13 +146,9 @@ class WorkerSide:
             if self.store.contains(mm_hash):
                 self._count("save_skipped")
                 return
-            if tensor.device.type == "cuda":
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                host.copy_(tensor)
-                stored = self.store.put(mm_hash, host, copy=False)
-            else:
-                # A view into the batch's output: copy so we do not keep the batch alive.
-                stored = self.store.put(mm_hash, tensor, copy=True)
+            # One copy, straight off the device (or out of the batch's output,
+            # which the tensor is a view of) into the entry's safetensors blob.
+            stored = self.store.put(mm_hash, tensor, copy=True)
         except ECStoreError as e:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return
