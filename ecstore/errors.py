@@ -43,5 +43,7 @@ class StoreFullError(ECStoreError):
 class ForkedStoreError(ECStoreError):
     """A store handle opened in one process was used in a forked child.
 
-    LMDB environments must never be shared across ``fork()``: open a new
-    :class:`ecstore.ECStore` in the child instead."""
+    LMDB environments must never be shared across ``fork()``. A forked child
+    cannot reopen a directory its parent had open either (StoreOpenError):
+    give processes that need the store their own start (``spawn`` or
+    ``forkserver``), or open the store in the parent only after forking."""

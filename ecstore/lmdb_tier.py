@@ -34,15 +34,20 @@ Design notes
   one environment per directory is shared by all handles (LMDB forbids
   opening the same file twice in a process); every method is thread-safe.
   An environment must never be used across ``fork()``: the child gets
-  ForkedStoreError and must open its own store.
+  ForkedStoreError. A forked child cannot open the same directory either
+  while the parent had it open (py-lmdb refuses a second environment on the
+  same files, and closing the inherited one may hang): StoreOpenError says
+  so; use processes started with ``spawn``/``forkserver`` for that.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -96,7 +101,7 @@ class PutRequest:
     identifier: str
     model: str
     tensor: torch.Tensor  # contiguous, CPU
-    blob: bytearray | None = None
+    blob: codec.Blob | None = None
     result: str = "pending"  # "stored" | "present" | "collision" | "failed"
     error: BaseException | None = None
     #: Position of this put among the puts and touches of a batch (see
@@ -109,6 +114,9 @@ class _SharedEnv:
 
     _lock = threading.Lock()
     _open: dict[str, "_SharedEnv"] = {}
+    #: Directories whose environment this process inherited across fork()
+    #: (path -> pid of the process that opened it).
+    _inherited: dict[str, int] = {}
 
     def __init__(self, path: str, env: lmdb.Environment, leases: lmdb.Environment | None, readonly: bool):
         self.path = path
@@ -126,6 +134,7 @@ class _SharedEnv:
             shared = cls._open.get(real)
             if shared is not None and shared.pid != os.getpid():
                 cls._open.pop(real)  # inherited across fork: never touch it here
+                cls._inherited[real] = shared.pid
                 shared = None
             if shared is not None:
                 if shared.readonly and not readonly:
@@ -134,10 +143,30 @@ class _SharedEnv:
                     )
                 shared.refs += 1
                 return shared
-            shared = cls(real, *_open_env(real, map_size, readonly, create), readonly=readonly)
+            try:
+                opened = _open_env(real, map_size, readonly, create)
+            except StoreOpenError as e:
+                parent = cls._inherited.get(real)
+                if parent is None:
+                    raise
+                # py-lmdb refuses a second environment on the same files in one
+                # process, and closing the inherited one could hang (a write
+                # transaction of a parent thread that does not exist here).
+                raise StoreOpenError(
+                    f"{path} was open in process {parent} when it forked this process ({os.getpid()}); "
+                    f"it cannot be opened again in the forked child ({e}). Open the store in a process "
+                    f"started with 'spawn' or 'forkserver', or open it in the parent only after forking"
+                ) from None
+            shared = cls(real, *opened, readonly=readonly)
             shared.refs = 1
             cls._open[real] = shared
             return shared
+
+    def open_leases(self) -> None:
+        """Open leases.mdb (read-write environments only), once."""
+        with self._lock:
+            if self.leases is None and not self.readonly:
+                self.leases = _open_leases(self.path)
 
     def release(self) -> None:
         with self._lock:
@@ -228,10 +257,9 @@ def _open_env(path: str, map_size: int, readonly: bool, create: bool) -> tuple[l
         )
     except lmdb.Error as e:
         raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
-    leases = None
-    if not readonly:
-        leases = _open_leases(path)
-    return env, leases
+    # leases.mdb is opened by LMDBTier once the file proved to be an ecstore
+    # store (_SharedEnv.open_leases): a foreign LMDB directory gets no new files.
+    return env, None
 
 
 def _open_leases(path: str) -> lmdb.Environment:
@@ -251,6 +279,21 @@ def _open_leases(path: str) -> lmdb.Environment:
                 except FileNotFoundError:
                     pass
     raise AssertionError("unreachable")
+
+
+def _lmdb_errors_as_store_errors(method: Any) -> Any:
+    """An LMDB error escaping a public LMDBTier method (a damaged B-tree page,
+    an I/O error) becomes StoreOpenError, an ECStoreError: callers (the vLLM
+    connector) catch that family and treat it as a miss instead of meeting a
+    foreign exception type."""
+    @functools.wraps(method)
+    def wrapper(self: "LMDBTier", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except lmdb.Error as e:
+            raise StoreOpenError(f"LMDB error on store {self.path} ({type(e).__name__}: {e}); "
+                                 f"the store may be damaged: check it with ecstore-dump verify") from e
+    return wrapper
 
 
 class LMDBTier:
@@ -284,11 +327,24 @@ class LMDBTier:
                 self.env.reader_check()
             self.schema_version = schema.ensure_schema(self.env, readonly=readonly, path=path,
                                                        target=schema_target)
-            self._blobs = self.env.open_db(b"blobs", create=False)
-            self._entries = self.env.open_db(b"entries", create=False)
-            self._meta = self.env.open_db(b"meta", create=False)
-            self._lru = (self.env.open_db(b"lru", create=False)
-                         if self.schema_version >= 2 else None)
+            # On a writable environment, open_db() without a transaction
+            # takes LMDB's write lock while holding the GIL: if a writer
+            # thread of another handle in this process holds that lock and
+            # waits for the GIL, both hang, and so does every other process
+            # waiting for the lock. begin() releases the GIL while it waits.
+            # (Handles opened in a read transaction die with it: read-only
+            # environments keep the plain call, which takes no write lock.)
+            txn = None if self._shared.readonly else self._begin(write=True)
+            try:
+                self._blobs = self.env.open_db(b"blobs", txn=txn, create=False)
+                self._entries = self.env.open_db(b"entries", txn=txn, create=False)
+                self._meta = self.env.open_db(b"meta", txn=txn, create=False)
+                self._lru = (self.env.open_db(b"lru", txn=txn, create=False)
+                             if self.schema_version >= 2 else None)
+            finally:
+                if txn is not None:
+                    txn.commit()  # nothing written: makes the handles permanent
+            self._shared.open_leases()
         except lmdb.Error as e:
             self._shared.release()
             raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
@@ -306,7 +362,8 @@ class LMDBTier:
         if os.getpid() != self._pid:
             raise ForkedStoreError(
                 f"this ecstore handle was opened in process {self._pid} and used in forked child "
-                f"{os.getpid()}; open a new ECStore in the child"
+                f"{os.getpid()}; open stores in the child process itself (a forked child cannot reopen a "
+                f"directory its parent had open: start such processes with spawn/forkserver)"
             )
         if self._closed:
             raise StoreOpenError(f"store at {self.path} is closed")
@@ -348,9 +405,11 @@ class LMDBTier:
                 self._shared.release()
 
     # ------------------------------------------------------------------ reads
+    @_lmdb_errors_as_store_errors
     def contains(self, key: str, identifier: str) -> bool:
         return self.identifier_at(key) == identifier
 
+    @_lmdb_errors_as_store_errors
     def identifier_at(self, key: str) -> str | None:
         """The full identifier stored under ``key``, or None if absent."""
         self._check()
@@ -358,12 +417,14 @@ class LMDBTier:
             raw = txn.get(self._k(key), db=self._entries)
             return None if raw is None else codec.record_identifier(raw)
 
+    @_lmdb_errors_as_store_errors
     def record(self, key: str) -> Record | None:
         self._check()
         with self._begin(buffers=True) as txn:
             raw = txn.get(self._k(key), db=self._entries)
             return None if raw is None else codec.unpack_record(raw)
 
+    @_lmdb_errors_as_store_errors
     def get(self, key: str, identifier: str) -> torch.Tensor | None:
         """The stored tensor (a fresh CPU copy), or None on a miss.
 
@@ -427,12 +488,14 @@ class LMDBTier:
                 except CorruptBlobError:
                     yield k.decode("utf-8", "replace"), None
 
+    @_lmdb_errors_as_store_errors
     def blob_bytes(self, key: str) -> bytes | None:
         """A copy of an entry's raw blob (for export/verify tooling)."""
         self._check()
         with self._begin() as txn:
             return txn.get(self._k(key), db=self._blobs)
 
+    @_lmdb_errors_as_store_errors
     def lru_keys(self) -> list[str]:
         """Keys from least to most recently used."""
         self._check()
@@ -442,11 +505,13 @@ class LMDBTier:
             recs = [(codec.unpack_record(v).lru_seq, bytes(k).decode()) for k, v in txn.cursor(db=self._entries)]
         return [k for _, k in sorted(recs)]
 
+    @_lmdb_errors_as_store_errors
     def total_bytes(self) -> int:
         with self._begin() as txn:
             raw = txn.get(b"total_bytes", db=self._meta)
             return _U64.unpack(raw)[0] if raw else 0
 
+    @_lmdb_errors_as_store_errors
     def entry_count(self) -> int:
         with self._begin() as txn:
             return txn.stat(self._entries)["entries"]
@@ -471,6 +536,7 @@ class LMDBTier:
             yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru}
 
     # ----------------------------------------------------------------- leases
+    @_lmdb_errors_as_store_errors
     def lease(self, keys: list[str], ttl_s: float, pid: int | None = None) -> None:
         """Pin ``keys`` against eviction for ``ttl_s`` seconds (or until
         released, or until process ``pid`` dies)."""
@@ -485,6 +551,7 @@ class LMDBTier:
                 cur = txn.get(k) or b""
                 txn.put(k, bytes(cur) + _LEASE.pack(pid, expiry))
 
+    @_lmdb_errors_as_store_errors
     def release(self, keys: list[str], pid: int | None = None) -> None:
         """Drop one lease of ``pid`` on each of ``keys``."""
         if self._shared.leases is None or not keys:
@@ -507,6 +574,7 @@ class LMDBTier:
                 else:
                     txn.delete(k)
 
+    @_lmdb_errors_as_store_errors
     def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
         """Lease ``key`` and report whether it holds ``identifier``, such that
         a True answer guarantees no process evicts the entry before the lease
@@ -538,6 +606,7 @@ class LMDBTier:
         pid, t_ns = _LEASE.unpack(raw)
         return time.time_ns() - t_ns < TOMBSTONE_MAX_AGE_NS and _pid_alive(pid)
 
+    @_lmdb_errors_as_store_errors
     def leased_keys(self) -> set[bytes]:
         """Keys with at least one live lease (unexpired, owner alive)."""
         if self._shared.leases is None:
@@ -669,8 +738,13 @@ class LMDBTier:
             if len(p.blob) > self.capacity_bytes:
                 p.result, p.error = "failed", StoreFullError(
                     f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
+            elif len(p.blob) > self._map_room():  # would evict everything, then fail anyway
+                p.result, p.error = "failed", StoreFullError(
+                    f"entry of {len(p.blob)} bytes can never fit in the LMDB map of {self.path} "
+                    f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.result == "pending"]
         extra = 0
+        nothing_left = False
         for attempt in range(MAX_MAPFULL_RETRIES + 1):
             try:
                 self._write_once(todo, touches)
@@ -682,15 +756,26 @@ class LMDBTier:
             except lmdb.MapFullError:
                 if attempt == MAX_MAPFULL_RETRIES:
                     break
+                if self.env.reader_check() > 0:
+                    continue  # a dead process's reader pinned old pages: free now, retry first
                 # Fragmentation: free more pages in a committed transaction, retry.
-                self.env.reader_check()
                 extra = max(extra * 2, sum(len(p.blob) for p in todo) + 4 * MiB)
-                if self._evict_to(self.capacity_bytes, extra) == 0 and self.entry_count() == 0:
-                    break
+                freed = self._evict_to(self.capacity_bytes, extra)
+                # LMDB keeps the previous snapshot intact (recovery may fall
+                # back to it), so pages freed by a commit are reused only
+                # after one more commit: make one, or the retry cannot use
+                # what was just evicted.
+                self._commit_nothing()
+                if freed == 0 and self.entry_count() == 0:
+                    if nothing_left:
+                        break
+                    nothing_left = True  # one retry with the last pages freed
             except lmdb.Error as e:
-                err = StoreFullError(f"write to {self.path} failed: {e}")
+                # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
+                hint = self._space_hint(sum(len(p.blob) for p in todo))
+                err = StoreFullError(f"write to {self.path} failed: {e}{hint}")
                 if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
-                    err = StoreFullError(f"disk full while writing to {self.path}: {e}")
+                    err = StoreFullError(f"disk full while writing to {self.path}: {e}{hint}")
                 for p in todo:
                     p.result, p.error = "failed", err
                 raise err from None
@@ -698,6 +783,42 @@ class LMDBTier:
         for p in todo:
             p.result, p.error = "failed", err
         raise err
+
+    def _commit_nothing(self) -> None:
+        """Commit a transaction that changes no value (rewrites ``next_seq``):
+        advances LMDB's transaction id so pages freed by the previous commit
+        become reusable."""
+        try:
+            with self._write_txn() as txn:
+                txn.put(b"next_seq", txn.get(b"next_seq", db=self._meta), db=self._meta)
+        except lmdb.MapFullError:
+            pass
+
+    def _map_room(self) -> int:
+        """Bytes of blob the LMDB map could hold at best (map minus the meta
+        pages and some B-tree pages)."""
+        return self.env.info()["map_size"] - 64 * self.env.stat()["psize"]
+
+    def _space_hint(self, need: int) -> str:
+        """`` (disk full: ...)`` when the file system or RLIMIT_FSIZE leaves no
+        room for ``need`` more bytes, else ``""``."""
+        hints = []
+        try:
+            free = shutil.disk_usage(self.path).free
+            if free < need + 4 * MiB:
+                hints.append(f"disk full: {free} bytes free")
+        except OSError:
+            pass
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            size = os.path.getsize(os.path.join(self.path, "data.mdb"))
+            if soft != resource.RLIM_INFINITY and size + need > soft:
+                hints.append(f"file size limit (RLIMIT_FSIZE) of {soft} bytes reached")
+        except (OSError, ImportError, ValueError):
+            pass
+        return f" ({'; '.join(hints)})" if hints else ""
 
     @staticmethod
     def _in_call_order(todo: list[PutRequest], touches: dict[str, tuple]) -> list[tuple]:
@@ -778,6 +899,7 @@ class LMDBTier:
             else:
                 p.result = r
 
+    @_lmdb_errors_as_store_errors
     def delete(self, key: str) -> bool:
         self._check()
         k = self._k(key)
@@ -787,6 +909,7 @@ class LMDBTier:
             self._remove(txn, k, None)
             return True
 
+    @_lmdb_errors_as_store_errors
     def sync(self) -> None:
         """Force committed transactions to stable storage."""
         self._check()

@@ -71,9 +71,10 @@ def read_version(env: lmdb.Environment) -> int | None:
             if _main_is_empty(txn):
                 return None
             raise StoreOpenError("not an ecstore store: the LMDB file has no 'meta' database")
-    meta = env.open_db(b"meta", create=False)
-    with env.begin(db=meta) as txn:
-        raw = txn.get(b"schema_version")
+        # With a transaction: a bare open_db() takes the write lock holding
+        # the GIL, and deadlocks against a writer thread of this process.
+        meta = env.open_db(b"meta", txn=txn, create=False)
+        raw = txn.get(b"schema_version", db=meta)
     if raw is None:
         raise StoreOpenError("not an ecstore store: no schema_version in 'meta'")
     try:
@@ -90,7 +91,10 @@ def _main_is_empty(txn: lmdb.Transaction) -> bool:
 def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: int | None = None) -> int:
     """Bring ``env`` to ``target`` (default: current) and return its version."""
     target = current_version() if target is None else target
-    version = read_version(env)
+    try:
+        version = read_version(env)
+    except StoreOpenError as e:
+        raise StoreOpenError(f"{path} is {e}") from None  # say which directory
     if version is not None and version > current_version():
         raise SchemaError(
             f"store at {path} has schema version {version}, newer than this ecstore "

@@ -1,0 +1,245 @@
+"""Shared code of the fault tests (tests/test_faults.py) and the stress
+scripts (tools/stress_crash.py, tools/stress_concurrency.py).
+
+* :func:`entry_tensor` -- an entry's content as a pure function of an integer
+  id and a size, so a parent can check bit for bit what a killed child wrote.
+* :func:`audit` -- a full consistency check of a store from one read
+  transaction: no partial entry, exact byte accounting, LRU index complete,
+  bound held, data file within the map.
+* :func:`mp_context` -- a ``forkserver`` multiprocessing context that has
+  imported torch and ecstore once: workers are real processes (their own
+  pid, LMDB environment, reader slots and locks; killable with SIGKILL) that
+  start in milliseconds instead of seconds, so CI can afford dozens of them.
+  No store is ever open in the fork server, so nothing crosses a fork.
+* :func:`run_forked` -- run one function in such a worker with a timeout:
+  a crash (SIGBUS, SIGSEGV) or a hang is reported instead of taking the
+  caller down.
+
+Importable as ``helpers.fault_common`` (tests, tools put ``tests/`` on
+sys.path).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ecstore import codec
+from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+COLS = 512  # bf16 columns: one row is 1 KiB
+ROW_BYTES = COLS * 2
+
+
+# --------------------------------------------------------------------------
+# Content
+# --------------------------------------------------------------------------
+
+def identifier(idx: int) -> str:
+    return f"crash-entry-{idx:09d}"
+
+
+def rows_for(idx: int, salt: int, min_bytes: int, max_bytes: int) -> int:
+    """Rows of entry ``idx``: log-uniform between min_bytes and max_bytes of
+    tensor data, a pure function of (idx, salt)."""
+    r = random.Random(idx * 1_000_003 + salt)
+    lo, hi = np.log(max(min_bytes, ROW_BYTES)), np.log(max(max_bytes, min_bytes, ROW_BYTES))
+    return max(1, int(np.exp(r.uniform(lo, hi))) // ROW_BYTES)
+
+
+def entry_tensor(idx: int, rows: int, cols: int = COLS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A ``[rows, cols]`` tensor whose bytes are a pure function of (idx, rows):
+    random bit patterns (NaN payloads included), fast enough for tens of MB."""
+    nbytes = rows * cols * dtype.itemsize
+    raw = np.random.Generator(np.random.PCG64([idx, rows])).bytes(nbytes)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(rows, cols)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def blob_size(idx: int, rows: int, model: str = MODEL) -> int:
+    t = torch.empty(rows, COLS, dtype=torch.bfloat16)
+    return codec.blob_size(t, identifier=identifier(idx), model=model)
+
+
+# --------------------------------------------------------------------------
+# Audit
+# --------------------------------------------------------------------------
+
+@dataclass
+class Audit:
+    """What :func:`audit` found (everything from one read transaction)."""
+
+    entries: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (identifier, blob_size)
+    total_bytes: int = 0
+    file_size: int = 0
+    map_size: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def identifiers(self) -> dict[str, int]:
+        """identifier -> blob size."""
+        return {ident: size for ident, size in self.entries.values()}
+
+    def check(self) -> "Audit":
+        assert not self.problems, "store audit failed:\n  " + "\n  ".join(self.problems[:20])
+        return self
+
+
+def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | None = None) -> Audit:
+    """Check a store's invariants; returns an :class:`Audit` (call ``.check()``).
+
+    Every entry has a record, a blob and exactly one LRU row; each blob's
+    length equals its record's ``blob_size`` and its checksum, header and
+    identifier match (no partial or torn entry); ``meta total_bytes`` ==
+    sum of record blob sizes == sum of blob lengths; total <= ``cap``;
+    data.mdb no larger than the LMDB map. Uses ``tier`` if given, else opens
+    the directory read-only (sharing this process's environment, if any).
+    """
+    own = tier is None
+    if own:
+        tier = LMDBTier(str(path), cap or 1, readonly=True, create=False)
+    a = Audit()
+    try:
+        with tier.snapshot() as (txn, dbs):
+            raw_total = txn.get(b"total_bytes", db=dbs["meta"])
+            a.total_bytes = _U64.unpack(raw_total)[0] if raw_total is not None else -1
+            n_blobs = txn.stat(dbs["blobs"])["entries"]
+            n_entries = txn.stat(dbs["entries"])["entries"]
+            n_lru = txn.stat(dbs["lru"])["entries"] if dbs["lru"] is not None else n_entries
+            sum_rec = sum_blob = 0
+            with txn.cursor(db=dbs["entries"]) as cur:
+                for k, raw in cur:
+                    key = bytes(k).decode("utf-8", "replace")
+                    try:
+                        rec = codec.unpack_record(raw)
+                    except codec.CorruptBlobError as e:
+                        a.problems.append(f"{key}: unreadable record ({e})")
+                        continue
+                    blob = txn.get(k, db=dbs["blobs"])
+                    sum_rec += rec.blob_size
+                    a.entries[key] = (rec.identifier, rec.blob_size)
+                    if blob is None:
+                        a.problems.append(f"{key}: record without blob")
+                        continue
+                    sum_blob += len(blob)
+                    if len(blob) != rec.blob_size:
+                        a.problems.append(f"{key}: blob {len(blob)} bytes, record says {rec.blob_size}")
+                    elif codec.checksum(blob) != rec.checksum:
+                        a.problems.append(f"{key}: checksum mismatch")
+                    else:
+                        try:
+                            hdr = codec.parse_header(blob)
+                            if hdr.identifier != rec.identifier:
+                                a.problems.append(f"{key}: blob identifier differs from record")
+                        except codec.CorruptBlobError as e:
+                            a.problems.append(f"{key}: bad header ({e})")
+                    if dbs["lru"] is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs["lru"]) != bytes(k):
+                        a.problems.append(f"{key}: LRU row {rec.lru_seq} missing or pointing elsewhere")
+            if n_blobs != n_entries or n_lru != n_entries:
+                a.problems.append(f"{n_entries} records, {n_blobs} blobs, {n_lru} LRU rows")
+            if not (a.total_bytes == sum_rec == sum_blob):
+                a.problems.append(f"meta total_bytes {a.total_bytes} != sum of record sizes {sum_rec} "
+                                  f"or of blob lengths {sum_blob}")
+        info = tier.env_info()
+        a.file_size, a.map_size = info["file_size"], info["map_size"]
+    finally:
+        if own:
+            tier.close()
+    if cap is not None and a.total_bytes > cap:
+        a.problems.append(f"total_bytes {a.total_bytes} exceeds the cap {cap}")
+    if a.file_size > a.map_size:
+        a.problems.append(f"data.mdb is {a.file_size} bytes, larger than the map ({a.map_size})")
+    return a
+
+
+def run_verify_cli(path: str | os.PathLike, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m ecstore.cli verify PATH`` in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-m", "ecstore.cli", "verify", str(path)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "LMCACHE_CONFIG_FILE": ""})
+
+
+# --------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------
+
+_PRELOAD = ["torch", "numpy", "lmdb", "ecstore", "ecstore.cli", "helpers.fault_common"]
+
+
+def mp_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context (server started on first use, then reused)."""
+    ctx = multiprocessing.get_context("forkserver")
+    tests_dir = str(REPO / "tests")
+    if tests_dir not in sys.path:  # the server must import helpers.fault_common
+        sys.path.insert(0, tests_dir)
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _call(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    try:
+        torch.set_num_threads(1)
+        conn.send(("ok", fn(*args, **kwargs)))
+    except BaseException as e:  # report, never hang the parent
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+@dataclass
+class Forked:
+    """Outcome of :func:`run_forked`."""
+
+    status: str  # "ok" | "error" | "crashed" | "hung"
+    value: Any = None
+    exitcode: int | None = None
+
+    def ok(self) -> Any:
+        assert self.status == "ok", f"worker {self.status} (exit code {self.exitcode}): {self.value}"
+        return self.value
+
+
+def run_forked(fn: Callable[..., Any], *args: Any, timeout: float = 120, **kwargs: Any) -> Forked:
+    """Run ``fn(*args, **kwargs)`` in a fresh worker process; its return value
+    must pickle. A worker that dies by a signal is "crashed", one still
+    running after ``timeout`` seconds is killed and "hung"."""
+    ctx = mp_context()
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_call, args=(send, fn, args, kwargs), daemon=True)
+    p.start()
+    send.close()
+    result: Forked | None = None
+    if not recv.poll(timeout):  # poll is True on an answer and on EOF (worker died)
+        p.kill()
+        p.join()
+        return Forked("hung", f"no answer within {timeout}s", p.exitcode)
+    try:
+        status, value = recv.recv()
+        result = Forked(status, value)
+    except EOFError:
+        pass
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    if result is None:
+        sig = -p.exitcode if p.exitcode and p.exitcode < 0 else None
+        name = signal.Signals(sig).name if sig else f"exit {p.exitcode}"
+        return Forked("crashed", f"worker died ({name}) without answering", p.exitcode)
+    result.exitcode = p.exitcode
+    return result

@@ -1,0 +1,135 @@
+"""Functions tests/test_faults.py runs in worker processes
+(``fault_common.run_forked``): each opens its own store, does one risky
+thing and returns a small picklable report. Kept apart from the test module
+so a worker imports only this (light) module."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import resource
+import signal
+from pathlib import Path
+
+import torch
+
+from ecstore import ECStore, ECStoreConfig, SchemaError, StoreFullError, StoreOpenError
+from helpers import fault_common as fc
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def cfg(path: Path | str, cap: int, cpu: int = 0) -> ECStoreConfig:
+    return ECStoreConfig(local_cpu=cpu > 0, max_local_cpu_size=cpu / GiB, local_disk=str(path),
+                         max_local_disk_size=cap / GiB)
+
+
+def open_store(path: Path | str, cap: int = 64 * MiB, **kw) -> ECStore:
+    return ECStore(cfg(path, cap, kw.pop("cpu", 0)), model=kw.pop("model", fc.MODEL),
+                   dtype=kw.pop("dtype", torch.bfloat16), **kw)
+
+
+def blob_tensor(i: int, kib: int) -> torch.Tensor:
+    """A bf16 ``[kib, 512]`` tensor (``kib`` KiB) whose bytes depend on ``i``."""
+    return fc.entry_tensor(i, kib)
+
+
+def verify_in_process(path: str) -> tuple[int, str]:
+    """``ecstore-dump verify PATH`` (``ecstore.cli.main``) in this process."""
+    from ecstore import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = cli.main(["verify", path])
+    return rc, out.getvalue()
+
+
+def open_case(path: str, readonly: bool) -> str:
+    """Open a (possibly damaged) store; the outcome as a short string."""
+    try:
+        with open_store(path, cap=16 * MiB, readonly=readonly) as s:
+            n = sum(s.get(f"e{i}") is not None for i in range(20))
+            return f"opened ({n} entries readable)"
+    except (StoreOpenError, SchemaError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def open_while_other_handle_commits(path: str, rounds: int = 120) -> int:
+    """One process, two handles: handle A's writer thread commits while the
+    main thread opens and closes handle B. Returns the number of opens."""
+    a = open_store(path, cap=4 * MiB)
+    n = 0
+    for i in range(rounds):
+        a.put(f"a-{i}", blob_tensor(i, 16))
+        with open_store(path, cap=4 * MiB, model="other/model", dtype=torch.float16) as b:
+            b.contains("nothing")
+        n += 1
+    a.close()
+    return n
+
+
+def _put_until_full(s: ECStore) -> tuple[list[int], int, str]:
+    flushed: list[int] = []
+    for i in range(200):
+        s.put(f"full-{i}", blob_tensor(100 + i, 512))
+        try:
+            s.flush()
+        except StoreFullError as e:
+            return flushed, i, str(e)
+        flushed.append(i)
+    raise AssertionError("the disk never filled up")
+
+
+def fill_until_full(path: str, limit_headroom: int | None) -> dict:
+    """Store 4 entries, then put 512 KiB entries until a flush fails.
+
+    ``limit_headroom``: cap data.mdb's growth with RLIMIT_FSIZE at its
+    current size plus this (SIGXFSZ ignored: writes fail with EFBIG); None:
+    the file system itself fills up (a small tmpfs)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    s = open_store(path, cap=256 * MiB)
+    for i in range(4):
+        s.put(f"pre-{i}", blob_tensor(i, 64))
+    s.flush()
+    if limit_headroom is not None:
+        size = os.path.getsize(os.path.join(path, "data.mdb"))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + limit_headroom, resource.RLIM_INFINITY))
+    flushed, failed, error = _put_until_full(s)
+    readable = all(s.get(f"full-{i}") is not None for i in flushed)
+    s.put("small-after", blob_tensor(7, 4))  # small: fits in pages the file already has
+    try:
+        s.flush()
+        small_ok = True
+    except StoreFullError:
+        small_ok = False
+    s.close()
+    return {"flushed": flushed, "failed": failed, "error": error, "readable": readable, "small_ok": small_ok}
+
+
+def ops_on_damaged_store(path: str, ident: str) -> list[str]:
+    """contains/get/put/flush/delete/stats on a store whose B-tree is
+    damaged: each one's outcome as "ok: <value>" or "<ExceptionType>"."""
+    from ecstore import ECStoreError
+
+    out = []
+    try:
+        s = open_store(path, cap=4 * MiB)
+    except ECStoreError as e:
+        return [f"open: {type(e).__name__}"]
+    for name, call in [("contains", lambda: s.contains(ident)), ("get", lambda: s.get(ident)),
+                       ("put", lambda: s.put("new-entry", blob_tensor(1, 4))), ("flush", s.flush),
+                       ("delete", lambda: s.delete(ident)), ("stats", lambda: s.stats().disk_entries)]:
+        try:
+            v = call()
+            out.append(f"{name}: ok: {v if not isinstance(v, torch.Tensor) else 'tensor'}")
+        except ECStoreError as e:
+            out.append(f"{name}: {type(e).__name__}")
+        except Exception as e:  # the failure this test exists to catch
+            out.append(f"{name}: FOREIGN {type(e).__module__}.{type(e).__name__}: {e}")
+    try:
+        s.close()
+    except ECStoreError as e:
+        out.append(f"close: {type(e).__name__}")
+    return out
