@@ -6,6 +6,8 @@ caller (the vLLM connector, for one) can catch the whole family in one place.
 
 from __future__ import annotations
 
+import os
+
 
 class ECStoreError(Exception):
     """Base class of every error ecstore raises deliberately."""
@@ -47,3 +49,14 @@ class ForkedStoreError(ECStoreError):
     cannot reopen a directory its parent had open either (StoreOpenError):
     give processes that need the store their own start (``spawn`` or
     ``forkserver``), or open the store in the parent only after forking."""
+
+
+def check_same_process(opened_pid: int, what: str) -> None:
+    """Raise ForkedStoreError if ``what`` (opened in ``opened_pid``) is used in
+    another process, i.e. a child forked after it was opened."""
+    if os.getpid() != opened_pid:
+        raise ForkedStoreError(
+            f"{what} was opened in process {opened_pid} and used in forked child {os.getpid()}; "
+            f"open stores in the child process itself (a forked child cannot reopen a directory its "
+            f"parent had open: start such processes with spawn/forkserver)"
+        )

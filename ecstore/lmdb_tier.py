@@ -59,7 +59,7 @@ import torch
 
 from . import codec, schema
 from .codec import CorruptBlobError, Record
-from .errors import ForkedStoreError, SchemaError, StoreFullError, StoreOpenError
+from .errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
 
 log = logging.getLogger("ecstore")
 
@@ -359,12 +359,7 @@ class LMDBTier:
 
     # ------------------------------------------------------------------ utils
     def _check(self) -> None:
-        if os.getpid() != self._pid:
-            raise ForkedStoreError(
-                f"this ecstore handle was opened in process {self._pid} and used in forked child "
-                f"{os.getpid()}; open stores in the child process itself (a forked child cannot reopen a "
-                f"directory its parent had open: start such processes with spawn/forkserver)"
-            )
+        check_same_process(self._pid, f"the ecstore handle of {self.path}")
         if self._closed:
             raise StoreOpenError(f"store at {self.path} is closed")
 

@@ -31,7 +31,7 @@ import torch
 
 from . import codec
 from .config import ECStoreConfig
-from .errors import ECStoreError, ForkedStoreError, InvalidEntryError, StoreFullError
+from .errors import ECStoreError, InvalidEntryError, StoreFullError, check_same_process
 from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
 from .lmdb_tier import LMDBTier, PutRequest
 from .memory import MemoryTier
@@ -306,12 +306,7 @@ class ECStore:
                 f"local_disk={self.config.local_disk!r}, local_cpu={self.config.local_cpu})")
 
     def _check(self) -> None:
-        if os.getpid() != self._pid:
-            raise ForkedStoreError(
-                f"this ECStore was opened in process {self._pid} and used in forked child "
-                f"{os.getpid()}; open stores in the child process itself (a forked child cannot reopen a "
-                f"directory its parent had open: start such processes with spawn/forkserver)"
-            )
+        check_same_process(self._pid, repr(self))
         if self._closed:
             raise ECStoreError("store is closed")
 
