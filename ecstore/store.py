@@ -150,6 +150,13 @@ class _Writer(threading.Thread):
             # No wake-up: touches ride along with the next put batch, or go
             # alone after TOUCH_DELAY_S (each commit is an fsync).
 
+    def touches_now(self) -> None:
+        """Write pending LRU touches without waiting for TOUCH_DELAY_S (does not block)."""
+        with self.cv:
+            if self.touches:
+                self.touch_since = float("-inf")
+                self.cv.notify_all()
+
     def identifier_at(self, key: str) -> str | None:
         with self.cv:
             item = self.queue.get(key) or self.inflight.get(key)
@@ -464,6 +471,14 @@ class ECStore:
                 assert self._writer is not None
                 self._writer.errors.append(r.error or StoreFullError("write failed"))
                 log.error("ecstore: could not store mm_hash=%s: %s", it.mm_hash, r.error)
+
+    def write_lru_soon(self) -> None:
+        """Have the background writer record the LRU updates (recency, hit
+        counts) of the reads made so far now, in one transaction, instead of
+        with the next put or after TOUCH_DELAY_S. Does not block. The vLLM
+        connector calls it once per step that loaded entries."""
+        if self._writer is not None:
+            self._writer.touches_now()
 
     def delete(self, mm_hash: str) -> bool:
         """Remove an entry from every tier; True if it was present anywhere."""

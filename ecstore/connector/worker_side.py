@@ -129,6 +129,7 @@ class WorkerSide:
             self._count("loads")
             self._count("bytes_loaded", tensor_nbytes(tensor))
         self._count("load_seconds", time.perf_counter() - t0)
+        self.store.write_lru_soon()  # this step's hits: one LRU commit, off the step
 
     # -- saving -------------------------------------------------------------
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
