@@ -19,7 +19,7 @@ Design notes
 ------------
 * Map size. LMDB files never shrink and can only grow up to the map size, so
   the map size is what actually bounds the file. We use
-  ``1.25 * cap + 16 MiB``. When fragmentation makes a commit hit the map
+  ``max(1.25 * cap, cap + 1 MiB)``. When fragmentation makes a commit hit the map
   limit (``MapFullError``), we evict extra least-recently-used entries in a
   separate transaction (pages freed by a committed transaction become
   reusable) and retry: a full map costs hit ratio, never a crash.
@@ -72,13 +72,13 @@ _TOMB = b"\x00evicting\x00"
 TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 
 MAP_HEADROOM_FACTOR = 1.25
-MAP_HEADROOM_BYTES = 16 * MiB
+MAP_HEADROOM_BYTES = 1 * MiB  # floor for small caps (B-tree and meta pages)
 MAX_MAPFULL_RETRIES = 8
 
 
 def map_size_for(capacity_bytes: int) -> int:
     """LMDB map size (bytes) for a disk cap: bounds the data file size."""
-    size = int(capacity_bytes * MAP_HEADROOM_FACTOR) + MAP_HEADROOM_BYTES
+    size = max(int(capacity_bytes * MAP_HEADROOM_FACTOR), capacity_bytes + MAP_HEADROOM_BYTES)
     page = 4096
     return (size + page - 1) // page * page
 
