@@ -6,6 +6,7 @@ specific to one file stays in that file.
 
 from __future__ import annotations
 
+import os
 import logging
 from pathlib import Path
 
@@ -61,3 +62,12 @@ def tiny_model_dir() -> Path:
     import tiny_model
 
     return tiny_model.build_tiny_blip2(repo / ".cache" / "tiny_blip2")
+
+
+@pytest.fixture
+def no_lmcache_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remove every ``LMCACHE_*`` variable (config file, ``LMCACHE_EC_*``...)
+    of the environment the suite runs in, so only the test configures ecstore."""
+    for var in list(os.environ):
+        if var.startswith("LMCACHE_"):
+            monkeypatch.delenv(var)

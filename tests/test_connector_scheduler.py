@@ -83,13 +83,8 @@ class Engine:
 
 
 @pytest.fixture(autouse=True)
-def _no_outside_config(monkeypatch):
+def _no_outside_config(no_lmcache_env):
     """Only the test's ec_connector_extra_config configures the connector."""
-    import os
-
-    for var in list(os.environ):
-        if var.startswith("LMCACHE_"):
-            monkeypatch.delenv(var)
 
 
 @pytest.fixture

@@ -54,13 +54,8 @@ def embedding(seed: int, shape: tuple[int, int] = SHAPE) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(autouse=True)
-def _no_outside_config(monkeypatch):
+def _no_outside_config(no_lmcache_env):
     """Only the test's ec_connector_extra_config configures the connector."""
-    import os
-
-    for var in list(os.environ):
-        if var.startswith("LMCACHE_"):
-            monkeypatch.delenv(var)
 
 
 @pytest.fixture
