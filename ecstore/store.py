@@ -144,11 +144,15 @@ class _Writer(threading.Thread):
                 orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
             else:
                 orders = orders + (self.ticket,)
-            if not self.touches:
+            first = not self.touches
+            if first:
                 self.touch_since = time.monotonic()
             self.touches[key] = (identifier, hits + 1, time.time_ns(), orders)
-            # No wake-up: touches ride along with the next put batch, or go
-            # alone after TOUCH_DELAY_S (each commit is an fsync).
+            # Touches ride along with the next put batch, or go alone after
+            # TOUCH_DELAY_S (each commit is an fsync): wake the writer only for
+            # the first one of a burst, so it starts that timer.
+            if first:
+                self.cv.notify_all()
 
     def touches_now(self) -> None:
         """Write pending LRU touches without waiting for TOUCH_DELAY_S (does not block)."""

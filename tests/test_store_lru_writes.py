@@ -63,3 +63,15 @@ def test_close_writes_pending_touches(tmp_path, monkeypatch):
         s.get("a")
     with _store(tmp_path) as s:
         assert _hits(s, "a") == 1
+
+
+def test_touches_of_an_idle_store_are_written_after_the_delay(tmp_path, monkeypatch):
+    """With no put, no flush and no write_lru_soon, a read still reaches the
+    file once TOUCH_DELAY_S has passed (the writer starts the timer)."""
+    monkeypatch.setattr(store_mod, "TOUCH_DELAY_S", 0.05)
+    with _store(tmp_path) as s:
+        s.put("a", torch.ones(4, 4))
+        s.flush()
+        s.get("a")
+        _writer_idle(s)  # waits on the writer's condition until the touch is written
+        assert _hits(s, "a") == 1
