@@ -79,8 +79,10 @@ def _raw_bytes_view(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy() if t.dtype != torch.uint8 else flat.numpy()
 
 
-def _header_bytes(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
-    """The safetensors header of ``tensor``'s blob, padded to 8 bytes."""
+def header_bytes(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
+    """The safetensors header of ``tensor``'s blob, padded to 8 bytes. The
+    blob is ``8 + len(header) + tensor bytes`` long; its data starts at
+    ``8 + len(header)``."""
     dtype_name = str(tensor.dtype).removeprefix("torch.")
     nbytes = tensor_nbytes(tensor)
     code = _ST_CODE.get(tensor.dtype)
@@ -101,7 +103,7 @@ def _header_bytes(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
 
 def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
     """``len(encode(tensor, ...))`` without building the blob (header only)."""
-    return 8 + len(_header_bytes(tensor, identifier, model)) + tensor_nbytes(tensor)
+    return 8 + len(header_bytes(tensor, identifier, model)) + tensor_nbytes(tensor)
 
 
 #: A blob under construction: a writable, C-contiguous uint8 numpy array (any
@@ -109,9 +111,10 @@ def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
 Blob = np.ndarray
 
 
-def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> Blob:
+def encode(tensor: torch.Tensor, *, identifier: str, model: str, header: bytes | None = None) -> Blob:
     """Serialize a tensor into a safetensors blob with exactly one copy of its
-    data: from any device and any strides straight into the blob.
+    data: from any device and any strides straight into the blob. ``header``
+    is ``header_bytes(tensor, identifier, model)`` if the caller has it.
 
     The blob's memory comes from torch's allocator, not ``bytearray(n)``:
     that would zero-fill every page before the copy writes it again (a
@@ -119,7 +122,7 @@ def encode(tensor: torch.Tensor, *, identifier: str, model: str) -> Blob:
     which costs compaction stalls on machines with THP in ``madvise`` mode.
     """
     nbytes = tensor_nbytes(tensor)
-    hbytes = _header_bytes(tensor, identifier, model)
+    hbytes = header_bytes(tensor, identifier, model) if header is None else header
     off = 8 + len(hbytes)
     blob = torch.empty(off + nbytes, dtype=torch.uint8).numpy()
     struct.pack_into("<Q", blob, 0, len(hbytes))
@@ -139,15 +142,11 @@ def blob_tensor(blob: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ..
 
 
 def tensor_nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of data of a tensor of ``dtype`` and ``shape``."""
     n = 1
     for d in shape:
         n *= d
     return n * dtype.itemsize
-
-
-def blob_data_offset(blob: Any) -> int:
-    """Offset of the tensor data in a blob (after the length and header)."""
-    return 8 + struct.unpack_from("<Q", blob, 0)[0]
 
 
 @dataclass(frozen=True)
@@ -192,10 +191,7 @@ def parse_header(blob: Any) -> BlobHeader:
     dt = getattr(torch, hdr.dtype, None)
     if not isinstance(dt, torch.dtype):
         raise CorruptBlobError(f"unknown dtype {hdr.dtype!r}")
-    n = 1
-    for d in shape:
-        n *= d
-    if n * dt.itemsize != hdr.data_nbytes:
+    if tensor_nbytes_of(dt, shape) != hdr.data_nbytes:
         raise CorruptBlobError("shape and dtype do not match the data length")
     return hdr
 

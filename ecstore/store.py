@@ -394,9 +394,11 @@ class ECStore:
         non-tensor, a tensor that is not 2-D, empty, sparse/quantized/meta, or
         whose dtype differs from the handle's.
 
-        The tensor is copied to contiguous CPU memory (once) unless
-        ``copy=False`` and it already is a contiguous CPU tensor the caller
-        hands over (it must not be modified afterwards). The LMDB write happens
+        The tensor is copied once, from any device and any strides, straight
+        into its safetensors blob (the memory tier and the writer share that
+        copy), unless ``copy=False`` and it already is a contiguous CPU tensor
+        the caller hands over (it must not be modified afterwards; the writer
+        encodes it later). The LMDB write happens
         on the background writer; ``flush()`` makes it durable. A later
         ``get``/``contains`` in this process sees the entry immediately.
         """
@@ -413,9 +415,10 @@ class ECStore:
         nbytes = codec.tensor_nbytes(tensor)
         fits_memory = self.memory is not None and nbytes <= self.memory.capacity_bytes
         # The disk cap counts whole blobs: size them exactly (the header holds
-        # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped).
-        fits_disk = self.disk is not None and codec.blob_size(
-            tensor, identifier=mm_hash, model=self.model) <= self.disk.capacity_bytes
+        # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped). Built
+        # once here and reused by encode below.
+        header = codec.header_bytes(tensor, mm_hash, self.model)
+        fits_disk = self.disk is not None and 8 + len(header) + nbytes <= self.disk.capacity_bytes
         if not (fits_memory or fits_disk):
             log.warning("ecstore: refused mm_hash=%s: %d bytes exceed every tier's capacity "
                         "(memory %d, disk %d bytes)", mm_hash, nbytes,
@@ -441,8 +444,8 @@ class ECStore:
             # strides) into its safetensors blob. The memory tier and pending
             # write hold a view of the blob's data, and the writer stores the
             # blob as is: no second copy to encode it later.
-            blob = codec.encode(tensor, identifier=mm_hash, model=self.model)
-            cpu = codec.blob_tensor(blob, codec.blob_data_offset(blob), tensor.dtype, tuple(tensor.shape))
+            blob = codec.encode(tensor, identifier=mm_hash, model=self.model, header=header)
+            cpu = codec.blob_tensor(blob, 8 + len(header), tensor.dtype, tuple(tensor.shape))
         else:
             cpu = tensor.detach()  # handed over: encoded by the writer
         stored_in_memory = fits_memory and self.memory is not None and self.memory.put(key, mm_hash, cpu, nbytes)
