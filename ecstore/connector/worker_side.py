@@ -144,11 +144,10 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         try:
-            if self.store.contains(mm_hash):
-                self._count("save_skipped")
-                return
-            # One copy, straight off the device (or out of the batch's output,
-            # which the tensor is a view of) into the entry's safetensors blob.
+            # put() skips an entry already present (False) before copying
+            # anything; otherwise one copy, straight off the device (or out of
+            # the batch's output, which the tensor is a view of) into the
+            # entry's safetensors blob.
             stored = self.store.put(mm_hash, tensor, copy=True)
         except ECStoreError as e:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
