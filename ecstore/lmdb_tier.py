@@ -585,8 +585,13 @@ class LMDBTier:
         the tombstone, unless it was already cleared, in which case (4)
         precedes (c) and the entry is visibly gone.
         """
+        if not self.contains(key, identifier):
+            # A miss needs no pin: answering "no" is always safe, and the
+            # scheduler asks about every uncached item at every step, so the
+            # common miss costs one read instead of two lease-file commits.
+            return False
         if self._shared.leases is None:
-            return self.contains(key, identifier)
+            return True
         self.lease([key], ttl_s)
         k = self._k(key)
         with self._shared.leases.begin() as txn:
