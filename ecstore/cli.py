@@ -979,9 +979,10 @@ def cmd_purge(args: argparse.Namespace) -> int:
                     cur = tier.record(r.key)
                     if cur is not None and cur.last_access_ns >= cutoff:
                         continue
-                if tier.delete(r.key):
+                gone = tier.remove(r.key)
+                if gone is not None:
                     removed += 1
-                    freed += r.rec.blob_size if r.rec else 0
+                    freed += gone
                     if args.verbose:
                         _out(f"removed  {_printable(r.key)}")
         tier.sync()

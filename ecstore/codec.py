@@ -308,6 +308,15 @@ def unpack_record(data: Any) -> Record:
     return Record(ident, dtype, tuple(shape), nbytes, bsize, csum, created, last, hits, seq)
 
 
+def record_readable(data: Any) -> bool:
+    """True if ``data`` unpacks as a record (see :func:`unpack_record`)."""
+    try:
+        unpack_record(data)
+    except CorruptBlobError:
+        return False
+    return True
+
+
 def record_identifier(data: Any) -> str | None:
     """Only the identifier of a packed record (fast path for ``contains``)."""
     mv = memoryview(data)

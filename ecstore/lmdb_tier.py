@@ -59,7 +59,7 @@ import torch
 
 from . import codec, schema
 from .codec import CorruptBlobError, Record
-from .errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
+from .errors import ECStoreError, SchemaError, StoreFullError, StoreOpenError, check_same_process
 
 log = logging.getLogger("ecstore")
 
@@ -354,8 +354,30 @@ class LMDBTier:
         self.evictions = 0
         self.corrupt_dropped = 0
         self._tombstones: list[bytes] = []
-        if not readonly and self.total_bytes() > self.capacity_bytes:
-            self._evict_to(self.capacity_bytes)  # reopened with a smaller cap
+        if not readonly:
+            self._initial_eviction()
+
+    def _initial_eviction(self) -> None:
+        """Evict down to the cap at open (reopened with a smaller cap).
+
+        Best effort: a store error here (the map full, entries pinned) leaves
+        the store open and usable (the next put evicts again) and is logged;
+        anything else releases the shared environment before it propagates,
+        so a failing open never leaks a reference to it."""
+        try:
+            if self.total_bytes() > self.capacity_bytes:
+                self._evict_to(self.capacity_bytes)
+        except ECStoreError as e:
+            log.warning("ecstore: could not evict %s down to its cap of %d bytes at open: %s",
+                        self.path, self.capacity_bytes, e)
+        except lmdb.Error as e:
+            self._closed = True
+            self._shared.release()
+            raise StoreOpenError(f"cannot open ecstore store at {self.path}: {e}") from None
+        except BaseException:
+            self._closed = True
+            self._shared.release()
+            raise
 
     # ------------------------------------------------------------------ utils
     def _check(self) -> None:
@@ -635,7 +657,12 @@ class LMDBTier:
 
     # ----------------------------------------------------------------- writes
     def _remove(self, txn: lmdb.Transaction, k: bytes, rec: Record | None) -> int:
-        """Delete an entry inside ``txn``; returns the bytes freed."""
+        """Delete an entry inside ``txn`` (blob, record, every LRU row naming
+        it) and take its bytes off ``total_bytes``; returns the bytes freed.
+
+        Works on damaged entries too: with an unreadable record the blob's
+        length is what ``total_bytes`` counted for it, and its LRU row is
+        found by scanning the LRU index (rare: damaged entries only)."""
         if rec is None:
             raw = txn.get(k, db=self._entries)
             if raw is not None:
@@ -647,59 +674,114 @@ class LMDBTier:
         size = rec.blob_size if rec is not None else (len(blob) if blob is not None else 0)
         txn.delete(k, db=self._blobs)
         txn.delete(k, db=self._entries)
-        if rec is not None and self._lru is not None:
-            txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
-        total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
-        txn.put(b"total_bytes", _U64.pack(max(0, total - size)), db=self._meta)
+        if self._lru is not None:
+            if rec is not None and txn.get(_SEQ.pack(rec.lru_seq), db=self._lru) == k:
+                txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
+            else:
+                self._delete_lru_rows_of(txn, k)
+        if size:
+            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            txn.put(b"total_bytes", _U64.pack(max(0, total - size)), db=self._meta)
         return size
+
+    def _delete_lru_rows_of(self, txn: lmdb.Transaction, k: bytes) -> None:
+        """Delete every LRU row pointing at ``k`` (a full scan of the index)."""
+        with txn.cursor(db=self._lru) as cur:
+            rows = [bytes(seq) for seq, v in cur if v == k]
+        for seq in rows:
+            txn.delete(seq, db=self._lru)
+
+    def _lru_candidates(self, txn: lmdb.Transaction, skip: set[bytes]) -> Iterator[tuple[bytes, int, bool]]:
+        """``(key, blob bytes, damaged)`` of evictable entries, least recently
+        used first, skipping ``skip``. Cleans the LRU index on the way: a row
+        whose entry is gone, or whose record names another position, is
+        deleted (neither is an entry). A damaged entry (unreadable record) is
+        yielded with ``damaged=True`` whatever ``skip`` says: it can only
+        ever be a miss, so it is always removed."""
+        if self._lru is None:  # schema 1 (tooling only): order by the records
+            order: list[tuple[int, bytes, int, bool]] = []
+            with txn.cursor(db=self._entries) as cur:
+                for k, raw in cur:
+                    try:
+                        rec = codec.unpack_record(raw)
+                        order.append((rec.lru_seq, bytes(k), rec.blob_size, False))
+                    except CorruptBlobError:
+                        blob = txn.get(k, db=self._blobs)
+                        order.append((-1, bytes(k), len(blob) if blob is not None else 0, True))
+            for _, k, size, damaged in sorted(order):
+                if damaged or k not in skip:
+                    yield k, size, damaged
+            return
+        stale: list[bytes] = []
+        try:
+            with txn.cursor(db=self._lru) as cur:
+                for seq, kv in cur:
+                    k = bytes(kv)
+                    raw = txn.get(k, db=self._entries)
+                    if raw is None:
+                        stale.append(bytes(seq))
+                        continue
+                    try:
+                        rec = codec.unpack_record(raw)
+                    except CorruptBlobError:
+                        blob = txn.get(k, db=self._blobs)
+                        yield k, len(blob) if blob is not None else 0, True
+                        continue
+                    if _SEQ.pack(rec.lru_seq) != bytes(seq):
+                        stale.append(bytes(seq))
+                        continue
+                    if k not in skip:
+                        yield k, rec.blob_size, False
+        finally:
+            for seq in stale:
+                txn.delete(seq, db=self._lru)
 
     def _evict_in(self, txn: lmdb.Transaction, need: int, protect: set[bytes]) -> int:
         """Evict LRU entries inside ``txn`` until ``need`` bytes are freed.
 
-        Skips leased entries and ``protect``. Returns bytes freed (may be
-        less than ``need`` when everything left is pinned).
+        Skips leased entries and ``protect``; damaged entries (unreadable
+        records) met on the way are removed too. Victims that get leased
+        between their choice and their marking (the tombstone protocol, see
+        :meth:`pin_if_present`) are spared and replaced by the next least
+        recently used entries. Returns bytes freed (less than ``need`` only
+        when everything left is pinned). Never raises for a damaged entry.
         """
         freed = 0
-        pinned = self.leased_keys() | protect
-        victims: list[bytes] = []
-        if self._lru is not None:
-            with txn.cursor(db=self._lru) as cur:
-                for _, k in cur:
-                    if freed >= need:
+        skip = self.leased_keys() | protect
+        while freed < need:
+            victims: list[tuple[bytes, int]] = []
+            damaged: list[bytes] = []
+            chosen = 0
+            candidates = self._lru_candidates(txn, skip)
+            try:
+                for k, size, bad in candidates:
+                    if bad:
+                        damaged.append(k)
+                    else:
+                        victims.append((k, size))
+                    chosen += size
+                    if freed + chosen >= need:
                         break
-                    k = bytes(k)
-                    if k in pinned:
-                        continue
-                    rec = codec.unpack_record(txn.get(k, db=self._entries))
-                    victims.append(k)
-                    freed += rec.blob_size
-        else:
-            recs = sorted((codec.unpack_record(v).lru_seq, bytes(k), codec.unpack_record(v).blob_size)
-                          for k, v in txn.cursor(db=self._entries))
-            for _, k, size in recs:
-                if freed >= need:
-                    break
-                if k not in pinned:
-                    victims.append(k)
-                    freed += size
-        if victims and self._shared.leases is not None:
-            # Tombstone protocol, steps (2) and (3): see pin_if_present.
-            stamp = _LEASE.pack(os.getpid(), time.time_ns())
-            with self._shared.leases.begin(write=True) as ltxn:
-                for k in victims:
-                    ltxn.put(_TOMB + k, stamp)
-            self._tombstones.extend(victims)
-            pinned_now = self.leased_keys()
-            kept = [k for k in victims if k in pinned_now]
-            if kept:
-                victims = [k for k in victims if k not in pinned_now]
-                freed = 0
-                for k in victims:
-                    rec = codec.unpack_record(txn.get(k, db=self._entries))
-                    freed += rec.blob_size
-        for k in victims:
-            self._remove(txn, k, None)
-        self.evictions += len(victims)
+            finally:
+                candidates.close()  # its cursor, before the deletions below
+            if not victims and not damaged:
+                break  # nothing left that may be evicted
+            for k in damaged:
+                freed += self._remove(txn, k, None)
+                self.corrupt_dropped += 1
+            if victims and self._shared.leases is not None:
+                # Tombstone protocol, steps (2) and (3): see pin_if_present.
+                stamp = _LEASE.pack(os.getpid(), time.time_ns())
+                with self._shared.leases.begin(write=True) as ltxn:
+                    for k, _ in victims:
+                        ltxn.put(_TOMB + k, stamp)
+                self._tombstones.extend(k for k, _ in victims)
+                pinned_now = self.leased_keys()
+                skip |= pinned_now
+                victims = [(k, size) for k, size in victims if k not in pinned_now]
+            for k, _ in victims:
+                freed += self._remove(txn, k, None)
+            self.evictions += len(victims)
         return freed
 
     def _clear_tombstones(self) -> None:
@@ -853,7 +935,10 @@ class LMDBTier:
                     raw = txn.get(k, db=self._entries)
                     if raw is None or codec.record_identifier(raw) != identifier:
                         continue
-                    rec = codec.unpack_record(raw)
+                    try:
+                        rec = codec.unpack_record(raw)
+                    except CorruptBlobError:
+                        continue  # damaged: the next get() or eviction drops it
                     if self._lru is not None:
                         txn.delete(_SEQ.pack(rec.lru_seq), db=self._lru)
                         txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
@@ -864,6 +949,13 @@ class LMDBTier:
                 p = todo[i]
                 k = self._k(p.key)
                 raw = txn.get(k, db=self._entries)
+                if raw is not None and not codec.record_readable(raw):
+                    # A damaged entry under this key: replace it.
+                    txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+                    self._remove(txn, k, None)
+                    self.corrupt_dropped += 1
+                    total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+                    raw = None
                 if raw is not None:
                     same = codec.record_identifier(raw) == p.identifier
                     results[i] = "present" if same else "collision"
@@ -901,13 +993,19 @@ class LMDBTier:
 
     @_lmdb_errors_as_store_errors
     def delete(self, key: str) -> bool:
+        """Remove ``key``'s entry; False if there was none."""
+        return self.remove(key) is not None
+
+    @_lmdb_errors_as_store_errors
+    def remove(self, key: str) -> int | None:
+        """Remove ``key``'s entry (damaged ones too: record, blob and LRU row)
+        and return the bytes it took off ``total_bytes``; None if absent."""
         self._check()
         k = self._k(key)
         with self._write_txn() as txn:
             if txn.get(k, db=self._entries) is None:
-                return False
-            self._remove(txn, k, None)
-            return True
+                return None
+            return self._remove(txn, k, None)
 
     @_lmdb_errors_as_store_errors
     def sync(self) -> None:
