@@ -130,9 +130,24 @@ class _Writer(threading.Thread):
                 self.cv.wait()
             self.ticket += 1
             item.order = self.last_put_ticket = self.ticket
+            replaced = self.queue.get(key)
+            if replaced is not None:  # two puts of one key passed the presence check at once
+                self.queued_bytes -= replaced.nbytes
             self.queue[key] = item
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
+
+    def add_error(self, error: BaseException) -> None:
+        """Record a failed write (any thread); :meth:`take_errors` hands it on."""
+        with self.cv:
+            self.errors.append(error)
+
+    def take_errors(self) -> list[BaseException]:
+        """The write errors recorded since the last call, atomically (each
+        error is returned by exactly one call)."""
+        with self.cv:
+            errors, self.errors = self.errors, []
+        return errors
 
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
@@ -252,7 +267,7 @@ class _Writer(threading.Thread):
                     store._write(batch, touches)
             except BaseException as e:  # never let the writer die silently
                 log.error("ecstore: background write failed: %s", e)
-                self.errors.append(e)
+                self.add_error(e)
             finally:
                 with self.cv:
                     for key, item in batch:
@@ -353,8 +368,9 @@ class ECStore:
         """The stored tensor on ``device``, or None on a miss.
 
         A memory-tier hit on the CPU returns the cached tensor itself (no
-        copy): treat it as read-only. A disk hit returns a fresh tensor and
-        promotes it to the memory tier. Corrupt entries are misses.
+        copy): treat it as read-only. A disk hit returns a fresh tensor that
+        nothing else references (the memory tier keeps its own copy), so the
+        caller may modify it. Corrupt entries are misses.
         """
         self._check()
         key = self.key(mm_hash)
@@ -368,7 +384,8 @@ class ECStore:
             tier = "disk"
             t = self.disk.get(key, mm_hash)
             if t is not None and self.memory is not None:
-                self.memory.put(key, mm_hash, t, codec.tensor_nbytes(t))
+                if self.memory.put(key, mm_hash, t, codec.tensor_nbytes(t)) and torch.device(device) == t.device:
+                    t = t.clone()  # the memory tier holds t: hand out a copy of our own
         with self._lock:
             if t is None:
                 self._stats.misses += 1
@@ -476,7 +493,7 @@ class ECStore:
                 with self._lock:
                     self._stats.write_errors += 1
                 assert self._writer is not None
-                self._writer.errors.append(r.error or StoreFullError("write failed"))
+                self._writer.add_error(r.error or StoreFullError("write failed"))
                 log.error("ecstore: could not store mm_hash=%s: %s", it.mm_hash, r.error)
 
     def write_lru_soon(self) -> None:
@@ -516,7 +533,7 @@ class ECStore:
         self._writer.drain()
         assert self.disk is not None
         self.disk.sync()
-        errors, self._writer.errors = self._writer.errors, []
+        errors = self._writer.take_errors()
         if errors:
             raise StoreFullError(f"{len(errors)} write(s) failed since the last flush: {errors[-1]}")
 

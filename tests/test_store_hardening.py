@@ -182,6 +182,35 @@ def test_d2_reopen_with_smaller_cap_over_a_corrupt_record_opens_and_leaks_nothin
 
 
 # ===========================================================================
+# Defect 3: back-pressure drifts
+# ===========================================================================
+
+def test_d3_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
+    """Two puts of one key both reach the writer queue (two threads passed
+    the presence check at once); the second replaces the first, and
+    ``queued_bytes`` must count it once and return to zero."""
+    from ecstore.store import _Pending
+
+    with open_store(tmp_path / "s") as s:
+        w = s._writer
+        t = make_tensor(1)
+        nbytes = codec.tensor_nbytes(t)
+        key = s.key("dup")
+        with s.disk._shared.write_lock:  # the writer cannot commit meanwhile
+            s.put("first", make_tensor(0))  # occupies the writer (waits for the lock)
+            with w.cv:
+                while "first" not in [it.identifier for it in w.inflight.values()]:
+                    w.cv.wait(0.05)  # the writer takes it without notifying
+            w.submit(key, _Pending("dup", t, nbytes, "dup"))
+            w.submit(key, _Pending("dup", t.clone(), nbytes, "dup"))
+            assert s.stats().pending_bytes == 2 * nbytes  # "first" in flight + one "dup"
+        s.flush()
+        assert s.stats().pending_bytes == 0
+        assert s.stats().pending_writes == 0
+        assert_same(s.get("dup"), t)
+
+
+# ===========================================================================
 # Defect 5: eviction gives up when chosen victims get leased meanwhile
 # ===========================================================================
 
@@ -224,6 +253,58 @@ def fc_other_pid() -> int:
     import os
 
     return os.getppid()
+
+
+# ===========================================================================
+# Defect 6: a disk hit aliases the memory-tier copy
+# ===========================================================================
+
+def test_d6_modifying_a_disk_hit_does_not_change_later_hits(tmp_path):
+    path = tmp_path / "s"
+    with open_store(path) as s:
+        s.put("e0", make_tensor(0))
+    with open_store(path, cpu=8 * MiB) as s:
+        got = s.get("e0")  # disk hit, promoted to the memory tier
+        assert s.stats().disk_hits == 1
+        got.fill_(0)
+        again = s.get("e0")
+        assert s.stats().memory_hits == 1
+        assert_same(again, make_tensor(0))
+
+
+# ===========================================================================
+# Defect 7: flush() loses an error appended while it swaps the list
+# ===========================================================================
+
+def test_d7_every_write_error_is_reported_by_exactly_one_flush(tmp_path):
+    """Errors recorded by the writer while flush() takes them are never lost:
+    a thread records 5000 errors the way the writer does while the main
+    thread takes them the way flush() does; every one is taken once."""
+    import sys
+
+    with open_store(tmp_path / "s") as s:
+        w = s._writer
+        n = 5000
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            done = threading.Event()
+
+            def record() -> None:
+                for i in range(n):
+                    w.add_error(StoreFullError(str(i)))
+                done.set()
+
+            th = threading.Thread(target=record)
+            th.start()
+            taken = 0
+            while not done.is_set():
+                taken += len(w.take_errors())
+            th.join()
+            taken += len(w.take_errors())
+        finally:
+            sys.setswitchinterval(old)
+        assert taken == n
 
 
 def test_d1_d7_purge_key_of_an_unreadable_record_repairs_and_reports_its_bytes(tmp_path, capsys):
