@@ -27,6 +27,7 @@ struct (fixed part + shape + dtype + identifier) so reads on the hot path
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass, field, replace
@@ -36,7 +37,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import InvalidEntryError
+from .errors import ECStoreError, InvalidEntryError
+from .key import parse_key
 
 FORMAT = "ecstore/1"
 TENSOR_NAME = "ec"
@@ -164,36 +166,168 @@ class CorruptBlobError(Exception):
     """A blob failed its checksum or header check (internal; becomes a miss)."""
 
 
+#: Largest accepted header (bytes) and dimension count / size of a tensor in
+#: a blob: a header claiming more is damaged or hostile.
+MAX_HEADER_BYTES = 1 << 20
+MAX_NDIM = 8
+MAX_DIM = 1 << 48
+
+
+@functools.lru_cache(maxsize=None)
+def storable_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype a blob may claim by ``name``, or None: only canonical
+    names (``"float32"``, not the alias ``"float"``) of dtypes whose tensors
+    are ``numel * itemsize`` plain bytes (no quantized dtypes)."""
+    dt = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dt, torch.dtype) or str(dt) != f"torch.{name}":
+        return None
+    try:
+        probe = torch.empty(1, dtype=dt)
+    except Exception:
+        return None
+    if probe.is_quantized or probe.element_size() != dt.itemsize or dt.itemsize < 1:
+        return None
+    return dt
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # not bool, not float
+
+
+def _shape_of(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise CorruptBlobError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
+    if not all(_is_int(d) and 0 <= d < MAX_DIM for d in value):
+        raise CorruptBlobError(f"{what} {value!r} has a dimension that is not an integer in [0, 2**48)")
+    return tuple(value)
+
+
 def parse_header(blob: Any) -> BlobHeader:
-    """Parse and sanity-check a blob's safetensors header (no data read)."""
-    mv = memoryview(blob)
+    """Parse and strictly check a blob's safetensors header (no data read).
+
+    Accepts exactly what :func:`encode` writes: one tensor ``"ec"`` plus
+    ``__metadata__`` whose values are strings; a canonical, storable dtype
+    name; a shape of non-negative integers whose byte count (numel x
+    itemsize) is the data length; ``data_offsets == [0, data length]`` with
+    the data right after the header up to the end of the blob; a safetensors
+    dtype code and shape that agree with the real dtype and shape. Anything
+    else raises :class:`CorruptBlobError` (never another exception).
+    """
+    try:
+        mv = memoryview(blob).cast("B")
+    except (TypeError, ValueError) as e:
+        raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
     if len(mv) < 8:
         raise CorruptBlobError("blob shorter than its length prefix")
     (hlen,) = struct.unpack_from("<Q", mv, 0)
-    if hlen > len(mv) - 8 or hlen > 1 << 20:
+    if hlen > len(mv) - 8 or hlen > MAX_HEADER_BYTES:
         raise CorruptBlobError(f"header length {hlen} out of range")
     try:
-        header = json.loads(bytes(mv[8 : 8 + hlen]))
-        meta = header["__metadata__"]
-        info = header[TENSOR_NAME]
-        if meta.get("format") != FORMAT:
-            raise CorruptBlobError(f"unknown blob format {meta.get('format')!r}")
-        start, end = (int(x) for x in info["data_offsets"])
-        shape = tuple(int(x) for x in json.loads(meta["shape"]))
-        hdr = BlobHeader(meta["identifier"], meta["model"], meta["dtype"], shape,
-                         8 + hlen + start, end - start, header)
-    except CorruptBlobError:
-        raise
-    except Exception as e:  # malformed JSON / missing fields / wrong types
+        header = json.loads(bytes(mv[8 : 8 + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptBlobError(f"malformed header: {e}") from None
-    if hdr.data_offset + hdr.data_nbytes != len(mv):
-        raise CorruptBlobError("data length does not match the blob size")
-    dt = getattr(torch, hdr.dtype, None)
-    if not isinstance(dt, torch.dtype):
-        raise CorruptBlobError(f"unknown dtype {hdr.dtype!r}")
-    if tensor_nbytes_of(dt, shape) != hdr.data_nbytes:
+    if not isinstance(header, dict) or set(header) != {TENSOR_NAME, "__metadata__"}:
+        raise CorruptBlobError("header must hold exactly the tensor 'ec' and '__metadata__'")
+    meta, info = header["__metadata__"], header[TENSOR_NAME]
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptBlobError("__metadata__ must map names to strings")
+    if meta.get("format") != FORMAT:
+        raise CorruptBlobError(f"unknown blob format {meta.get('format')!r}")
+    for name in ("identifier", "model", "dtype", "shape"):
+        if name not in meta:
+            raise CorruptBlobError(f"__metadata__ has no {name!r}")
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptBlobError("tensor 'ec' must have exactly dtype, shape and data_offsets")
+    dt = storable_dtype(meta["dtype"])
+    if dt is None:
+        raise CorruptBlobError(f"dtype {meta['dtype']!r} is not a storable torch dtype")
+    try:
+        shape = _shape_of(json.loads(meta["shape"]), "__metadata__ shape")
+    except (ValueError, RecursionError) as e:
+        raise CorruptBlobError(f"malformed __metadata__ shape: {e}") from None
+    offsets = info["data_offsets"]
+    data_offset = 8 + hlen
+    nbytes = len(mv) - data_offset
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
+        raise CorruptBlobError("data_offsets must be two integers")
+    if offsets != [0, nbytes]:
+        raise CorruptBlobError(f"data_offsets {offsets} do not span the {nbytes} data bytes after the header")
+    if tensor_nbytes_of(dt, shape) != nbytes:
         raise CorruptBlobError("shape and dtype do not match the data length")
+    code = _ST_CODE.get(dt)
+    st_shape = _shape_of(info["shape"], "tensor shape")
+    if info["dtype"] != (code or "U8") or st_shape != (shape if code else (nbytes,)):
+        raise CorruptBlobError("safetensors dtype/shape do not match the real dtype/shape")
+    return BlobHeader(meta["identifier"], meta["model"], meta["dtype"], shape, data_offset, nbytes, header)
+
+
+def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: str | None = None,
+                dtype: torch.dtype | str | None = None, key: str | None = None) -> BlobHeader:
+    """Check one stored entry (its record and blob) before any byte of it is
+    used; returns the blob's parsed header. The one entry check: ``get()``
+    and ``ecstore-dump verify/show/export`` all use it.
+
+    Checks, in order: the blob's length and checksum against the record;
+    the header (:func:`parse_header`, strict); the record against the header
+    (identifier, dtype, shape, tensor bytes); then what the caller expects,
+    each only if given: the ``identifier``, the ``model``, the ``dtype``
+    (exactly, by name), and the EC ``key`` the entry is stored under (its
+    model and dtype parts must be the header's). Raises
+    :class:`CorruptBlobError` naming the first mismatch, never another
+    exception. Pure function; thread-safe.
+    """
+    try:
+        size = len(memoryview(blob).cast("B"))
+    except (TypeError, ValueError) as e:
+        raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
+    if size != rec.blob_size:
+        raise CorruptBlobError(f"blob is {size} bytes, its record says {rec.blob_size}")
+    if checksum(blob) != rec.checksum:
+        raise CorruptBlobError("checksum mismatch")
+    hdr = parse_header(blob)
+    if hdr.identifier != rec.identifier:
+        raise CorruptBlobError("identifier in blob does not match the record")
+    if (hdr.dtype, hdr.shape, hdr.data_nbytes) != (rec.dtype, rec.shape, rec.nbytes):
+        raise CorruptBlobError(f"blob header ({hdr.dtype} {list(hdr.shape)}, {hdr.data_nbytes} bytes) does not "
+                               f"match its record ({rec.dtype} {list(rec.shape)}, {rec.nbytes} bytes)")
+    if identifier is not None and hdr.identifier != identifier:
+        raise CorruptBlobError("identifier in blob does not match the requested one")
+    if model is not None and hdr.model != model:
+        raise CorruptBlobError(f"entry of model {hdr.model!r}, expected {model!r}")
+    if dtype is not None:
+        want = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        if hdr.dtype != want:
+            raise CorruptBlobError(f"entry of dtype {hdr.dtype}, expected {want}")
+    if key is not None:
+        try:
+            k = parse_key(key)
+        except ECStoreError as e:
+            raise CorruptBlobError(f"stored under a malformed key: {e}") from None
+        if (k.model, k.dtype) != (hdr.model, hdr.dtype):
+            raise CorruptBlobError(f"entry of model {hdr.model!r} dtype {hdr.dtype} stored under key {key!r}")
     return hdr
+
+
+def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
+    """The tensor of a blob whose header ``hdr`` passed :func:`parse_header`,
+    copied into fresh CPU memory (never aliases ``blob``)."""
+    dt = storable_dtype(hdr.dtype)
+    if dt is None:
+        raise CorruptBlobError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
+    out = torch.empty(hdr.shape, dtype=dt)
+    if tensor_nbytes(out) != hdr.data_nbytes or hdr.data_offset + hdr.data_nbytes != len(memoryview(blob).cast("B")):
+        raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
+    if hdr.data_nbytes:
+        _raw_bytes_view(out)[:] = np.frombuffer(blob, dtype=np.uint8, count=hdr.data_nbytes,
+                                                offset=hdr.data_offset)
+    return out
+
+
+def read_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: str | None = None,
+               dtype: torch.dtype | str | None = None, key: str | None = None) -> torch.Tensor:
+    """:func:`check_entry`, then the tensor copied out of ``blob`` (fresh CPU
+    memory). Raises only :class:`CorruptBlobError`."""
+    return copy_out(blob, check_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key))
 
 
 def decode(blob: Any, *, expected_checksum: int | None, identifier: str | None = None) -> torch.Tensor:
@@ -202,18 +336,15 @@ def decode(blob: Any, *, expected_checksum: int | None, identifier: str | None =
     ``blob`` may be a memoryview into the LMDB map (only valid inside its read
     transaction): the returned tensor never aliases it. Raises
     :class:`CorruptBlobError` on a checksum, header or identifier mismatch.
+    Stored entries are read with :func:`read_entry`, which also checks the
+    record and what the caller expects.
     """
     if expected_checksum is not None and checksum(blob) != expected_checksum:
         raise CorruptBlobError("checksum mismatch")
     hdr = parse_header(blob)
     if identifier is not None and hdr.identifier != identifier:
         raise CorruptBlobError("identifier in blob does not match the record")
-    dt = getattr(torch, hdr.dtype)
-    out = torch.empty(hdr.shape, dtype=dt)
-    if hdr.data_nbytes:
-        _raw_bytes_view(out)[:] = np.frombuffer(blob, dtype=np.uint8, count=hdr.data_nbytes,
-                                                offset=hdr.data_offset)
-    return out
+    return copy_out(blob, hdr)
 
 
 def check_storable(tensor: object) -> None:

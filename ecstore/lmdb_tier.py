@@ -442,35 +442,34 @@ class LMDBTier:
             return None if raw is None else codec.unpack_record(raw)
 
     @_lmdb_errors_as_store_errors
-    def get(self, key: str, identifier: str) -> torch.Tensor | None:
+    def get(self, key: str, identifier: str, *, model: str | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The stored tensor (a fresh CPU copy), or None on a miss.
 
-        A blob failing its checksum/header check is logged, removed (unless
-        read-only) and reported as a miss: garbage is never returned.
+        The entry passes :func:`codec.check_entry` (record, blob, checksum,
+        header; the ``key``, and the ``model`` / ``dtype`` of the asking
+        handle if given) before a byte of it is copied. An entry failing it
+        is logged, removed (unless read-only) and reported as a miss: garbage
+        or a tensor of another model, dtype or shape is never returned, and
+        no hostile header makes this raise anything but an ECStoreError.
         """
         self._check()
         k = self._k(key)
+        rec: Record | None = None
         with self._begin(buffers=True) as txn:
             raw = txn.get(k, db=self._entries)
             if raw is None:
                 return None
             try:
                 rec = codec.unpack_record(raw)
-            except CorruptBlobError as e:
-                rec, err = None, e
-            else:
                 if rec.identifier != identifier:
-                    return None
+                    return None  # another identifier (64-bit hash collision): a plain miss
                 blob = txn.get(k, db=self._blobs)
-                try:
-                    if blob is None:
-                        raise CorruptBlobError("record without blob")
-                    t = codec.decode(blob, expected_checksum=rec.checksum, identifier=identifier)
-                    if str(t.dtype).removeprefix("torch.") != rec.dtype or tuple(t.shape) != rec.shape:
-                        raise CorruptBlobError("blob header does not match its record")
-                    return t
-                except CorruptBlobError as e:
-                    err = e
+                if blob is None:
+                    raise CorruptBlobError("record without blob")
+                return codec.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
+            except CorruptBlobError as e:
+                err = e
         log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, err, self.path,
                     "" if self.readonly else ", removed")
         if not self.readonly:

@@ -382,7 +382,7 @@ class ECStore:
             t = self._writer.lookup(key, mm_hash)
         if t is None and self.disk is not None:
             tier = "disk"
-            t = self.disk.get(key, mm_hash)
+            t = self.disk.get(key, mm_hash, model=self.model, dtype=self.dtype)
             if t is not None and self.memory is not None:
                 if self.memory.put(key, mm_hash, t, codec.tensor_nbytes(t)) and torch.device(device) == t.device:
                     t = t.clone()  # the memory tier holds t: hand out a copy of our own
