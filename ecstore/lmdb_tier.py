@@ -109,6 +109,68 @@ class PutRequest:
     order: int | None = None
 
 
+#: How often a transaction is retried after adopting a map another process
+#: grew (each retry needs that process to grow the map again meanwhile).
+MAX_MAP_RESIZED_RETRIES = 16
+
+
+class _TxnGate:
+    """Transactions of one environment in this process versus a map resize.
+
+    Another process may grow the LMDB map past this process's: beginning a
+    transaction then fails with ``MDB_MAP_RESIZED``, and LMDB's remedy,
+    ``mdb_env_set_mapsize(0)``, remaps the file, which is only safe while no
+    transaction of this process is open (their pages would be unmapped under
+    them). Every transaction enters the gate (shared); a resize waits until
+    none is open and holds new ones back meanwhile (exclusive). A thread
+    that itself holds a transaction of the environment cannot wait for that:
+    it gets StoreOpenError (an ECStoreError) instead and may retry once its
+    transaction ended. Thread-safe; costs one uncontended lock per begin and
+    end.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._resizing = False
+        self._mine = threading.local()
+
+    def enter(self) -> None:
+        with self._cv:
+            while self._resizing:
+                self._cv.wait()
+            self._active += 1
+        self._mine.depth = getattr(self._mine, "depth", 0) + 1
+
+    def leave(self) -> None:
+        self._mine.depth -= 1
+        with self._cv:
+            self._active -= 1
+            if self._active == 0:
+                self._cv.notify_all()
+
+    def adopt_new_size(self, env: lmdb.Environment, path: str) -> None:
+        """``env.set_mapsize(0)`` (adopt the size another process set) once no
+        transaction of this process is open."""
+        if getattr(self._mine, "depth", 0):
+            raise StoreOpenError(
+                f"the LMDB map of {path} was grown by another process while this thread holds a "
+                f"transaction of it; retry the call")
+        with self._cv:
+            if self._resizing:  # another thread is adopting it: wait for that, then retry
+                while self._resizing:
+                    self._cv.wait()
+                return
+            self._resizing = True
+            try:
+                while self._active:
+                    self._cv.wait()
+                env.set_mapsize(0)
+            finally:
+                self._resizing = False
+                self._cv.notify_all()
+
+
 class _SharedEnv:
     """One lmdb.Environment per directory per process, reference counted."""
 
@@ -126,6 +188,34 @@ class _SharedEnv:
         self.refs = 0
         self.pid = os.getpid()
         self.write_lock = threading.Lock()  # LMDB allows one write txn per env
+        self.gate = _TxnGate()
+
+    @contextlib.contextmanager
+    def txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction of the data environment: committed when the block
+        ends normally, aborted on an exception. The one way ecstore begins
+        one: when another process grew the map (``MDB_MAP_RESIZED``), adopts
+        the new size (see :class:`_TxnGate`) and retries. Write transactions
+        must be begun under ``write_lock``."""
+        for _ in range(MAX_MAP_RESIZED_RETRIES):
+            self.gate.enter()
+            try:
+                txn = self.env.begin(write=write, buffers=buffers)
+            except lmdb.MapResizedError:
+                self.gate.leave()
+                self.gate.adopt_new_size(self.env, self.path)
+                continue
+            except BaseException:
+                self.gate.leave()
+                raise
+            break
+        else:
+            raise StoreOpenError(f"the LMDB map of {self.path} keeps growing under this process; retry")
+        try:
+            with txn:
+                yield txn
+        finally:
+            self.gate.leave()
 
     @classmethod
     def acquire(cls, path: str, map_size: int, readonly: bool, create: bool) -> "_SharedEnv":
@@ -326,7 +416,7 @@ class LMDBTier:
             if not readonly:
                 self.env.reader_check()
             self.schema_version = schema.ensure_schema(self.env, readonly=readonly, path=path,
-                                                       target=schema_target)
+                                                       target=schema_target, begin=self._schema_begin)
             # On a writable environment, open_db() without a transaction
             # takes LMDB's write lock while holding the GIL: if a writer
             # thread of another handle in this process holds that lock and
@@ -334,16 +424,11 @@ class LMDBTier:
             # waiting for the lock. begin() releases the GIL while it waits.
             # (Handles opened in a read transaction die with it: read-only
             # environments keep the plain call, which takes no write lock.)
-            txn = None if self._shared.readonly else self._begin(write=True)
-            try:
-                self._blobs = self.env.open_db(b"blobs", txn=txn, create=False)
-                self._entries = self.env.open_db(b"entries", txn=txn, create=False)
-                self._meta = self.env.open_db(b"meta", txn=txn, create=False)
-                self._lru = (self.env.open_db(b"lru", txn=txn, create=False)
-                             if self.schema_version >= 2 else None)
-            finally:
-                if txn is not None:
-                    txn.commit()  # nothing written: makes the handles permanent
+            if self._shared.readonly:
+                self._open_dbs(None)
+            else:
+                with self._shared.write_lock, self._shared.txn(write=True) as txn:
+                    self._open_dbs(txn)  # nothing written: the commit makes the handles permanent
             self._shared.open_leases()
         except lmdb.Error as e:
             self._shared.release()
@@ -379,18 +464,29 @@ class LMDBTier:
             self._shared.release()
             raise
 
+    @contextlib.contextmanager
+    def _schema_begin(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+        """Transactions for :func:`schema.ensure_schema` (writes under the write lock)."""
+        with contextlib.ExitStack() as stack:
+            if write:
+                stack.enter_context(self._shared.write_lock)
+            yield stack.enter_context(self._shared.txn(write=write))
+
+    def _open_dbs(self, txn: lmdb.Transaction | None) -> None:
+        self._blobs = self.env.open_db(b"blobs", txn=txn, create=False)
+        self._entries = self.env.open_db(b"entries", txn=txn, create=False)
+        self._meta = self.env.open_db(b"meta", txn=txn, create=False)
+        self._lru = self.env.open_db(b"lru", txn=txn, create=False) if self.schema_version >= 2 else None
+
     # ------------------------------------------------------------------ utils
     def _check(self) -> None:
         check_same_process(self._pid, f"the ecstore handle of {self.path}")
         if self._closed:
             raise StoreOpenError(f"store at {self.path} is closed")
 
-    def _begin(self, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
-        try:
-            return self.env.begin(write=write, buffers=buffers)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)  # another process grew the map: adopt its size
-            return self.env.begin(write=write, buffers=buffers)
+    def _begin(self, write: bool = False, buffers: bool = False) -> contextlib.AbstractContextManager[lmdb.Transaction]:
+        """``with self._begin() as txn``: see :meth:`_SharedEnv.txn`."""
+        return self._shared.txn(write=write, buffers=buffers)
 
     @contextlib.contextmanager
     def _write_txn(self) -> Iterator[lmdb.Transaction]:

@@ -13,17 +13,31 @@ The schema version lives in the ``meta`` sub-database under
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Callable, ContextManager
 
 import lmdb
 
 from .errors import SchemaError, StoreOpenError
 
 _NAME = re.compile(r"^(\d{4})_\w+\.py$")
+
+#: ``begin(write=...)``: a transaction as a context manager (committed at the
+#: end of the block). LMDBTier passes its own, which handles MDB_MAP_RESIZED.
+Begin = Callable[..., ContextManager[lmdb.Transaction]]
+
+
+def _plain_begin(env: lmdb.Environment) -> Begin:
+    @contextlib.contextmanager
+    def begin(write: bool = False) -> "contextlib.Generator[lmdb.Transaction, None, None]":
+        with env.begin(write=write) as txn:
+            yield txn
+    return begin
 
 
 def _migrations_dir() -> Path:
@@ -64,9 +78,9 @@ def current_version() -> int:
     return len(migrations())
 
 
-def read_version(env: lmdb.Environment) -> int | None:
+def read_version(env: lmdb.Environment, begin: Begin | None = None) -> int | None:
     """Schema version of an open environment; None for an empty one."""
-    with env.begin() as txn:
+    with (begin or _plain_begin(env))(write=False) as txn:
         if txn.get(b"meta") is None:  # named DBs are keys of the main DB
             if _main_is_empty(txn):
                 return None
@@ -88,11 +102,16 @@ def _main_is_empty(txn: lmdb.Transaction) -> bool:
         return not cur.first()
 
 
-def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: int | None = None) -> int:
-    """Bring ``env`` to ``target`` (default: current) and return its version."""
+def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: int | None = None,
+                  begin: Begin | None = None) -> int:
+    """Bring ``env`` to ``target`` (default: current) and return its version.
+
+    ``begin`` opens its transactions (default: plain ``env.begin``); the
+    caller holds whatever lock its write transactions need."""
     target = current_version() if target is None else target
+    begin = begin or _plain_begin(env)
     try:
-        version = read_version(env)
+        version = read_version(env, begin)
     except StoreOpenError as e:
         raise StoreOpenError(f"{path} is {e}") from None  # say which directory
     if version is not None and version > current_version():
@@ -107,7 +126,7 @@ def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: i
             f"store at {path} has schema version {version or 0}, older than {target}; "
             f"open it once read-write to upgrade it (read-only access does not migrate)"
         )
-    with env.begin(write=True) as txn:
+    with begin(write=True) as txn:
         meta = env.open_db(b"meta", txn=txn, create=True)
         raw = txn.get(b"schema_version", db=meta)
         version = int(raw) if raw is not None else 0

@@ -1,0 +1,35 @@
+"""Subprocess entry point: grow a store's LMDB map from another process.
+
+Usage: ``python grow_store.py DIR N_MIB [PREFIX]``. Opens ``DIR`` with a
+256 MiB cap (so a large map), puts N_MIB entries of 1 MiB each
+(``fault_common.entry_tensor(i, 1024)``, identifiers ``PREFIX-i``), flushes
+and exits; prints the data file's size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from ecstore import ECStore, ECStoreConfig  # noqa: E402
+from helpers import fault_common as fc  # noqa: E402
+
+
+def main() -> None:
+    path, n = sys.argv[1], int(sys.argv[2])
+    prefix = sys.argv[3] if len(sys.argv) > 3 else "grow"
+    cfg = ECStoreConfig(local_cpu=False, local_disk=path, max_local_disk_size=0.25)
+    with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as s:
+        for i in range(n):
+            s.put(f"{prefix}-{i}", fc.entry_tensor(i, 1024))
+        s.flush()
+    print(os.path.getsize(os.path.join(path, "data.mdb")))
+
+
+if __name__ == "__main__":
+    main()
