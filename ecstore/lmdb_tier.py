@@ -73,7 +73,12 @@ TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 
 MAP_HEADROOM_FACTOR = 1.25
 MAP_HEADROOM_BYTES = 1 * MiB  # floor for small caps (B-tree and meta pages)
-MAX_MAPFULL_RETRIES = 8
+#: How long a write whose map is full waits, at most, for read transactions
+#: of other processes to release old snapshots (seconds; see write_batch).
+MAPFULL_PATIENCE_S = 60.0
+#: Retries of a write whose map stays full with nothing left to evict and no
+#: reader of an older snapshot to wait for.
+MAPFULL_STUCK_RETRIES = 3
 
 
 def map_size_for(capacity_bytes: int) -> int:
@@ -81,6 +86,18 @@ def map_size_for(capacity_bytes: int) -> int:
     size = max(int(capacity_bytes * MAP_HEADROOM_FACTOR), capacity_bytes + MAP_HEADROOM_BYTES)
     page = 4096
     return (size + page - 1) // page * page
+
+
+def _reader_txnids(table: str) -> list[int]:
+    """Snapshot (transaction id) of each active read transaction in LMDB's
+    reader table (``Environment.readers()``: ``pid thread txnid`` rows; idle
+    slots are not listed, or show ``-``)."""
+    ids = []
+    for line in table.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) == 3 and parts[2].isdigit():
+            ids.append(int(parts[2]))
+    return ids
 
 
 def _pid_alive(pid: int) -> bool:
@@ -921,8 +938,9 @@ class LMDBTier:
                     f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.result == "pending"]
         extra = 0
-        nothing_left = False
-        for attempt in range(MAX_MAPFULL_RETRIES + 1):
+        deadline = time.monotonic() + MAPFULL_PATIENCE_S
+        stuck = 0
+        while True:
             try:
                 self._write_once(todo, touches)
                 return
@@ -931,7 +949,7 @@ class LMDBTier:
                     p.result, p.error = "failed", e
                 raise
             except lmdb.MapFullError:
-                if attempt == MAX_MAPFULL_RETRIES:
+                if time.monotonic() > deadline:
                     break
                 if self.env.reader_check() > 0:
                     continue  # a dead process's reader pinned old pages: free now, retry first
@@ -943,10 +961,20 @@ class LMDBTier:
                 # after one more commit: make one, or the retry cannot use
                 # what was just evicted.
                 self._commit_nothing()
-                if freed == 0 and self.entry_count() == 0:
-                    if nothing_left:
+                if freed > 0:
+                    stuck = 0
+                    continue
+                # Nothing (more) to evict, yet the map was full: the free
+                # pages are still part of snapshots that read transactions
+                # of other processes hold (each is short: one call). Wait
+                # for those to end, then retry. With no such reader, other
+                # writers emptied the map meanwhile or it is full of live
+                # data: retry, a few times.
+                if not self._wait_for_older_readers(deadline):
+                    stuck += 1
+                    if stuck > MAPFULL_STUCK_RETRIES:
                         break
-                    nothing_left = True  # one retry with the last pages freed
+                self._commit_nothing()
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
                 hint = self._space_hint(sum(len(p.blob) for p in todo))
@@ -960,6 +988,25 @@ class LMDBTier:
         for p in todo:
             p.result, p.error = "failed", err
         raise err
+
+    def _wait_for_older_readers(self, deadline: float) -> bool:
+        """Wait until no read transaction (of any process) holds a snapshot
+        older than the last commit, so the pages that commit freed can be
+        reused. True if there was one and it ended; False if there was none
+        (nothing to wait for) or ``deadline`` (time.monotonic()) passed. Polls LMDB's reader
+        table, backing off from 1 ms to 50 ms."""
+        last = self.env.info()["last_txnid"]
+        pause = 0.001
+        waited = False
+        while True:
+            older = [t for t in _reader_txnids(self.env.readers()) if t < last]
+            if not older:
+                return waited
+            if time.monotonic() > deadline:
+                return False
+            waited = True
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def _commit_nothing(self) -> None:
         """Commit a transaction that changes no value (rewrites ``next_seq``):
