@@ -15,7 +15,7 @@ After a refusal the store is unchanged: same entries (keys and
 identifiers), same byte total, same memory-tier keys, and -- after
 ``flush()`` -- a byte-identical data.mdb.
 
-The table in the README is generated from ``CASES``:
+The table in docs/guarantees.md is generated from ``CASES``:
 ``python tests/test_bad_inputs.py`` prints it as Markdown.
 """
 
@@ -301,7 +301,7 @@ def test_every_case_has_a_known_outcome():
 
 
 # --------------------------------------------------------------------------
-# The README table
+# The bad-input table of docs/guarantees.md
 # --------------------------------------------------------------------------
 
 OUTCOME_TEXT = {
