@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable

@@ -266,7 +266,6 @@ def sec_floor(b: Bench) -> None:
               workload=name, note="same bytes")
         b.add("floor", "clone() (fresh allocation)", [timed(lambda: src.clone()) for _ in range(reps)],
               workload=name, note="includes page faults of new memory")
-        del dst
     fill_ratios(b, "floor")
 
 

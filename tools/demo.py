@@ -552,7 +552,6 @@ class Demo:
         return 0
 
     def run_connector(self, c: str, sets: list[ImageSet], news: list[ImageSet]) -> dict[str, Any]:
-        a = self.args
         work = self.work / c
         work.mkdir(parents=True, exist_ok=True)
         rec: dict[str, Any] = {"title": TITLES[c], "ec_transfer_config": ec_transfer_config(c, work)}

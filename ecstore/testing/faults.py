@@ -28,7 +28,6 @@ import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np

@@ -27,7 +27,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 from ecstore.testing import tiny_model  # noqa: E402

@@ -20,7 +20,6 @@ Importing this module imports vLLM.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
