@@ -52,7 +52,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import lmdb
 import torch
@@ -217,7 +217,8 @@ class _SharedEnv:
         for _ in range(MAX_MAP_RESIZED_RETRIES):
             self.gate.enter()
             try:
-                txn = self.env.begin(write=write, buffers=buffers)
+                txn: lmdb.Transaction = (self.env.begin(write=write, buffers=True) if buffers
+                                         else self.env.begin(write=write))
             except lmdb.MapResizedError:
                 self.gate.leave()
                 self.gate.adopt_new_size(self.env, self.path)
@@ -803,7 +804,8 @@ class LMDBTier:
         for seq in rows:
             txn.delete(seq, db=self._lru)
 
-    def _lru_candidates(self, txn: lmdb.Transaction, skip: set[bytes]) -> Iterator[tuple[bytes, int, bool]]:
+    def _lru_candidates(self, txn: lmdb.Transaction,
+                        skip: set[bytes]) -> Generator[tuple[bytes, int, bool], None, None]:
         """``(key, blob bytes, damaged)`` of evictable entries, least recently
         used first, skipping ``skip``. Cleans the LRU index on the way: a row
         whose entry is gone, or whose record names another position, is

@@ -19,7 +19,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import lmdb
 
@@ -34,7 +34,7 @@ Begin = Callable[..., ContextManager[lmdb.Transaction]]
 
 def _plain_begin(env: lmdb.Environment) -> Begin:
     @contextlib.contextmanager
-    def begin(write: bool = False) -> "contextlib.Generator[lmdb.Transaction, None, None]":
+    def begin(write: bool = False) -> Iterator[lmdb.Transaction]:
         with env.begin(write=write) as txn:
             yield txn
     return begin

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from ecstore import StoreFullError, codec
 from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier, _SharedEnv
-from helpers import fault_common as fc
+from ecstore.testing import faults as fc
 from helpers import hostile
 from helpers.fault_workers import open_store
 from helpers.tensors import assert_same, make_tensor
@@ -412,7 +413,7 @@ def test_d9_d10_any_hostile_header_is_refused_or_read_exactly(edits, data_len):
 # Defects 4 and 15: another process grows the map (MDB_MAP_RESIZED)
 # ===========================================================================
 
-GROW = str(fc.REPO / "tests" / "helpers" / "grow_store.py")
+GROW = str(Path(__file__).resolve().parent / "helpers" / "grow_store.py")
 
 
 def grow_from_another_process(path, mib: int, prefix: str = "grow") -> int:
@@ -479,8 +480,7 @@ def test_d15_small_cap_four_writing_processes_puts_evict_and_proceed(tmp_path):
     evicts and proceeds (no flush raises StoreFullError: the map filled with
     pages that other processes' read snapshots still held, and the writer
     gave up), accounting exact, verify clean."""
-    sys.path.insert(0, str(fc.REPO / "tools"))
-    import stress_concurrency
+    from ecstore.testing import stress_concurrency
 
     s = stress_concurrency.run(procs=4, ops=500, seed=2, mode="evict", root=tmp_path, cap=4 * MiB,
                                max_bytes=1 * MiB, log=print)

@@ -2,7 +2,7 @@
 
 Usage: ``python grow_store.py DIR N_MIB [PREFIX]``. Opens ``DIR`` with a
 256 MiB cap (so a large map), puts N_MIB entries of 1 MiB each
-(``fault_common.entry_tensor(i, 1024)``, identifiers ``PREFIX-i``), flushes
+(``ecstore.testing.faults.entry_tensor(i, 1024)``, identifiers ``PREFIX-i``), flushes
 and exits; prints the data file's size.
 """
 
@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from ecstore import ECStore, ECStoreConfig  # noqa: E402
-from helpers import fault_common as fc  # noqa: E402
+from ecstore import ECStore, ECStoreConfig
+from ecstore.testing import faults as fc
 
 
 def main() -> None:

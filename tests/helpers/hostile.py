@@ -4,7 +4,7 @@ checksum is recomputed, ``total_bytes`` is kept exact), so only ecstore's
 entry check (``codec.check_entry``) stands between it and the caller.
 
 Used by tests/test_store_hardening.py, in-process and in worker processes
-(``fault_common.run_forked``: a hostile entry may crash an unfixed reader).
+(``ecstore.testing.faults.run_forked``: a hostile entry may crash an unfixed reader).
 """
 
 from __future__ import annotations
