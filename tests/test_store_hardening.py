@@ -485,3 +485,32 @@ def test_d15_small_cap_four_writing_processes_puts_evict_and_proceed(tmp_path):
     s = stress_concurrency.run(procs=4, ops=500, seed=2, mode="evict", root=tmp_path, cap=4 * MiB,
                                max_bytes=1 * MiB, log=print)
     assert s["disk_evictions"] > 0 and s["ops"]["put_new"] > 0
+
+
+def test_d2_connector_starts_over_a_store_whose_open_evicts_damaged_entries(tmp_path, tiny_model_dir):
+    """vLLM start-up: both connector roles open a store that must evict at
+    open (configured cap smaller than what is stored) while its LRU head is
+    damaged. Before the fix the constructor raised a non-ECStoreError and
+    vLLM failed to start; now the connectors start and the store is within
+    its cap and consistent."""
+    from helpers import vllm_objects as vo
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    path = tmp_path / "ec"
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", {"local_disk": str(path), "max_local_disk_size": 0.004})
+    model = cfg.model_config.model
+    with open_store(path, cap=64 * MiB, model=model, dtype=torch.float32) as s:
+        for i in range(8):  # 8 x 1 MiB > the 4 MiB the connector configures
+            s.put(f"img-{i}", fc.entry_tensor(i, 512, dtype=torch.float32))
+        s.flush()
+        corrupt_record(s.disk, s.key("img-0"))
+    made = []
+    try:
+        for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
+            made.append(ECConnectorFactory.create_connector(config=cfg, role=role))
+    finally:
+        for conn in made:
+            conn.shutdown()
+    assert len(made) == 2
+    fc.audit(path, int(0.004 * (1 << 30))).check()
