@@ -451,7 +451,7 @@ class LMDBTier:
         except lmdb.Error as e:
             self._shared.release()
             raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
-        except (SchemaError, StoreOpenError):
+        except BaseException:  # SchemaError, StoreOpenError, or anything unforeseen: never leak the env
             self._shared.release()
             raise
         self.evictions = 0
