@@ -1,7 +1,8 @@
 """ECStore: the public handle that composes the tiers.
 
     ECStore.put ──► memory tier (LRU, bytes)         (caller's thread)
-               └──► pending map ──► writer thread ──► LMDB tier (one txn per batch)
+               └──► writer queue ──► writer thread ──► LMDB tier (one txn per batch)
+                    (ecstore/writer.py)
     ECStore.get ──► memory tier ─► pending map ─► LMDB tier (promote to memory)
 
 A handle is bound to one (model, dtype). Several handles, threads and
@@ -21,9 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +31,9 @@ from . import codec
 from .config import ECStoreConfig
 from .errors import ECStoreError, InvalidEntryError, StoreFullError, check_same_process
 from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
-from .lmdb_tier import LMDBTier, PutRequest
+from .lmdb_tier import LMDBTier
 from .memory import MemoryTier
+from .writer import PendingPut, Writer
 
 log = logging.getLogger("ecstore")
 
@@ -45,10 +44,6 @@ HEADER_ESTIMATE = 1024
 #: at most an eighth of the disk cap (a batch near the cap would have to evict
 #: the very entries it just wrote, and fragments the map).
 MAX_BATCH_BYTES = 256 << 20
-#: LRU updates from reads are written with the next batch of puts, or after
-#: this many seconds (or at flush): a burst of hits costs one commit, not one
-#: fsync'd commit each.
-TOUCH_DELAY_S = 1.0
 
 
 @dataclass
@@ -85,198 +80,6 @@ class StoreStats:
         return d
 
 
-@dataclass
-class _Pending:
-    identifier: str
-    tensor: torch.Tensor
-    nbytes: int
-    mm_hash: str
-    touch_hits: int = 0
-    blob: codec.Blob | None = None  # already encoded (None: the writer encodes)
-    order: int = 0  # position among this handle's puts and touches (writer ticket)
-
-
-class _Writer(threading.Thread):
-    """Background LMDB writer: drains puts and LRU touches in batches.
-
-    Bounded by bytes: ``ECStore.put`` blocks while the queued tensor bytes
-    would exceed ``max_bytes`` (back-pressure, not unbounded memory).
-    """
-
-    def __init__(self, store: "ECStore", max_bytes: int, batch_bytes: int = MAX_BATCH_BYTES) -> None:
-        super().__init__(name="ecstore-writer", daemon=True)
-        self.store_ref = weakref.ref(store)
-        self.max_bytes = max_bytes
-        self.batch_bytes = batch_bytes
-        self.touch_since = 0.0  # monotonic time of the oldest unwritten LRU touch
-        self.drainers = 0  # threads waiting in drain()
-        self.cv = threading.Condition()
-        self.queue: OrderedDict[str, _Pending] = OrderedDict()  # key -> not yet written
-        self.inflight: dict[str, _Pending] = {}  # key -> being written now
-        # key -> (identifier, hits, last_access_ns, orders): ``orders`` holds the
-        # ticket of the last read of the key between two consecutive puts, so
-        # the LMDB tier can replay reads and puts in the order they were made.
-        self.touches: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
-        self.ticket = 0  # orders puts and touches as they were made
-        self.last_put_ticket = 0
-        self.queued_bytes = 0
-        self.stopping = False
-        self.errors: list[BaseException] = []
-        self.busy = False
-
-    def submit(self, key: str, item: _Pending) -> None:
-        with self.cv:
-            while self.queue and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
-                self.cv.wait()
-            self.ticket += 1
-            item.order = self.last_put_ticket = self.ticket
-            replaced = self.queue.get(key)
-            if replaced is not None:  # two puts of one key passed the presence check at once
-                self.queued_bytes -= replaced.nbytes
-            self.queue[key] = item
-            self.queued_bytes += item.nbytes
-            self.cv.notify_all()
-
-    def add_error(self, error: BaseException) -> None:
-        """Record a failed write (any thread); :meth:`take_errors` hands it on."""
-        with self.cv:
-            self.errors.append(error)
-
-    def take_errors(self) -> list[BaseException]:
-        """The write errors recorded since the last call, atomically (each
-        error is returned by exactly one call)."""
-        with self.cv:
-            errors, self.errors = self.errors, []
-        return errors
-
-    def touch(self, key: str, identifier: str) -> None:
-        with self.cv:
-            self.ticket += 1
-            held, hits, _, orders = self.touches.get(key, (identifier, 0, 0, ()))
-            if held != identifier:  # the key changed hands (delete + put of another identifier)
-                hits, orders = 0, ()
-            if orders and orders[-1] > self.last_put_ticket:
-                orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
-            else:
-                orders = orders + (self.ticket,)
-            first = not self.touches
-            if first:
-                self.touch_since = time.monotonic()
-            self.touches[key] = (identifier, hits + 1, time.time_ns(), orders)
-            # Touches ride along with the next put batch, or go alone after
-            # TOUCH_DELAY_S (each commit is an fsync): wake the writer only for
-            # the first one of a burst, so it starts that timer.
-            if first:
-                self.cv.notify_all()
-
-    def touches_now(self) -> None:
-        """Write pending LRU touches without waiting for TOUCH_DELAY_S (does not block)."""
-        with self.cv:
-            if self.touches:
-                self.touch_since = float("-inf")
-                self.cv.notify_all()
-
-    def identifier_at(self, key: str) -> str | None:
-        with self.cv:
-            item = self.queue.get(key) or self.inflight.get(key)
-            return None if item is None else item.identifier
-
-    def lookup(self, key: str, identifier: str) -> torch.Tensor | None:
-        with self.cv:
-            item = self.queue.get(key) or self.inflight.get(key)
-            if item is not None and item.identifier == identifier:
-                return item.tensor
-            return None
-
-    def cancel(self, key: str, identifier: str) -> None:
-        """Drop a queued put (and pending LRU touches) of ``identifier`` under
-        ``key`` and wait until no write of ``key`` is in flight. A put of
-        another identifier under the same key (hash collision) is kept."""
-        with self.cv:
-            item = self.queue.get(key)
-            if item is not None and item.identifier == identifier:
-                del self.queue[key]
-                self.queued_bytes -= item.nbytes
-            touch = self.touches.get(key)
-            if touch is not None and touch[0] == identifier:
-                del self.touches[key]
-            while key in self.inflight:
-                self.cv.wait()
-            self.cv.notify_all()
-
-    def drain(self) -> None:
-        """Block until everything queued before the call has been written."""
-        with self.cv:
-            self.drainers += 1
-            try:
-                while self.queue or self.inflight or self.touches or self.busy:
-                    self.cv.notify_all()
-                    self.cv.wait()
-            finally:
-                self.drainers -= 1
-
-    def _split_touches(self) -> tuple[dict[str, tuple], dict[str, tuple]]:
-        """(reads for this batch, reads to keep): when puts stay queued for a
-        later batch, reads made after them wait for that batch too."""
-        if not self.queue:
-            return self.touches, {}
-        cutoff = next(iter(self.queue.values())).order
-        now: dict[str, tuple] = {}
-        later: dict[str, tuple] = {}
-        for key, (identifier, hits, last_ns, orders) in self.touches.items():
-            early = tuple(o for o in orders if o < cutoff)
-            late = orders[len(early):]
-            if early:
-                now[key] = (identifier, 0 if late else hits, last_ns, early)
-            if late:
-                later[key] = (identifier, hits, last_ns, late)
-        return now, later
-
-    def stop(self) -> None:
-        with self.cv:
-            self.stopping = True
-            self.cv.notify_all()
-        self.join()
-
-    def run(self) -> None:
-        while True:
-            with self.cv:
-                while not (self.queue or self.stopping or (self.touches and self.drainers)):
-                    if not self.touches:
-                        self.cv.wait()
-                        continue
-                    due = self.touch_since + TOUCH_DELAY_S - time.monotonic()
-                    if due <= 0:
-                        break
-                    self.cv.wait(due)
-                if self.stopping and not (self.queue or self.touches):
-                    self.cv.notify_all()
-                    return
-                batch: list[tuple[str, _Pending]] = []
-                size = 0
-                while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
-                    key, item = self.queue.popitem(last=False)
-                    batch.append((key, item))
-                    size += item.nbytes
-                    self.inflight[key] = item
-                touches, self.touches = self._split_touches()
-                self.busy = True
-            store = self.store_ref()
-            try:
-                if store is not None:
-                    store._write(batch, touches)
-            except BaseException as e:  # never let the writer die silently
-                log.error("ecstore: background write failed: %s", e)
-                self.add_error(e)
-            finally:
-                with self.cv:
-                    for key, item in batch:
-                        self.inflight.pop(key, None)
-                        self.queued_bytes -= item.nbytes
-                    self.busy = False
-                    self.cv.notify_all()
-
-
 class ECStore:
     """An encoder-cache store bound to one model and dtype.
 
@@ -311,13 +114,13 @@ class ECStore:
         self._closed = False
         self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
         self.disk: LMDBTier | None = None
-        self._writer: _Writer | None = None
+        self._writer: Writer | None = None
         if config.local_disk:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes)
             if not readonly:
-                self._writer = _Writer(self, config.write_queue_bytes,
-                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)))
+                self._writer = Writer(self.disk, self.model, config.write_queue_bytes,
+                                      max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)))
                 self._writer.start()
 
     # ----------------------------------------------------------------- basics
@@ -469,32 +272,10 @@ class ECStore:
         with self._lock:
             self._stats.puts += 1
         if self._writer is not None and fits_disk:
-            self._writer.submit(key, _Pending(mm_hash, cpu, nbytes, mm_hash, blob=blob))
+            self._writer.submit(key, PendingPut(mm_hash, cpu, nbytes, blob=blob))
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         return True
-
-    def _write(self, batch: list[tuple[str, _Pending]], touches: dict[str, tuple]) -> None:
-        """Writer-thread side of put: one LMDB transaction for the batch."""
-        assert self.disk is not None
-        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
-                for key, it in batch]
-        try:
-            self.disk.write_batch(reqs, touches)
-        except ECStoreError as e:  # disk full, map full, schema changed underneath
-            log.error("ecstore: %s", e)
-        for (key, it), r in zip(batch, reqs):
-            if r.result == "stored":
-                log.info("EC put: stored %d bytes for mm_hash=%s", it.nbytes, it.mm_hash)
-            elif r.result == "collision":
-                log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
-                            "(64-bit hash collision)", it.mm_hash, key)
-            elif r.result == "failed":
-                with self._lock:
-                    self._stats.write_errors += 1
-                assert self._writer is not None
-                self._writer.add_error(r.error or StoreFullError("write failed"))
-                log.error("ecstore: could not store mm_hash=%s: %s", it.mm_hash, r.error)
 
     def write_lru_soon(self) -> None:
         """Have the background writer record the LRU updates (recency, hit
@@ -597,6 +378,7 @@ class ECStore:
             s.corrupt_dropped = self.disk.corrupt_dropped
         if self._writer is not None:
             with self._writer.cv:
+                s.write_errors = self._writer.write_errors
                 s.pending_writes = len(self._writer.queue) + len(self._writer.inflight)
                 s.pending_bytes = self._writer.queued_bytes
         return s

@@ -193,7 +193,7 @@ def test_d3_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
     """Two puts of one key both reach the writer queue (two threads passed
     the presence check at once); the second replaces the first, and
     ``queued_bytes`` must count it once and return to zero."""
-    from ecstore.store import _Pending
+    from ecstore.writer import PendingPut
 
     with open_store(tmp_path / "s") as s:
         w = s._writer
@@ -205,8 +205,8 @@ def test_d3_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
             with w.cv:
                 while "first" not in [it.identifier for it in w.inflight.values()]:
                     w.cv.wait(0.05)  # the writer takes it without notifying
-            w.submit(key, _Pending("dup", t, nbytes, "dup"))
-            w.submit(key, _Pending("dup", t.clone(), nbytes, "dup"))
+            w.submit(key, PendingPut("dup", t, nbytes))
+            w.submit(key, PendingPut("dup", t.clone(), nbytes))
             assert s.stats().pending_bytes == 2 * nbytes  # "first" in flight + one "dup"
         s.flush()
         assert s.stats().pending_bytes == 0

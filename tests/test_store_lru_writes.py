@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import ecstore
-from ecstore import store as store_mod
+from ecstore import writer as writer_mod
 
 
 def _store(tmp_path):
@@ -31,7 +31,7 @@ def _writer_idle(store) -> None:
 
 
 def test_write_lru_soon_records_hits_without_a_flush(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "TOUCH_DELAY_S", 3600.0)  # never by time in this test
+    monkeypatch.setattr(writer_mod, "TOUCH_DELAY_S", 3600.0)  # never by time in this test
     with _store(tmp_path) as s:
         s.put("a", torch.ones(4, 4))
         s.flush()
@@ -43,7 +43,7 @@ def test_write_lru_soon_records_hits_without_a_flush(tmp_path, monkeypatch):
 
 
 def test_touches_ride_along_with_the_next_put(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "TOUCH_DELAY_S", 3600.0)
+    monkeypatch.setattr(writer_mod, "TOUCH_DELAY_S", 3600.0)
     with _store(tmp_path) as s:
         s.put("a", torch.ones(4, 4))
         s.flush()
@@ -56,7 +56,7 @@ def test_touches_ride_along_with_the_next_put(tmp_path, monkeypatch):
 
 
 def test_close_writes_pending_touches(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "TOUCH_DELAY_S", 3600.0)
+    monkeypatch.setattr(writer_mod, "TOUCH_DELAY_S", 3600.0)
     with _store(tmp_path) as s:
         s.put("a", torch.ones(4, 4))
         s.flush()
@@ -68,7 +68,7 @@ def test_close_writes_pending_touches(tmp_path, monkeypatch):
 def test_touches_of_an_idle_store_are_written_after_the_delay(tmp_path, monkeypatch):
     """With no put, no flush and no write_lru_soon, a read still reaches the
     file once TOUCH_DELAY_S has passed (the writer starts the timer)."""
-    monkeypatch.setattr(store_mod, "TOUCH_DELAY_S", 0.05)
+    monkeypatch.setattr(writer_mod, "TOUCH_DELAY_S", 0.05)
     with _store(tmp_path) as s:
         s.put("a", torch.ones(4, 4))
         s.flush()

@@ -1,0 +1,291 @@
+"""The background writer of an :class:`~ecstore.store.ECStore` handle.
+
+    ECStore.put --> Writer.submit --> queue ----> writer thread --> LMDBTier.write_batch
+    ECStore.get --> Writer.touch  --> touches --/   (one transaction per batch)
+
+Typed operations: a :class:`PendingPut` per queued put, a :class:`Touch` per
+key read since the last commit; typed results: a :class:`WriteResult` with a
+:class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
+the store reads the writer's counters (``write_errors``, queue sizes) and
+takes its errors at ``flush``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import codec
+from .errors import ECStoreError, StoreFullError
+from .lmdb_tier import LMDBTier, PutRequest
+
+log = logging.getLogger("ecstore")
+
+#: LRU updates from reads are written with the next batch of puts, or after
+#: this many seconds (or at flush): a burst of hits costs one commit, not one
+#: fsync'd commit each.
+TOUCH_DELAY_S = 1.0
+
+
+@dataclass
+class PendingPut:
+    """A put waiting for (or in) an LMDB commit. ``nbytes``: the tensor's data
+    bytes (what back-pressure counts); ``blob``: the safetensors blob when
+    ``put`` already encoded it (None: the writer encodes ``tensor``)."""
+
+    identifier: str
+    tensor: torch.Tensor
+    nbytes: int
+    blob: codec.Blob | None = None
+    order: int = 0  # position among this handle's puts and touches (writer ticket)
+
+
+class Touch(NamedTuple):
+    """The LRU update of one key made by reads not yet written: the
+    identifier read, the hits to add, the newest read time (ns since the
+    epoch), and ``orders``: the tickets of the reads between two puts, so the
+    LMDB tier replays reads and puts in the order they were made (see
+    :meth:`LMDBTier.write_batch`)."""
+
+    identifier: str
+    hits: int
+    last_access_ns: int
+    orders: tuple[int, ...]
+
+
+class PutOutcome(enum.Enum):
+    """What became of one put (:class:`WriteResult`)."""
+
+    STORED = "stored"
+    PRESENT = "present"  # the same identifier was already stored
+    COLLISION = "collision"  # the key holds another identifier (64-bit hash collision)
+    FAILED = "failed"  # not stored: see the error (disk or map full, pinned store...)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """The outcome of one put the writer committed (or failed to)."""
+
+    key: str
+    identifier: str
+    nbytes: int
+    outcome: PutOutcome
+    error: BaseException | None = None
+
+
+class Writer(threading.Thread):
+    """Background LMDB writer: drains puts and LRU touches in batches.
+
+    Bounded by bytes: :meth:`submit` (``ECStore.put``) blocks while the
+    queued tensor bytes would exceed ``max_bytes`` (back-pressure, not
+    unbounded memory). Commits at most ``batch_bytes`` of blobs per LMDB
+    transaction, with the LRU touches made before them. Every method is
+    thread-safe (one condition, ``cv``, guards all state); the thread itself
+    only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
+    lines) and records failures: :attr:`write_errors` counts them and
+    :meth:`take_errors` hands them to ``flush``.
+    """
+
+    def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int) -> None:
+        super().__init__(name="ecstore-writer", daemon=True)
+        self.disk = disk
+        self.model = model
+        self.max_bytes = max_bytes
+        self.batch_bytes = batch_bytes
+        self.touch_since = 0.0  # monotonic time of the oldest unwritten LRU touch
+        self.drainers = 0  # threads waiting in drain()
+        self.cv = threading.Condition()
+        self.queue: OrderedDict[str, PendingPut] = OrderedDict()  # key -> not yet written
+        self.inflight: dict[str, PendingPut] = {}  # key -> being written now
+        # key -> (identifier, hits, last_access_ns, orders): ``orders`` holds the
+        # ticket of the last read of the key between two consecutive puts, so
+        # the LMDB tier can replay reads and puts in the order they were made.
+        self.touches: dict[str, Touch] = {}
+        self.ticket = 0  # orders puts and touches as they were made
+        self.last_put_ticket = 0
+        self.queued_bytes = 0
+        self.stopping = False
+        self.errors: list[BaseException] = []
+        self.write_errors = 0  # failed puts since start
+        self.busy = False
+
+    def submit(self, key: str, item: PendingPut) -> None:
+        with self.cv:
+            while self.queue and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
+                self.cv.wait()
+            self.ticket += 1
+            item.order = self.last_put_ticket = self.ticket
+            replaced = self.queue.get(key)
+            if replaced is not None:  # two puts of one key passed the presence check at once
+                self.queued_bytes -= replaced.nbytes
+            self.queue[key] = item
+            self.queued_bytes += item.nbytes
+            self.cv.notify_all()
+
+    def add_error(self, error: BaseException) -> None:
+        """Record a failed write (any thread); :meth:`take_errors` hands it on."""
+        with self.cv:
+            self.errors.append(error)
+
+    def take_errors(self) -> list[BaseException]:
+        """The write errors recorded since the last call, atomically (each
+        error is returned by exactly one call)."""
+        with self.cv:
+            errors, self.errors = self.errors, []
+        return errors
+
+    def touch(self, key: str, identifier: str) -> None:
+        with self.cv:
+            self.ticket += 1
+            held, hits, _, orders = self.touches.get(key, (identifier, 0, 0, ()))
+            if held != identifier:  # the key changed hands (delete + put of another identifier)
+                hits, orders = 0, ()
+            if orders and orders[-1] > self.last_put_ticket:
+                orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
+            else:
+                orders = orders + (self.ticket,)
+            first = not self.touches
+            if first:
+                self.touch_since = time.monotonic()
+            self.touches[key] = Touch(identifier, hits + 1, time.time_ns(), orders)
+            # Touches ride along with the next put batch, or go alone after
+            # TOUCH_DELAY_S (each commit is an fsync): wake the writer only for
+            # the first one of a burst, so it starts that timer.
+            if first:
+                self.cv.notify_all()
+
+    def touches_now(self) -> None:
+        """Write pending LRU touches without waiting for TOUCH_DELAY_S (does not block)."""
+        with self.cv:
+            if self.touches:
+                self.touch_since = float("-inf")
+                self.cv.notify_all()
+
+    def identifier_at(self, key: str) -> str | None:
+        with self.cv:
+            item = self.queue.get(key) or self.inflight.get(key)
+            return None if item is None else item.identifier
+
+    def lookup(self, key: str, identifier: str) -> torch.Tensor | None:
+        with self.cv:
+            item = self.queue.get(key) or self.inflight.get(key)
+            if item is not None and item.identifier == identifier:
+                return item.tensor
+            return None
+
+    def cancel(self, key: str, identifier: str) -> None:
+        """Drop a queued put (and pending LRU touches) of ``identifier`` under
+        ``key`` and wait until no write of ``key`` is in flight. A put of
+        another identifier under the same key (hash collision) is kept."""
+        with self.cv:
+            item = self.queue.get(key)
+            if item is not None and item.identifier == identifier:
+                del self.queue[key]
+                self.queued_bytes -= item.nbytes
+            touch = self.touches.get(key)
+            if touch is not None and touch[0] == identifier:
+                del self.touches[key]
+            while key in self.inflight:
+                self.cv.wait()
+            self.cv.notify_all()
+
+    def drain(self) -> None:
+        """Block until everything queued before the call has been written."""
+        with self.cv:
+            self.drainers += 1
+            try:
+                while self.queue or self.inflight or self.touches or self.busy:
+                    self.cv.notify_all()
+                    self.cv.wait()
+            finally:
+                self.drainers -= 1
+
+    def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
+        """(reads for this batch, reads to keep): when puts stay queued for a
+        later batch, reads made after them wait for that batch too."""
+        if not self.queue:
+            return self.touches, {}
+        cutoff = next(iter(self.queue.values())).order
+        now: dict[str, Touch] = {}
+        later: dict[str, Touch] = {}
+        for key, (identifier, hits, last_ns, orders) in self.touches.items():
+            early = tuple(o for o in orders if o < cutoff)
+            late = orders[len(early):]
+            if early:
+                now[key] = Touch(identifier, 0 if late else hits, last_ns, early)
+            if late:
+                later[key] = Touch(identifier, hits, last_ns, late)
+        return now, later
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.join()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.queue or self.stopping or (self.touches and self.drainers)):
+                    if not self.touches:
+                        self.cv.wait()
+                        continue
+                    due = self.touch_since + TOUCH_DELAY_S - time.monotonic()
+                    if due <= 0:
+                        break
+                    self.cv.wait(due)
+                if self.stopping and not (self.queue or self.touches):
+                    self.cv.notify_all()
+                    return
+                batch: list[tuple[str, PendingPut]] = []
+                size = 0
+                while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
+                    key, item = self.queue.popitem(last=False)
+                    batch.append((key, item))
+                    size += item.nbytes
+                    self.inflight[key] = item
+                touches, self.touches = self._split_touches()
+                self.busy = True
+            try:
+                self._write(batch, touches)
+            except BaseException as e:  # never let the writer die silently
+                log.error("ecstore: background write failed: %s", e)
+                self.add_error(e)
+            finally:
+                with self.cv:
+                    for key, item in batch:
+                        self.inflight.pop(key, None)
+                        self.queued_bytes -= item.nbytes
+                    self.busy = False
+                    self.cv.notify_all()
+
+    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> None:
+        """Writer thread: one LMDB transaction for ``batch`` and ``touches``."""
+        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
+                for key, it in batch]
+        try:
+            self.disk.write_batch(reqs, dict(touches))
+        except ECStoreError as e:  # disk full, map full, schema changed underneath
+            log.error("ecstore: %s", e)
+        for (key, it), r in zip(batch, reqs):
+            outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
+            self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error))
+
+    def _report(self, res: WriteResult) -> None:
+        if res.outcome is PutOutcome.STORED:
+            log.info("EC put: stored %d bytes for mm_hash=%s", res.nbytes, res.identifier)
+        elif res.outcome is PutOutcome.COLLISION:
+            log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
+                        "(64-bit hash collision)", res.identifier, res.key)
+        elif res.outcome is PutOutcome.FAILED:
+            log.error("ecstore: could not store mm_hash=%s: %s", res.identifier, res.error)
+            with self.cv:
+                self.write_errors += 1
+                self.errors.append(res.error or StoreFullError("write failed"))
