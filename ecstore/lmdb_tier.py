@@ -160,7 +160,9 @@ class _TxnGate:
         self._mine.depth = getattr(self._mine, "depth", 0) + 1
 
     def leave(self) -> None:
-        self._mine.depth -= 1
+        # max(): a transaction of an abandoned generator may be finalized by
+        # the garbage collector in another thread.
+        self._mine.depth = max(0, getattr(self._mine, "depth", 0) - 1)
         with self._cv:
             self._active -= 1
             if self._active == 0:
@@ -169,7 +171,7 @@ class _TxnGate:
     def adopt_new_size(self, env: lmdb.Environment, path: str) -> None:
         """``env.set_mapsize(0)`` (adopt the size another process set) once no
         transaction of this process is open."""
-        if getattr(self._mine, "depth", 0):
+        if getattr(self._mine, "depth", 0) > 0:
             raise StoreOpenError(
                 f"the LMDB map of {path} was grown by another process while this thread holds a "
                 f"transaction of it; retry the call")
