@@ -233,8 +233,9 @@ def _assignment(draw: st.DrawFn) -> dict[str, dict[str, tuple[Any, Any]]]:
                 if level == "override" and draw(st.booleans()):
                     written = value
             else:
-                value = draw(st.one_of(st.integers(0, 10**6).map(float),
-                                       st.floats(0, 1e9, allow_nan=False, allow_infinity=False)))
+                top = config_mod._NUMBER_MAX[key]  # the largest value the key accepts
+                value = draw(st.one_of(st.integers(0, int(top)).map(float),
+                                       st.floats(0, top, allow_nan=False, allow_infinity=False)))
                 written = value if level in ("file", "ec_file", "override") else repr(value)
                 if level == "override" and draw(st.booleans()):
                     written = repr(value)
