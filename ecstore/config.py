@@ -16,6 +16,7 @@ import difflib
 import math
 import os
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -436,6 +437,45 @@ def _put(layer: dict[str, _Setting], key: str, setting: _Setting) -> None:
     layer[key] = setting
 
 
+#: Largest config file read, in bytes (a YAML config is a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_bounded(path: str, what: str) -> bytes:
+    """The bytes of a regular file (or a pipe, e.g. ``<(...)``), at most
+    MAX_CONFIG_BYTES; a device, socket or directory is refused without
+    reading it (``/dev/zero`` would never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{what} is a directory, not a YAML file")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ConfigError(f"{what} is not a regular file (a device or socket); give a YAML file")
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few "
+                          f"lines of YAML")
+    return b"".join(chunks)
+
+
 def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]]:
     """Top-level entries of the YAML mapping in ``path`` as (key, value, line, ec).
 
@@ -444,15 +484,7 @@ def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[A
     ``origin`` (where the path was named) goes into file-level errors.
     """
     what = f"config file {path} (from {origin})"
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{what} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{what} is a directory, not a YAML file") from None
-    except OSError as exc:
-        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    data = _read_bounded(path, what)
 
     loader: yaml.SafeLoader | None = None
     try:

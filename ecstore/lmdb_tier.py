@@ -391,7 +391,9 @@ class LMDBTier:
 
     @staticmethod
     def _k(key: str) -> bytes:
-        return key.encode("utf-8")
+        # surrogateescape: a key read back from the file with bytes that are
+        # not UTF-8 (tooling decodes them so) maps to the very same bytes.
+        return key.encode("utf-8", "surrogateescape")
 
     def close(self) -> None:
         if not self._closed:

@@ -640,10 +640,14 @@ def test_directory_instead_of_file(tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "chunk_size: 256\n")
 
-    def denied(*_args: Any, **_kwargs: Any) -> Any:
-        raise PermissionError(13, "Permission denied", path)
+    real_open = os.open
 
-    monkeypatch.setattr(config_mod, "open", denied, raising=False)
+    def denied(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == path:  # root reads any file: refuse this one as chmod 000 would
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(config_mod.os, "open", denied)
     msg = config_error(path=path, env={})
     assert path in msg and "cannot be read" in msg and "Permission denied" in msg
 
