@@ -26,7 +26,8 @@ from urllib.parse import unquote, urlparse
 import yaml
 
 from .errors import ConfigError
-from .redact import short_repr
+from .redact import mask_value, short_repr
+from .store_files import DEFAULT_FILE_MODE, check_file_mode
 
 GiB = 1 << 30
 
@@ -69,7 +70,7 @@ def normalize_local_disk(value: Any, source: str = "ECStoreConfig argument") -> 
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(
                 f"local_disk (from {source}): file:// URI {shown} names host "
-                f"{short_repr(parsed.netloc)}; only local paths are supported"
+                f"{short_repr(parsed.netloc.rpartition('@')[2])}; only local paths are supported"
             )
         if parsed.query or parsed.fragment or "?" in text or "#" in text:
             raise ConfigError(
@@ -148,6 +149,9 @@ class ECStoreConfig:
             memory).
         lease_seconds: how long an entry announced to a loader stays pinned
             against eviction if the loader never releases it.
+        file_mode: mode of the store's files (directory: the same bits plus
+            x): 0600 private (default), 0640/0660 to share the store with
+            the directory's group on purpose. See docs/security.md.
         sources: where each value came from (see :func:`load_config`): one
             entry per field when built by :func:`load_config`, plus
             ``"__file__"`` (absolute path of the YAML file read) and
@@ -161,6 +165,7 @@ class ECStoreConfig:
     max_local_disk_size: float = 0.0
     max_write_queue_size: float = 1.0
     lease_seconds: float = 120.0
+    file_mode: int = DEFAULT_FILE_MODE
     # Where each value came from ("default", "path:line", "env VAR", "override KEY").
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -173,6 +178,10 @@ class ECStoreConfig:
         for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds"):
             object.__setattr__(self, name, _check_size(name, getattr(self, name), src(name)))
         object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
+        try:
+            check_file_mode(self.file_mode)
+        except ValueError as exc:
+            raise ConfigError(f"file_mode (from {src('file_mode')}): got {short_repr(self.file_mode)}: {exc}") from None
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(
                 f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
@@ -279,6 +288,22 @@ def _parse_number(value: Any, name: str = "") -> float:
     return number
 
 
+def _parse_file_mode(value: Any) -> int:
+    """An octal mode: a YAML octal int (``0660``, which YAML reads as 432)
+    or a string ``"0660"`` / ``"660"`` / ``"0o660"``. A decimal int such as
+    660 (YAML without the leading 0) is refused, not misread."""
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or any(c not in "01234567" for c in text):
+            raise ValueError
+        return check_file_mode(int(text, 8))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError
+    if value in (600, 640, 660):
+        raise ValueError(f"{value} is decimal here: write 0{value} (YAML octal) or quote it as '0{value}'")
+    return check_file_mode(value)
+
+
 def _parse_local_disk(value: Any, source: str) -> str | None:
     if value is None:
         return None
@@ -334,6 +359,10 @@ KEYS: dict[str, KeySpec] = {
         "float", "s", f"a duration in seconds: a finite number >= 0, at most {MAX_LEASE_SECONDS:g}",
         lambda v, _s: _parse_number(v, "lease_seconds"),
         "how long an entry handed to a loader stays pinned against eviction"),
+    "file_mode": KeySpec(
+        "octal", "-", "an octal file mode: 0600 (private, default), 0640 or 0660 (shared with the group)",
+        lambda v, _s: _parse_file_mode(v),
+        "mode of the store's files; the directory gets the same bits plus x (0700/0750/0770)"),
 }
 
 assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}
@@ -711,10 +740,16 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
     """(key, effective value, source) rows, for ``ecstore-dump config``.
 
     The first row is ``("config_file", <abs path or None>, <where the path was
-    named, or "default">)``; then one row per ECStoreConfig field.
+    named, or "default">)``; then one row per ECStoreConfig field. Secrets
+    are masked (:func:`ecstore.redact.mask_value`: URL passwords, secret
+    keys); ``file_mode`` is shown in octal (``"0600"``).
     """
     rows: list[tuple[str, Any, str]] = [
         (CONFIG_FILE_KEY, cfg.config_file, cfg.source_of(CONFIG_FILE_KEY))
     ]
-    rows.extend((key, getattr(cfg, key), cfg.source_of(key)) for key in KEYS)
+    for key in KEYS:
+        value = getattr(cfg, key)
+        if key == "file_mode":
+            value = f"{value:04o}"
+        rows.append((key, mask_value(key, value), cfg.source_of(key)))
     return rows

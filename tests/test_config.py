@@ -23,7 +23,7 @@ from ecstore.config import (
 from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-          "max_write_queue_size", "lease_seconds"]
+          "max_write_queue_size", "lease_seconds", "file_mode"]
 
 SEED_YAML = """\
 chunk_size: 256
@@ -85,6 +85,7 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "max_local_disk_size": f"{path}:6",
         "max_write_queue_size": "default",
         "lease_seconds": "default",
+        "file_mode": "default",
         "__file__": path,
         "config_file": "argument path",
     }
@@ -112,6 +113,7 @@ def test_describe_config(tmp_path: Path) -> None:
         ("max_local_disk_size", 64.0, f"{path}:6"),
         ("max_write_queue_size", 0.5, "override max_write_queue_size"),
         ("lease_seconds", 30.0, "env LMCACHE_EC_LEASE_SECONDS"),
+        ("file_mode", "0600", "default"),
     ]
 
 
