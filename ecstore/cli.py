@@ -57,6 +57,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import struct
 import sys
 import tempfile
@@ -1271,6 +1272,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
                 if copied != orig:
                     raise CLIError(f"compacted copy does not match the store ({copied} vs {orig}); "
                                    f"nothing was changed")
+                # LMDB creates the copy with 0666 & ~umask: keep the store's mode.
+                os.chmod(new, stat.S_IMODE(os.stat(data).st_mode))
                 os.pwrite(fd, b"\0\0\0\0", 0)  # invalidate lock.mdb's header (see docstring)
                 os.replace(new, data)
                 _fsync_path(path, directory=True)

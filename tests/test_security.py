@@ -279,3 +279,20 @@ def test_logs_never_carry_the_config_secret(tmp_path: Path, caplog: pytest.LogCa
     with pytest.raises(ConfigError):
         load_config(env={}, overrides={"local_disk": "file://u:hunter2@h/x", "max_local_disk_size": 1})
     assert all("hunter2" not in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("file_mode", [0o600, 0o660])
+def test_compact_keeps_the_store_private(tmp_path: Path, file_mode: int) -> None:
+    from ecstore import cli
+
+    store = tmp_path / "store"
+    with open_store(store, file_mode=file_mode) as s:
+        for i in range(20):
+            s.put(f"img-{i}", torch.full((64, 64), float(i), dtype=torch.float16))
+        s.flush()
+    old = os.umask(0o022)
+    try:
+        assert cli.main(["compact", str(store)]) == 0
+    finally:
+        os.umask(old)
+    assert mode_of(store / "data.mdb") == file_mode
