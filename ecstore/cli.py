@@ -296,6 +296,8 @@ class Target:
     cfg: ECStoreConfig | None
     cap_bytes: int | None
     cap_source: str | None
+    #: ``file_mode`` of the config when its ``local_disk`` is this store, else None.
+    file_mode: int | None = None
 
     def cap_json(self, used: int) -> dict[str, Any]:
         return {
@@ -314,8 +316,7 @@ class Target:
 def _output_mode(target: Target) -> int:
     """Mode of files the tool writes (export): private unless the config of
     this store shares it with a group on purpose (``file_mode``)."""
-    mode = getattr(target.cfg, "file_mode", None) if target.cap_source is not None else None
-    return mode if isinstance(mode, int) else PRIVATE_FILE_MODE
+    return PRIVATE_FILE_MODE if target.file_mode is None else target.file_mode
 
 
 def _load_config(path: str | None, *, show_warnings: bool) -> ECStoreConfig:
@@ -357,10 +358,12 @@ def resolve_target(args: argparse.Namespace) -> Target:
             raise CLIError(f"no store given: pass PATH, or set local_disk (ec_local_disk, "
                            f"LMCACHE_EC_LOCAL_DISK) in the config; config read: {where}")
         path = cfg.local_disk
-    cap = src = None
-    if cfg is not None and cfg.local_disk and _same_dir(cfg.local_disk, path) and cfg.disk_capacity_bytes:
-        cap, src = cfg.disk_capacity_bytes, cfg.source_of("max_local_disk_size")
-    return Target(path, cfg, cap, src)
+    cap = src = mode = None
+    if cfg is not None and cfg.local_disk and _same_dir(cfg.local_disk, path):
+        mode = cfg.file_mode
+        if cfg.disk_capacity_bytes:
+            cap, src = cfg.disk_capacity_bytes, cfg.source_of("max_local_disk_size")
+    return Target(path, cfg, cap, src, mode)
 
 
 def _precheck_store(path: str) -> None:
@@ -1051,7 +1054,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     removed = skipped = 0
     freed = 0
     tier = LMDBTier(target.path, _purge_capacity(target, total_now), readonly=False, create=False,
-                    schema_target=version)
+                    schema_target=version, file_mode=target.file_mode)
     try:
         leased = tier.leased_keys()
         with Progress("purging", len(victims)) as prog:

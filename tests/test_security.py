@@ -222,6 +222,15 @@ def test_group_mode_on_purpose_shares_the_store(reachable: Path) -> None:
     assert r.returncode == 2 and "another user" in r.stdout, r.stdout + r.stderr
     with open_store(store, file_mode=0o660) as s:
         assert s.get("from-root") is not None
+    # ecstore-dump purge by the group member: with the config naming the
+    # shared mode it works; without it the private default refuses.
+    r = as_nobody("dump", "purge", str(store), "--key", "from-root", groups=str(USERS_GID))
+    assert r.returncode == 2 and "another user" in r.stderr, r.stdout + r.stderr
+    cfg = store.parent / "ec.yaml"
+    cfg.write_text(f"local_disk: {store}\nmax_local_disk_size: 0.01\nfile_mode: 0660\n")
+    cfg.chmod(0o644)
+    r = as_nobody("dump", "purge", "--config", str(cfg), "--key", "from-root", groups=str(USERS_GID))
+    assert r.returncode == 0 and "removed 1 entry" in r.stdout, r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------
