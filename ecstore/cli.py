@@ -396,7 +396,8 @@ def open_readonly(target: Target) -> Iterator[LMDBTier]:
     without upgrading it; a newer schema raises SchemaError.
     """
     _precheck_store(target.path)
-    tier = LMDBTier(target.path, target.cap_bytes or 0, readonly=True, create=False, schema_target=1)
+    tier = LMDBTier(target.path, target.cap_bytes or 0, readonly=True, create=False, schema_target=1,
+                    file_mode=target.file_mode)
     try:
         yield tier
     finally:

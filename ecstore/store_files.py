@@ -247,19 +247,19 @@ def missing_files(path: str, names: tuple[str, ...] = STORE_FILES) -> list[str]:
 
 def fix_created_modes(path: str, names: list[str], policy: FilePolicy) -> None:
     """Give files this process just created exactly ``policy.file_mode``
-    (LMDB creates them with ``mode & ~umask``). Never follows a symlink."""
+    (LMDB creates them with ``file_mode & ~umask``: never looser, maybe
+    tighter). By path, never by opening them: closing any descriptor of
+    ``lock.mdb`` would drop the fcntl lock LMDB holds on it, and another
+    process would then re-initialise the lock file under us. A symlink is
+    never chmod-ed (the directory is ours and was checked, see above)."""
     for name in names:
         p = os.path.join(path, name)
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != policy.file_mode:
+                os.chmod(p, policy.file_mode)
         except OSError:
             continue  # not created (e.g. leases of a read-only open)
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                os.fchmod(fd, policy.file_mode)
-        finally:
-            os.close(fd)
 
 
 def readonly_needs_nolock(path: str) -> bool:

@@ -248,3 +248,28 @@ def test_readonly_open_of_a_missing_lock_file_in_a_readonly_dir(shared_store: Pa
     assert r.returncode == 0 and json.loads(r.stdout)["totals"]["entries"] == 5, r.stderr
     assert not (shared_store / "lock.mdb").exists()
     assert stat.S_IMODE(shared_store.stat().st_mode) == 0o555
+
+
+def test_a_process_that_created_the_store_keeps_lmdbs_lock(tmp_path: Path) -> None:
+    """Fixing the modes of new files must not open and close lock.mdb:
+    closing any descriptor of it drops the fcntl lock LMDB holds, and
+    another process would then take the store for unused (compact) or
+    re-initialise the lock file under a live writer."""
+    from ecstore.cli import _try_exclusive
+
+    store = tmp_path / "store"
+    holder = subprocess.Popen([sys.executable, str(HELPERS / "cli_holder.py"), str(store), "rw"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        assert stat.S_IMODE((store / "lock.mdb").stat().st_mode) == 0o600
+        for name in ("lock.mdb", "leases.mdb-lock"):
+            fd = os.open(store / name, os.O_RDWR)
+            try:
+                assert not _try_exclusive(fd), f"{name}: the creating process lost LMDB's lock"
+            finally:
+                os.close(fd)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert holder.wait(timeout=120) == 0
