@@ -52,9 +52,12 @@ import datetime as _dt
 import errno
 import fcntl
 import json
+import math
 import os
 import re
+import shlex
 import shutil
+import stat
 import struct
 import sys
 import tempfile
@@ -70,6 +73,7 @@ from . import codec, schema
 from .codec import CorruptBlobError, Record
 from .config import ECStoreConfig, load_config, normalize_local_disk
 from .errors import ConfigError, ECStoreError
+from .files import PRIVATE_FILE_MODE, write_private_file
 from .key import parse_key
 from .lmdb_tier import LMDBTier, _SharedEnv
 
@@ -105,10 +109,45 @@ def _one_line(text: str) -> str:
 
 
 def _printable(text: str) -> str:
-    """``text`` with control characters escaped (identifiers may hold any)."""
+    """``text`` with control characters escaped (identifiers may hold any)
+    and bytes that were not UTF-8 (surrogate escapes) shown as ``\\xNN``."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(c if c.isprintable() else _escape_char(c) for c in text)
+
+
+def _escape_char(c: str) -> str:
+    if 0xDC80 <= ord(c) <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
+
+
+def key_bytes(key: str) -> bytes:
+    """A key as stored: UTF-8, with bytes that were not UTF-8 (read from the
+    store or from argv as surrogate escapes) restored exactly."""
+    return key.encode("utf-8", "surrogateescape")
+
+
+def key_text(raw: bytes) -> str:
+    """A stored key as text; bytes that are not UTF-8 become surrogate
+    escapes, so :func:`key_bytes` gives the very same key back."""
+    return bytes(raw).decode("utf-8", "surrogateescape")
+
+
+def _is_utf8(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _shell_arg(text: str) -> str:
+    """``text`` quoted for a POSIX shell; non-UTF-8 bytes as ``$'\\xNN'``."""
+    if _is_utf8(text) and text.isprintable():
+        return shlex.quote(text)
+    return "$'" + "".join(
+        f"\\x{b:02x}" if b < 0x20 or b >= 0x7F or chr(b) in "'\\" else chr(b) for b in key_bytes(text)) + "'"
 
 
 def _err(message: str) -> None:
@@ -257,6 +296,8 @@ class Target:
     cfg: ECStoreConfig | None
     cap_bytes: int | None
     cap_source: str | None
+    #: ``file_mode`` of the config when its ``local_disk`` is this store, else None.
+    file_mode: int | None = None
 
     def cap_json(self, used: int) -> dict[str, Any]:
         return {
@@ -270,6 +311,12 @@ class Target:
             return "cap unknown (max_local_disk_size not configured for this store)"
         return (f"cap {human_size(self.cap_bytes)} (from {self.cap_source}), "
                 f"{used / self.cap_bytes * 100:.1f}% used")
+
+
+def _output_mode(target: Target) -> int:
+    """Mode of files the tool writes (export): private unless the config of
+    this store shares it with a group on purpose (``file_mode``)."""
+    return PRIVATE_FILE_MODE if target.file_mode is None else target.file_mode
 
 
 def _load_config(path: str | None, *, show_warnings: bool) -> ECStoreConfig:
@@ -311,10 +358,12 @@ def resolve_target(args: argparse.Namespace) -> Target:
             raise CLIError(f"no store given: pass PATH, or set local_disk (ec_local_disk, "
                            f"LMCACHE_EC_LOCAL_DISK) in the config; config read: {where}")
         path = cfg.local_disk
-    cap = src = None
-    if cfg is not None and cfg.local_disk and _same_dir(cfg.local_disk, path) and cfg.disk_capacity_bytes:
-        cap, src = cfg.disk_capacity_bytes, cfg.source_of("max_local_disk_size")
-    return Target(path, cfg, cap, src)
+    cap = src = mode = None
+    if cfg is not None and cfg.local_disk and _same_dir(cfg.local_disk, path):
+        mode = cfg.file_mode
+        if cfg.disk_capacity_bytes:
+            cap, src = cfg.disk_capacity_bytes, cfg.source_of("max_local_disk_size")
+    return Target(path, cfg, cap, src, mode)
 
 
 def _precheck_store(path: str) -> None:
@@ -347,7 +396,8 @@ def open_readonly(target: Target) -> Iterator[LMDBTier]:
     without upgrading it; a newer schema raises SchemaError.
     """
     _precheck_store(target.path)
-    tier = LMDBTier(target.path, target.cap_bytes or 0, readonly=True, create=False, schema_target=1)
+    tier = LMDBTier(target.path, target.cap_bytes or 0, readonly=True, create=False, schema_target=1,
+                    file_mode=target.file_mode)
     try:
         yield tier
     finally:
@@ -375,7 +425,9 @@ class Row:
             return "?"
 
     def as_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"key": self.key, "model": self.model}
+        d: dict[str, Any] = {"key": _json_key(self.key), "model": self.model}
+        if not _is_utf8(self.key):
+            d["key_hex"] = key_bytes(self.key).hex()
         try:
             d["chunk_hash"] = parse_key(self.key).chunk_hash
         except ECStoreError:
@@ -393,8 +445,15 @@ class Row:
         return d
 
 
+def _json_key(key: str) -> str:
+    """A key for JSON output: bytes that are not UTF-8 shown as ``\\xNN``
+    (``key_hex`` then carries the exact bytes)."""
+    return key if _is_utf8(key) else "".join(
+        _escape_char(c) if 0xDC80 <= ord(c) <= 0xDCFF else c for c in key)
+
+
 def _row(k: bytes, raw: Any) -> Row:
-    key = bytes(k).decode("utf-8", "replace")
+    key = key_text(k)
     try:
         return Row(key, codec.unpack_record(raw))
     except CorruptBlobError as e:
@@ -444,8 +503,13 @@ def check_blob(key: str, rec: Record | None, blob: Any) -> str | None:
         return f"blob is {len(blob)} bytes, its record says {rec.blob_size}"
     try:
         hdr = codec.parse_header(blob)
+        layout = _header_layout_problem(hdr, len(blob))
     except CorruptBlobError as e:
         return f"bad safetensors header: {e}"
+    except Exception as e:  # noqa: BLE001 - a hostile header: wrong JSON types, huge numbers
+        return f"bad safetensors header: {type(e).__name__}: {_one_line(str(e))[:200]}"
+    if layout:
+        return f"bad safetensors header: {layout}"
     if hdr.identifier != rec.identifier:
         return "identifier in the blob header does not match the record"
     if hdr.dtype != rec.dtype or hdr.shape != tuple(rec.shape):
@@ -460,9 +524,28 @@ def check_blob(key: str, rec: Record | None, blob: Any) -> str | None:
     return None
 
 
+def _header_layout_problem(hdr: codec.BlobHeader, blob_len: int) -> str | None:
+    """What is wrong with the layout of a parsed header that ecstore itself
+    would never write (one tensor whose data starts right after the header
+    and fills the rest of the blob), or None."""
+    info = hdr.raw.get(codec.TENSOR_NAME)
+    if not isinstance(info, dict):
+        return f"tensor {codec.TENSOR_NAME!r} is not described by a mapping"
+    offsets = info.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or offsets[0] != 0
+            or offsets[1] != hdr.data_nbytes or hdr.data_offset + hdr.data_nbytes != blob_len):
+        return f"data_offsets {_one_line(str(offsets))[:80]} do not span exactly the data after the header"
+    if any(not isinstance(x, int) or x < 0 for x in hdr.shape):
+        return f"shape {list(hdr.shape)} has negative dimensions"
+    for name in ("identifier", "model", "dtype"):
+        if not isinstance(getattr(hdr, name), str):
+            return f"__metadata__.{name} is not a string"
+    return None
+
+
 def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record | None, bytes | None, bool]:
     """(record, blob copy, present) of ``key`` from one read transaction."""
-    k = key.encode("utf-8")
+    k = key_bytes(key)
     with tier.snapshot() as (txn, dbs):
         raw = txn.get(k, db=dbs["entries"])
         if raw is None:
@@ -498,7 +581,7 @@ def _need_entries(tier: LMDBTier, target: Target, text: str, model: str | None) 
     rows, how = find_entries(tier, text, model)
     if not rows:
         extra = f" for model {model!r}" if model else ""
-        raise CLIError(f"no entry with key or mm identifier {_printable(text)!r}{extra} in {target.path}")
+        raise CLIError(f"no entry with key or mm identifier '{_printable(text)}'{extra} in {target.path}")
     return rows, how
 
 
@@ -597,6 +680,8 @@ def _entry_detail(tier: LMDBTier, row: Row) -> dict[str, Any]:
             d["data_offset"] = hdr.data_offset
         except CorruptBlobError as e:
             d["header_error"] = str(e)
+        except Exception as e:  # noqa: BLE001 - a hostile header (wrong JSON types...)
+            d["header_error"] = f"{type(e).__name__}: {_one_line(str(e))[:200]}"
     return d
 
 
@@ -818,19 +903,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     problem = check_blob(key, rec, blob)
     if problem:
         raise CLIError(f"entry {_printable(key)} is corrupt ({problem}); not exported. "
-                       f"Remove it with: {PROG} purge --key '{key}'")
+                       f"Remove it with: {PROG} purge {_shell_arg(target.path)} --key {_shell_arg(key)}")
     assert rec is not None and blob is not None
     out = os.path.abspath(args.out)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
+    try:  # a fresh exclusive temporary file, renamed: never follows a symlink
+        write_private_file(out, blob, _output_mode(target))
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise CLIError(f"cannot write {out}: {e.strerror or e}") from None
     _out(f"exported {_printable(key)} ({rec.dtype} {list(rec.shape)}, {len(blob)} bytes, tensor 'ec') to {out}")
     return EXIT_OK
@@ -856,7 +934,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         keys = [r.key for r in scan(tier)]
         with Progress("verifying", len(keys)) as prog:
             for key in keys:
-                k = key.encode("utf-8")
+                k = key_bytes(key)
                 with tier.snapshot() as (txn, dbs):  # one short transaction per entry
                     raw = txn.get(k, db=dbs["entries"])
                     if raw is None:
@@ -870,7 +948,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     problem = check_blob(key, rec, txn.get(k, db=dbs["blobs"]))
                 checked += 1
                 if problem:
-                    bad.append({"key": key, "identifier": rec.identifier if rec else None, "error": problem})
+                    bad.append({"key": _json_key(key), "identifier": rec.identifier if rec else None,
+                                "error": problem})
                 prog.advance()
     ok = checked - len(bad)
     if args.json:
@@ -904,17 +983,27 @@ def parse_older_than(text: str, now_ns: int) -> int:
     an ISO 8601 timestamp (``2025-06-01T12:00:00Z``; UTC when no offset is
     given) is used as is.
     """
+    shown = _printable(text[:60]) + ("..." if len(text) > 60 else "")
     m = _DURATION.match(text)
     if m:
-        return now_ns - int(round(float(m.group(1)) * _UNIT_S[m.group(2)] * 10**9))
+        age_ns = float(m.group(1)) * _UNIT_S[m.group(2)] * 1e9
+        if not math.isfinite(age_ns) or age_ns > now_ns:
+            raise CLIError(f"--older-than '{shown}' reaches back before 1970: nothing can be that old; "
+                           f"give a smaller age (e.g. 30d)")
+        return now_ns - int(round(age_ns))
     try:
         t = _dt.datetime.fromisoformat(text.strip())
     except ValueError:
-        raise CLIError(f"--older-than {text!r}: expected an age like 30m, 12h, 7d, 2w "
+        raise CLIError(f"--older-than '{shown}': expected an age like 30m, 12h, 7d, 2w "
                        f"(units s/m/h/d/w) or an ISO 8601 timestamp") from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=_dt.timezone.utc)
-    delta = t - _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+    try:
+        delta = t - _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+    except OverflowError:
+        delta = _dt.timedelta(days=-1)
+    if delta < _dt.timedelta(0):
+        raise CLIError(f"--older-than '{shown}' is before 1970: nothing can be that old")
     return (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000
 
 
@@ -966,13 +1055,13 @@ def cmd_purge(args: argparse.Namespace) -> int:
     removed = skipped = 0
     freed = 0
     tier = LMDBTier(target.path, _purge_capacity(target, total_now), readonly=False, create=False,
-                    schema_target=version)
+                    schema_target=version, file_mode=target.file_mode)
     try:
         leased = tier.leased_keys()
         with Progress("purging", len(victims)) as prog:
             for r in victims:
                 prog.advance()
-                if r.key.encode("utf-8") in leased:
+                if key_bytes(r.key) in leased:
                     skipped += 1
                     continue
                 if cutoff is not None:  # re-check: it may have been read since selection
@@ -1188,6 +1277,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
                 if copied != orig:
                     raise CLIError(f"compacted copy does not match the store ({copied} vs {orig}); "
                                    f"nothing was changed")
+                # LMDB creates the copy with 0666 & ~umask: keep the store's mode.
+                os.chmod(new, stat.S_IMODE(os.stat(data).st_mode))
                 os.pwrite(fd, b"\0\0\0\0", 0)  # invalidate lock.mdb's header (see docstring)
                 os.replace(new, data)
                 _fsync_path(path, directory=True)

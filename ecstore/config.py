@@ -15,6 +15,8 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -24,8 +26,19 @@ from urllib.parse import unquote, urlparse
 import yaml
 
 from .errors import ConfigError
+from .redact import mask_value, short_repr
+from .store_files import DEFAULT_FILE_MODE, check_file_mode
 
 GiB = 1 << 30
+
+#: Largest size any ``max_*_size`` key accepts, in GiB (64 TiB): LMDB maps
+#: 1.25x the disk cap into the address space (x86-64 user space is 128 TiB).
+MAX_SIZE_GIB = 64 * 1024
+#: Longest lease, in seconds (one day): a lease pins an entry against
+#: eviction until released; one that outlived its loader must expire.
+MAX_LEASE_SECONDS = 86400.0
+
+_FILE_SCHEME = re.compile(r"^file:", re.IGNORECASE)
 
 
 def normalize_local_disk(value: Any, source: str = "ECStoreConfig argument") -> str | None:
@@ -41,45 +54,81 @@ def normalize_local_disk(value: Any, source: str = "ECStoreConfig argument") -> 
         value = os.fspath(value)
     if not isinstance(value, str):
         raise ConfigError(
-            f"local_disk (from {source}): expected a path or file:// URI, got {value!r}"
+            f"local_disk (from {source}): expected a path or file:// URI, got {short_repr(value)}"
         )
     text = value.strip()
     if not text:
         return None
-    if "://" in text:
+    shown = short_repr(value)
+    if "://" in text or _FILE_SCHEME.match(text):
         parsed = urlparse(text)
-        if parsed.scheme != "file":
+        if parsed.scheme.lower() != "file":
             raise ConfigError(
-                f"local_disk (from {source}): unsupported URI scheme {parsed.scheme!r} "
-                f"in {value!r}; expected a plain path or a file:// URI"
+                f"local_disk (from {source}): unsupported URI scheme {short_repr(parsed.scheme)} "
+                f"in {shown}; expected a plain path or a file:// URI"
             )
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(
-                f"local_disk (from {source}): file:// URI {value!r} names host "
-                f"{parsed.netloc!r}; only local paths are supported"
+                f"local_disk (from {source}): file:// URI {shown} names host "
+                f"{short_repr(parsed.netloc.rpartition('@')[2])}; only local paths are supported"
+            )
+        if parsed.query or parsed.fragment or "?" in text or "#" in text:
+            raise ConfigError(
+                f"local_disk (from {source}): file URI {shown} has a query ('?') or fragment ('#'), "
+                f"which a directory cannot use; if they are part of the directory name, write them "
+                f"percent-encoded (%3F for '?', %23 for '#') or give a plain path"
             )
         text = unquote(parsed.path)
         if not text:
-            raise ConfigError(f"local_disk (from {source}): file:// URI {value!r} has no path")
+            raise ConfigError(f"local_disk (from {source}): file URI {shown} has no path")
+        if not text.startswith("/"):
+            raise ConfigError(
+                f"local_disk (from {source}): file URI {shown} needs an absolute path "
+                f"(file:///abs/dir or file:/abs/dir); give a relative directory as a plain path"
+            )
+    if "\0" in text:
+        raise ConfigError(f"local_disk (from {source}): the path {shown} contains a NUL byte")
     return os.path.abspath(os.path.expanduser(text))
 
 
-# What each numeric field holds, for error messages.
+# What each numeric field holds, for error messages, and its largest value.
 _NUMBER_KINDS = {
     "max_local_cpu_size": "a size in GiB",
     "max_local_disk_size": "a size in GiB",
     "max_write_queue_size": "a size in GiB",
     "lease_seconds": "a duration in seconds",
 }
+_NUMBER_MAX = {
+    "max_local_cpu_size": float(MAX_SIZE_GIB),
+    "max_local_disk_size": float(MAX_SIZE_GIB),
+    "max_write_queue_size": float(MAX_SIZE_GIB),
+    "lease_seconds": MAX_LEASE_SECONDS,
+}
+
+
+def _too_big(name: str, number: float) -> str | None:
+    """Why ``number`` is out of range for ``name``, or None."""
+    top = _NUMBER_MAX.get(name)
+    if top is not None and number > top:
+        unit = "GiB" if "size" in name else "s"
+        return f"at most {top:g} {unit}"
+    return None
 
 
 def _check_size(name: str, value: Any, source: str) -> float:
     kind = _NUMBER_KINDS.get(name, "a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} (from {source}): expected {kind} (a number >= 0), got {value!r}")
-    v = float(value)
-    if math.isnan(v) or math.isinf(v) or v < 0:
-        raise ConfigError(f"{name} (from {source}): expected {kind} (a finite number >= 0), got {value!r}")
+        raise ConfigError(f"{name} (from {source}): expected {kind} (a number >= 0), got {short_repr(value)}")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if math.isnan(v) or v < 0:
+        raise ConfigError(f"{name} (from {source}): expected {kind} (a finite number >= 0), "
+                          f"got {short_repr(value)}")
+    limit = _too_big(name, v)
+    if limit is not None:
+        raise ConfigError(f"{name} (from {source}): expected {kind}, {limit}; got {short_repr(value)}")
     return v
 
 
@@ -100,6 +149,9 @@ class ECStoreConfig:
             memory).
         lease_seconds: how long an entry announced to a loader stays pinned
             against eviction if the loader never releases it.
+        file_mode: mode of the store's files (directory: the same bits plus
+            x): 0600 private (default), 0640/0660 to share the store with
+            the directory's group on purpose. See docs/security.md.
         sources: where each value came from (see :func:`load_config`): one
             entry per field when built by :func:`load_config`, plus
             ``"__file__"`` (absolute path of the YAML file read) and
@@ -113,6 +165,7 @@ class ECStoreConfig:
     max_local_disk_size: float = 0.0
     max_write_queue_size: float = 1.0
     lease_seconds: float = 120.0
+    file_mode: int = DEFAULT_FILE_MODE
     # Where each value came from ("default", "path:line", "env VAR", "override KEY").
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -120,11 +173,15 @@ class ECStoreConfig:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
         if not isinstance(self.local_cpu, bool):
             raise ConfigError(
-                f"local_cpu (from {src('local_cpu')}): expected true or false, got {self.local_cpu!r}"
+                f"local_cpu (from {src('local_cpu')}): expected true or false, got {short_repr(self.local_cpu)}"
             )
         for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds"):
             object.__setattr__(self, name, _check_size(name, getattr(self, name), src(name)))
         object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
+        try:
+            check_file_mode(self.file_mode)
+        except ValueError as exc:
+            raise ConfigError(f"file_mode (from {src('file_mode')}): got {short_repr(self.file_mode)}: {exc}") from None
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(
                 f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
@@ -204,13 +261,15 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError
 
 
-def _parse_number(value: Any) -> float:
-    """A finite number >= 0: an int, a float or a numeric string ("2.5").
+def _parse_number(value: Any, name: str = "") -> float:
+    """A finite number >= 0: an int, a float or a numeric string ("2.5"),
+    at most the limit of key ``name`` (see ``_NUMBER_MAX``).
 
-    Booleans, NaN, infinities, negatives and other strings are ValueError."""
+    Booleans, NaN, infinities, negatives, numbers over the limit and other
+    strings are ValueError (the limit named in its message)."""
     if isinstance(value, str):
         try:
-            value = float(value.strip())
+            value = float(value.strip()[:400])
         except ValueError:
             raise ValueError from None  # "lots"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -219,9 +278,30 @@ def _parse_number(value: Any) -> float:
         number = float(value)
     except OverflowError:
         raise ValueError from None
-    if not math.isfinite(number) or number < 0:
+    if math.isnan(number) or number < 0:
+        raise ValueError
+    limit = _too_big(name, number)
+    if limit is not None:
+        raise ValueError(limit)
+    if math.isinf(number):
         raise ValueError
     return number
+
+
+def _parse_file_mode(value: Any) -> int:
+    """An octal mode: a YAML octal int (``0660``, which YAML reads as 432)
+    or a string ``"0660"`` / ``"660"`` / ``"0o660"``. A decimal int such as
+    660 (YAML without the leading 0) is refused, not misread."""
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or any(c not in "01234567" for c in text):
+            raise ValueError
+        return check_file_mode(int(text, 8))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError
+    if value in (600, 640, 660):
+        raise ValueError(f"{value} is decimal here: write 0{value} (YAML octal) or quote it as '0{value}'")
+    return check_file_mode(value)
 
 
 def _parse_local_disk(value: Any, source: str) -> str | None:
@@ -255,7 +335,7 @@ class KeySpec:
     doc: str
 
 
-_SIZE = "a size in GiB: a finite number >= 0 (e.g. 16 or 2.5)"
+_SIZE = f"a size in GiB: a finite number >= 0, at most {MAX_SIZE_GIB} (e.g. 16 or 2.5)"
 
 # Policy as data: every key ecstore reads, with its parser. Field names of
 # ECStoreConfig; defaults come from the dataclass.
@@ -264,21 +344,25 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: _parse_bool(v), "keep the in-memory LRU tier"),
     "max_local_cpu_size": KeySpec(
-        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v),
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v, "max_local_cpu_size"),
         "bound of the memory tier"),
     "local_disk": KeySpec(
         "path", "-", "a directory path or file:// URI (null or empty for no disk tier)",
         _parse_local_disk, "directory of the persistent (LMDB) tier; none = memory only"),
     "max_local_disk_size": KeySpec(
-        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v),
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v, "max_local_disk_size"),
         "bound of the disk tier; must be > 0 when local_disk is set"),
     "max_write_queue_size": KeySpec(
-        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v),
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v, "max_write_queue_size"),
         "tensors queued for the background disk writer before put() blocks"),
     "lease_seconds": KeySpec(
-        "float", "s", "a duration in seconds: a finite number >= 0",
-        lambda v, _s: _parse_number(v),
+        "float", "s", f"a duration in seconds: a finite number >= 0, at most {MAX_LEASE_SECONDS:g}",
+        lambda v, _s: _parse_number(v, "lease_seconds"),
         "how long an entry handed to a loader stays pinned against eviction"),
+    "file_mode": KeySpec(
+        "octal", "-", "an octal file mode: 0600 (private, default), 0640 or 0660 (shared with the group)",
+        lambda v, _s: _parse_file_mode(v),
+        "mode of the store's files; the directory gets the same bits plus x (0700/0750/0770)"),
 }
 
 assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}
@@ -335,7 +419,7 @@ def _closest(key: str, spelled: Callable[[str], str]) -> str:
     caller's form (``ec_x``, ``ec.x``, ``LMCACHE_EC_X``); the list of
     ecstore's keys when nothing is close."""
     for candidates in (KEYS, sorted(LMCACHE_KEYS)):
-        match = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+        match = difflib.get_close_matches(key, [c for c in candidates if c != key], n=1, cutoff=0.6)
         if match:
             return f"; did you mean {spelled(match[0])!r}?"
     return f"; ecstore's keys are: {', '.join(spelled(k) for k in KEYS)}"
@@ -368,7 +452,7 @@ def _parse(key: str, setting: _Setting) -> Any:
         detail = str(exc) if isinstance(exc, ValueError) and exc.args else ""
         raise ConfigError(
             f"{setting.spelled} (from {setting.source}): expected {spec.expected}, "
-            f"got {setting.value!r}" + (f" ({detail})" if detail else "")
+            f"got {short_repr(setting.value)}" + (f" ({short_repr(detail)[1:-1]})" if detail else "")
         ) from None
 
 
@@ -382,6 +466,45 @@ def _put(layer: dict[str, _Setting], key: str, setting: _Setting) -> None:
     layer[key] = setting
 
 
+#: Largest config file read, in bytes (a YAML config is a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_bounded(path: str, what: str) -> bytes:
+    """The bytes of a regular file (or a pipe, e.g. ``<(...)``), at most
+    MAX_CONFIG_BYTES; a device, socket or directory is refused without
+    reading it (``/dev/zero`` would never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{what} is a directory, not a YAML file")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ConfigError(f"{what} is not a regular file (a device or socket); give a YAML file")
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few "
+                          f"lines of YAML")
+    return b"".join(chunks)
+
+
 def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]]:
     """Top-level entries of the YAML mapping in ``path`` as (key, value, line, ec).
 
@@ -390,15 +513,7 @@ def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[A
     ``origin`` (where the path was named) goes into file-level errors.
     """
     what = f"config file {path} (from {origin})"
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{what} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{what} is a directory, not a YAML file") from None
-    except OSError as exc:
-        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    data = _read_bounded(path, what)
 
     loader: yaml.SafeLoader | None = None
     try:
@@ -435,7 +550,7 @@ def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[A
                 if value is not None:
                     raise ConfigError(
                         f"{EC_SECTION} (from {path}:{line}): expected a mapping of ecstore "
-                        f"keys (e.g. 'ec: {{max_local_disk_size: 64}}'), got {value!r}"
+                        f"keys (e.g. 'ec: {{max_local_disk_size: 64}}'), got {short_repr(value)}"
                     )
                 entries.append((key, None, line, []))
             else:
@@ -479,7 +594,7 @@ def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]
             if hint.startswith("; ecstore's keys"):
                 hint = ""
             warnings.warn(
-                f"{src}: ignoring unknown key {key!r} (neither an ecstore nor a known "
+                f"{src}: ignoring unknown key {short_repr(key)} (neither an ecstore nor a known "
                 f"LMCache key){hint}",
                 ConfigWarning,
                 stacklevel=3,
@@ -520,9 +635,13 @@ def _collect_overrides(overrides: Mapping[Any, Any], layers: dict[str, dict[str,
             continue
         if isinstance(key, str) and key.startswith(EC_KEY_PREFIX) and key[len(EC_KEY_PREFIX):] in KEYS:
             hint = f"; overrides take bare key names: did you mean {key[len(EC_KEY_PREFIX):]!r}?"
+        elif isinstance(key, str) and _is_lmcache_key(key):
+            raise ConfigError(
+                f"{key!r} (from override {key}) is an LMCache setting that ecstore does not support; "
+                f"ecstore's keys are: {', '.join(KEYS)}")
         else:
             hint = _closest(str(key), str)
-        raise ConfigError(f"unknown key {key!r} (from override {key}){hint}")
+        raise ConfigError(f"unknown key {short_repr(key)} (from override {short_repr(key)}){hint}")
 
 
 def _choose_file(
@@ -540,7 +659,9 @@ def _choose_file(
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
         if not isinstance(value, str):
-            raise ConfigError(f"config file (from {origin}): expected a path, got {value!r}")
+            raise ConfigError(f"config file (from {origin}): expected a path, got {short_repr(value)}")
+        if "\0" in value:
+            raise ConfigError(f"config file (from {origin}): the path {short_repr(value)} contains a NUL byte")
         if value.strip():
             return os.path.abspath(os.path.expanduser(value.strip())), origin
     return None
@@ -581,7 +702,7 @@ def load_config(
     env = os.environ if env is None else env
     overrides = {} if overrides is None else overrides
     if not isinstance(overrides, Mapping):
-        raise ConfigError(f"overrides: expected a mapping of ecstore keys, got {overrides!r}")
+        raise ConfigError(f"overrides: expected a mapping of ecstore keys, got {short_repr(overrides)}")
 
     layers: dict[str, dict[str, _Setting]] = {level: {} for level in _LEVELS}
     extra_sources: dict[str, str] = {}
@@ -619,10 +740,16 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
     """(key, effective value, source) rows, for ``ecstore-dump config``.
 
     The first row is ``("config_file", <abs path or None>, <where the path was
-    named, or "default">)``; then one row per ECStoreConfig field.
+    named, or "default">)``; then one row per ECStoreConfig field. Secrets
+    are masked (:func:`ecstore.redact.mask_value`: URL passwords, secret
+    keys); ``file_mode`` is shown in octal (``"0600"``).
     """
     rows: list[tuple[str, Any, str]] = [
         (CONFIG_FILE_KEY, cfg.config_file, cfg.source_of(CONFIG_FILE_KEY))
     ]
-    rows.extend((key, getattr(cfg, key), cfg.source_of(key)) for key in KEYS)
+    for key in KEYS:
+        value = getattr(cfg, key)
+        if key == "file_mode":
+            value = f"{value:04o}"
+        rows.append((key, mask_value(key, value), cfg.source_of(key)))
     return rows

@@ -60,6 +60,8 @@ import torch
 from . import codec, schema
 from .codec import CorruptBlobError, Record
 from .errors import ECStoreError, SchemaError, StoreFullError, StoreOpenError, check_same_process
+from .store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
+                          fix_created_modes, missing_files, readonly_needs_nolock)
 
 log = logging.getLogger("ecstore")
 
@@ -70,6 +72,10 @@ _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
 #: Lease-file keys under this prefix are eviction tombstones (see _evict_in).
 _TOMB = b"\x00evicting\x00"
 TOMBSTONE_MAX_AGE_NS = 60 * 10**9
+#: lease() prunes dead and expired leases once the lease table holds more
+#: keys than this (and then at twice the live count): leases that are never
+#: released cannot grow the file or the cost of a pin without bound.
+LEASE_PRUNE_MIN = 1024
 
 MAP_HEADROOM_FACTOR = 1.25
 MAP_HEADROOM_BYTES = 1 * MiB  # floor for small caps (B-tree and meta pages)
@@ -199,8 +205,10 @@ class _SharedEnv:
     #: (path -> pid of the process that opened it).
     _inherited: dict[str, int] = {}
 
-    def __init__(self, path: str, env: lmdb.Environment, leases: lmdb.Environment | None, readonly: bool):
+    def __init__(self, path: str, env: lmdb.Environment, leases: lmdb.Environment | None, readonly: bool,
+                 policy: FilePolicy | None = None):
         self.path = path
+        self.policy = policy or FilePolicy()
         self.env = env
         self.leases = leases
         self.readonly = readonly
@@ -208,6 +216,8 @@ class _SharedEnv:
         self.pid = os.getpid()
         self.write_lock = threading.Lock()  # LMDB allows one write txn per env
         self.gate = _TxnGate()
+        #: Lease-table size above which lease() prunes dead and expired leases.
+        self.lease_prune_at = LEASE_PRUNE_MIN
 
     @contextlib.contextmanager
     def txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
@@ -238,7 +248,8 @@ class _SharedEnv:
             self.gate.leave()
 
     @classmethod
-    def acquire(cls, path: str, map_size: int, readonly: bool, create: bool) -> "_SharedEnv":
+    def acquire(cls, path: str, map_size: int, readonly: bool, create: bool,
+                policy: FilePolicy | None = None, explicit_mode: bool = True) -> "_SharedEnv":
         real = os.path.realpath(path)
         with cls._lock:
             shared = cls._open.get(real)
@@ -254,7 +265,7 @@ class _SharedEnv:
                 shared.refs += 1
                 return shared
             try:
-                opened = _open_env(real, map_size, readonly, create)
+                opened = _open_env(real, map_size, readonly, create, policy or FilePolicy(), explicit_mode)
             except StoreOpenError as e:
                 parent = cls._inherited.get(real)
                 if parent is None:
@@ -267,7 +278,7 @@ class _SharedEnv:
                     f"it cannot be opened again in the forked child ({e}). Open the store in a process "
                     f"started with 'spawn' or 'forkserver', or open it in the parent only after forking"
                 ) from None
-            shared = cls(real, *opened, readonly=readonly)
+            shared = cls(real, *opened, readonly=readonly, policy=policy)
             shared.refs = 1
             cls._open[real] = shared
             return shared
@@ -276,7 +287,7 @@ class _SharedEnv:
         """Open leases.mdb (read-write environments only), once."""
         with self._lock:
             if self.leases is None and not self.readonly:
-                self.leases = _open_leases(self.path)
+                self.leases = _open_leases(self.path, self.policy)
 
     def release(self) -> None:
         with self._lock:
@@ -334,8 +345,16 @@ def _check_data_file(data: str) -> None:
             f"the store is damaged (move it away, or restore a copy)")
 
 
-def _open_env(path: str, map_size: int, readonly: bool, create: bool) -> tuple[lmdb.Environment, lmdb.Environment | None]:
+def _open_env(path: str, map_size: int, readonly: bool, create: bool, policy: FilePolicy,
+              explicit_mode: bool = True) -> tuple[lmdb.Environment, lmdb.Environment | None]:
     data = os.path.join(path, "data.mdb")
+    # Before LMDB touches anything: no symlinked or odd store files (LMDB
+    # follows links and blocks on FIFOs); read-write: ssh-StrictModes-like
+    # owner/mode checks (see store_files and docs/security.md).
+    if readonly:
+        check_file_types(path)
+    else:
+        check_writable_location(path, policy, explicit_mode=explicit_mode)  # types too
     if not os.path.exists(data):
         if not create or readonly:
             if not os.path.exists(path):
@@ -352,32 +371,43 @@ def _open_env(path: str, map_size: int, readonly: bool, create: bool) -> tuple[l
                     f"{path} is not an ecstore store (no data.mdb) and is not empty ({shown}); "
                     f"point local_disk at a new or empty directory")
         try:
-            os.makedirs(path, exist_ok=True)
+            create_store_dir(path, policy)
         except OSError as e:
             raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
     elif os.path.isdir(data):
         raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")
     elif os.path.getsize(data) > 0:
         _check_data_file(data)
-        map_size = max(map_size, os.path.getsize(data))
+        # A map no larger than the file leaves no page for a write: not even
+        # the eviction that brings a store reopened with a smaller cap under it.
+        map_size = max(map_size, os.path.getsize(data) + MAP_HEADROOM_BYTES)
+    # A reader without write access to lock.mdb (another user) reads without
+    # LMDB's reader table: it cannot register there; see docs/security.md.
+    lock = not (readonly and readonly_needs_nolock(path))
+    created = [] if readonly else missing_files(path, ("data.mdb", "lock.mdb"))
     try:
         env = lmdb.open(
-            path, map_size=map_size, subdir=True, max_dbs=8, readonly=readonly, lock=True,
+            path, map_size=map_size, subdir=True, max_dbs=8, readonly=readonly, lock=lock,
             sync=True, metasync=False, max_readers=256, meminit=False, create=create and not readonly,
+            mode=policy.file_mode,
         )
     except lmdb.Error as e:
         raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
+    fix_created_modes(path, created, policy)
     # leases.mdb is opened by LMDBTier once the file proved to be an ecstore
     # store (_SharedEnv.open_leases): a foreign LMDB directory gets no new files.
     return env, None
 
 
-def _open_leases(path: str) -> lmdb.Environment:
+def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
     lpath = os.path.join(path, "leases.mdb")
     for attempt in (1, 2):
+        created = missing_files(path, ("leases.mdb", "leases.mdb-lock"))
         try:
-            return lmdb.open(lpath, subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
-                             metasync=False, lock=True, max_readers=256)
+            env = lmdb.open(lpath, subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
+                            metasync=False, lock=True, max_readers=256, mode=policy.file_mode)
+            fix_created_modes(path, created, policy)
+            return env
         except lmdb.Error:
             if attempt == 2:
                 raise
@@ -417,18 +447,26 @@ class LMDBTier:
 
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
-                 map_size_bytes: int | None = None) -> None:
+                 map_size_bytes: int | None = None, file_mode: int | None = None) -> None:
         """``map_size_bytes`` overrides the LMDB map size (default
         :func:`map_size_for` the cap); LMDB still uses at least the data
         file's size, and only the first open of a directory in a process sets
         it. A map smaller than the cap is legal: a full map makes puts evict
         (see the design notes), it never fails them while anything is
-        evictable. Tests use it to reach a full map without filling a disk."""
+        evictable. Tests use it to reach a full map without filling a disk.
+
+        ``file_mode``: mode of the files a read-write open creates (default
+        0600, directory 0700) and the mode an existing store is checked
+        against (see :mod:`ecstore.store_files`); None also means the caller
+        does not know the configured mode: looser modes are then not warned
+        about, only refused where unsafe."""
         self.path = path
         self.capacity_bytes = int(capacity_bytes)
         self.readonly = readonly
         map_size = map_size_for(self.capacity_bytes) if map_size_bytes is None else int(map_size_bytes)
-        self._shared = _SharedEnv.acquire(path, map_size, readonly, create)
+        policy = FilePolicy() if file_mode is None else FilePolicy(file_mode)
+        self._shared = _SharedEnv.acquire(path, map_size, readonly, create, policy,
+                                          explicit_mode=file_mode is not None)
         self.env = self._shared.env
         self._pid = os.getpid()
         self._closed = False
@@ -529,7 +567,9 @@ class LMDBTier:
 
     @staticmethod
     def _k(key: str) -> bytes:
-        return key.encode("utf-8")
+        # surrogateescape: a key read back from the file with bytes that are
+        # not UTF-8 (tooling decodes them so) maps to the very same bytes.
+        return key.encode("utf-8", "surrogateescape")
 
     def close(self) -> None:
         if not self._closed:
@@ -676,12 +716,48 @@ class LMDBTier:
             return
         self._check()
         pid = os.getpid() if pid is None else pid
-        expiry = time.time_ns() + int(ttl_s * 1e9)
+        now = time.time_ns()
+        expiry = now + int(ttl_s * 1e9)
         with self._shared.leases.begin(write=True) as txn:
             for key in keys:
                 k = self._k(key)
-                cur = txn.get(k) or b""
-                txn.put(k, bytes(cur) + _LEASE.pack(pid, expiry))
+                cur = txn.get(k)
+                # Expired leases of this key go (a pin costs what is live).
+                kept = b"" if cur is None else b"".join(
+                    bytes(cur[i:i + _LEASE.size]) for i in range(0, len(cur) - _LEASE.size + 1, _LEASE.size)
+                    if _LEASE.unpack_from(cur, i)[1] > now)
+                txn.put(k, kept + _LEASE.pack(pid, expiry))
+            if txn.stat()["entries"] > self._shared.lease_prune_at:
+                live = self._prune_leases(txn, now)
+                self._shared.lease_prune_at = max(LEASE_PRUNE_MIN, 2 * live)
+
+    def _prune_leases(self, txn: lmdb.Transaction, now: int) -> int:
+        """Drop expired leases and leases of dead processes inside the lease
+        write transaction ``txn``; returns the keys left (tombstones too)."""
+        alive: dict[int, bool] = {}
+        dead: list[bytes] = []
+        rewrite: list[tuple[bytes, bytes]] = []
+        left = 0
+        for k, v in txn.cursor():
+            if bytes(k).startswith(_TOMB):
+                left += 1
+                continue
+            items = [_LEASE.unpack_from(v, i) for i in range(0, len(v) - _LEASE.size + 1, _LEASE.size)]
+            for p, _ in items:
+                if p not in alive:
+                    alive[p] = _pid_alive(p)
+            keep = [(p, e) for p, e in items if e > now and alive[p]]
+            if not keep:
+                dead.append(bytes(k))
+            else:
+                left += 1
+                if len(keep) != len(items):
+                    rewrite.append((bytes(k), b"".join(_LEASE.pack(p, e) for p, e in keep)))
+        for k in dead:
+            txn.delete(k)
+        for k, v in rewrite:
+            txn.put(k, v)
+        return left
 
     @_lmdb_errors_as_store_errors
     def release(self, keys: list[str], pid: int | None = None) -> None:

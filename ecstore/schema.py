@@ -91,10 +91,14 @@ def read_version(env: lmdb.Environment, begin: Begin | None = None) -> int | Non
         raw = txn.get(b"schema_version", db=meta)
     if raw is None:
         raise StoreOpenError("not an ecstore store: no schema_version in 'meta'")
-    try:
-        return int(raw)
-    except ValueError:
-        raise StoreOpenError(f"not an ecstore store: schema_version is {bytes(raw)!r}") from None
+    text = bytes(raw)
+    if not (text.isdigit() and text.isascii()) or int(text) < 1:
+        # Never re-run migrations over a store with data: they would reset
+        # total_bytes and the LRU sequence.
+        raise StoreOpenError(
+            f"damaged: its meta record schema_version is {text[:40]!r} (a store has version 1 or "
+            f"more); move the store away or restore a copy")
+    return int(text)
 
 
 def _main_is_empty(txn: lmdb.Transaction) -> bool:
@@ -120,6 +124,7 @@ def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: i
             f"supports ({current_version()}); upgrade ecstore. The store was not modified."
         )
     if version is not None and version >= target:
+        check_meta(env, path, begin)
         return version
     if readonly:
         raise SchemaError(
@@ -133,4 +138,23 @@ def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: i
         for mig in migrations()[version:target]:
             mig.upgrade(env, txn)
             txn.put(b"schema_version", str(mig.VERSION).encode(), db=meta)
+    check_meta(env, path, begin)
     return max(version, target)
+
+
+#: Meta records every schema keeps as u64 little-endian counters.
+_U64_META = (b"total_bytes", b"next_seq")
+
+
+def check_meta(env: lmdb.Environment, path: str, begin: Begin | None = None) -> None:
+    """StoreOpenError unless ``total_bytes`` and ``next_seq`` are 8-byte
+    counters (a tampered or damaged meta record would break every write)."""
+    with (begin or _plain_begin(env))() as txn:
+        meta = env.open_db(b"meta", txn=txn, create=False)
+        for name in _U64_META:
+            raw = txn.get(name, db=meta)
+            if raw is None or len(raw) != 8:
+                found = "missing" if raw is None else f"{len(raw)} bytes"
+                raise StoreOpenError(
+                    f"store at {path} is damaged: its meta record {name.decode()} is {found} (expected an "
+                    f"8-byte counter); move the store away or restore a copy")

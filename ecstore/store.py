@@ -117,7 +117,8 @@ class ECStore:
         self._writer: Writer | None = None
         if config.local_disk:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
-                                 schema_target=_schema_target, map_size_bytes=_map_size_bytes)
+                                 schema_target=_schema_target, map_size_bytes=_map_size_bytes,
+                                 file_mode=config.file_mode)
             if not readonly:
                 self._writer = Writer(self.disk, self.model, config.write_queue_bytes,
                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)))

@@ -179,9 +179,12 @@ def console(template: Template, tmp_path_factory: pytest.TempPathFactory) -> Con
         "list": ["list", template.path, "--json"],
         "show": ["show", template.path, template_key(template, M1, 50)],
         "export": ["export", template.path, template_key(template, M1, 3), d / "k.safetensors"],
-        "stats": ["stats", "--json", "--config", cfg],
     }
-    return Console(dict(zip(cmds, dump_many(list(cmds.values())))), d, cfg)
+    results = dict(zip(cmds, dump_many(list(cmds.values()))))
+    # stats alone: it reports the reader slots of other processes, and the
+    # commands above are such processes while they run (defect 8).
+    results["stats"] = dump("stats", "--json", "--config", cfg)
+    return Console(results, d, cfg)
 
 
 @pytest.fixture
@@ -397,6 +400,22 @@ def test_stats_json(template: Template, console: Console) -> None:
     assert "cap unknown" in text  # no config for this PATH in-process
 
 
+def test_stats_reports_a_live_reader_of_another_process(store: Path) -> None:
+    """A process holding the store open shows up as a live foreign reader
+    slot (what test_stats_json relies on being absent when nobody else reads)."""
+    holder = _holder(store, "ro")
+    try:
+        st = run("stats", store, "--json").json()
+        text = run("stats", store).out
+    finally:
+        _release(holder)
+    foreign = [r for r in st["readers"] if not r["this_process"]]
+    assert [(r["pid"], r["alive"]) for r in foreign] == [(holder.pid, True)]
+    assert f"readers:        1 slot(s) held by other processes ({holder.pid})" in text
+    after = run("stats", store, "--json").json()
+    assert all(r["this_process"] or not r["alive"] for r in after["readers"])
+
+
 # --------------------------------------------------------------------------
 # verify / purge --key
 # --------------------------------------------------------------------------
@@ -562,13 +581,15 @@ def test_readonly_commands_while_another_process_writes(store: Path, tmp_path: P
             assert r.rc == 0 and r.err == "", r.err
         seen.append(_check_snapshot(lst.json(), st.json()))
         for _ in range(3):
-            writer.stdout.readline()  # the writer committed again since the last reads
+            # Wait for a commit the last reads cannot have seen (no timing:
+            # the writer's own report), then read again while it goes on.
+            _wait_for_commit_beyond(writer, seen[-1])
             for _ in range(2):  # in-process too (same code, no interpreter start-up)
                 lst, st = run("list", store, "--json"), run("stats", store, "--json")
                 assert lst.rc == 0 and st.rc == 0, lst.err + st.err
                 seen.append(_check_snapshot(lst.json(), st.json()))
-            writer.stdout.readline()
         assert seen == sorted(seen) and seen[-1] > seen[0]  # the writer made progress meanwhile
+        assert seen[1] > seen[0] and seen[3] > seen[1] and seen[5] > seen[3]
     finally:
         stop.touch()
         out, err = writer.communicate(timeout=120)
@@ -578,6 +599,17 @@ def test_readonly_commands_while_another_process_writes(store: Path, tmp_path: P
     doc = run("list", store, "--json", "--model", "writer/m").json()
     assert len(doc["entries"]) == summary["puts"] and doc["totals"]["entries"] == TOTAL_N + summary["puts"]
     assert run("verify", store).rc == 0
+
+
+def _wait_for_commit_beyond(writer: subprocess.Popen[str], n: int) -> int:
+    """Read the writer's ``committed N`` lines until N > ``n``; returns N."""
+    assert writer.stdout is not None
+    while True:
+        line = writer.stdout.readline()
+        assert line.startswith("committed "), line or (writer.stderr.read() if writer.stderr else "EOF")
+        count = int(line.split()[1])
+        if count > n:
+            return count
 
 
 def _check_snapshot(lst: dict[str, Any], st: dict[str, Any]) -> int:

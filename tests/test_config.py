@@ -23,7 +23,7 @@ from ecstore.config import (
 from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-          "max_write_queue_size", "lease_seconds"]
+          "max_write_queue_size", "lease_seconds", "file_mode"]
 
 SEED_YAML = """\
 chunk_size: 256
@@ -85,6 +85,7 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "max_local_disk_size": f"{path}:6",
         "max_write_queue_size": "default",
         "lease_seconds": "default",
+        "file_mode": "default",
         "__file__": path,
         "config_file": "argument path",
     }
@@ -112,6 +113,7 @@ def test_describe_config(tmp_path: Path) -> None:
         ("max_local_disk_size", 64.0, f"{path}:6"),
         ("max_write_queue_size", 0.5, "override max_write_queue_size"),
         ("lease_seconds", 30.0, "env LMCACHE_EC_LEASE_SECONDS"),
+        ("file_mode", "0600", "default"),
     ]
 
 
@@ -233,8 +235,9 @@ def _assignment(draw: st.DrawFn) -> dict[str, dict[str, tuple[Any, Any]]]:
                 if level == "override" and draw(st.booleans()):
                     written = value
             else:
-                value = draw(st.one_of(st.integers(0, 10**6).map(float),
-                                       st.floats(0, 1e9, allow_nan=False, allow_infinity=False)))
+                top = config_mod._NUMBER_MAX[key]  # the largest value the key accepts
+                value = draw(st.one_of(st.integers(0, int(top)).map(float),
+                                       st.floats(0, top, allow_nan=False, allow_infinity=False)))
                 written = value if level in ("file", "ec_file", "override") else repr(value)
                 if level == "override" and draw(st.booleans()):
                     written = repr(value)
@@ -639,10 +642,14 @@ def test_directory_instead_of_file(tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "chunk_size: 256\n")
 
-    def denied(*_args: Any, **_kwargs: Any) -> Any:
-        raise PermissionError(13, "Permission denied", path)
+    real_open = os.open
 
-    monkeypatch.setattr(config_mod, "open", denied, raising=False)
+    def denied(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == path:  # root reads any file: refuse this one as chmod 000 would
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(config_mod.os, "open", denied)
     msg = config_error(path=path, env={})
     assert path in msg and "cannot be read" in msg and "Permission denied" in msg
 

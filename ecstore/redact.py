@@ -1,0 +1,76 @@
+"""Keeping credentials and huge values out of messages, logs and tool output.
+
+* :func:`mask_secrets` replaces the password of every URL in a text
+  (``redis://user:pw@host`` -> ``redis://user:***@host``) and the value of
+  secret-looking query parameters (``?password=...``, ``token``, ``secret``,
+  ``api_key``, ``auth``...). Config values are shown through it by
+  ``ecstore-dump config``, config errors and the store's log lines.
+* :func:`is_secret_key` tells whether a config key names a secret by itself
+  (``remote_password``, ``*_token``...): its whole value is masked.
+* :func:`short_repr` is ``repr`` bounded in size and cost (a YAML alias bomb
+  must not produce a 500 MB error message), with secrets masked.
+
+Pure functions, thread-safe.
+"""
+
+from __future__ import annotations
+
+import re
+import reprlib
+from typing import Any
+
+MASK = "***"
+#: Longest value representation put into a message, in characters.
+MAX_REPR = 200
+
+_SECRET_WORDS = r"(?:pass(?:word|wd|phrase)?|pwd|secret|token|api[_-]?key|access[_-]?key|auth|credentials?)"
+_SECRET_KEY = re.compile(rf"(?i)(?:^|[_.-]){_SECRET_WORDS}$")
+# scheme://[user]:password@ -- the password is everything up to the last '@'
+# of the authority (passwords may hold '@' only percent-encoded, but be safe).
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)(?P<pw>[^/?#\s]*)@")
+_SECRET_PARAM = re.compile(rf"(?i)(?P<head>[?&;]{_SECRET_WORDS}=)(?P<value>[^&#;\s]*)")
+
+
+def is_secret_key(key: str) -> bool:
+    """True if a config key's name says its value is a secret
+    (``password``, ``remote_password``, ``auth_token``, ``api_key``...)."""
+    return bool(_SECRET_KEY.search(key))
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with URL passwords and secret query values replaced by ``***``."""
+    if "://" not in text and "=" not in text:
+        return text
+    text = _URL_PASSWORD.sub(lambda m: f"{m.group('head')}{MASK}@", text)
+    return _SECRET_PARAM.sub(lambda m: f"{m.group('head')}{MASK}", text)
+
+
+def mask_value(key: str, value: Any) -> Any:
+    """A config value as it may be shown: the whole value masked for a
+    secret key (if set), URL passwords masked in strings, else unchanged."""
+    if value is None or value == "":
+        return value
+    if is_secret_key(key):
+        return MASK
+    if isinstance(value, str):
+        return mask_secrets(value)
+    return value
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+_REPR.maxstring = _REPR.maxother = MAX_REPR
+_REPR.maxlong = 60
+
+
+def short_repr(value: Any, limit: int = MAX_REPR) -> str:
+    """``repr(value)`` with secrets masked, nesting and length bounded
+    (cost bounded too: shared YAML aliases are never expanded in full)."""
+    if isinstance(value, str):
+        text = repr(mask_secrets(value[: limit * 4]))
+    else:
+        text = mask_secrets(_REPR.repr(value))
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text

@@ -1,0 +1,124 @@
+"""Config values the store cannot use are refused with a short, clear
+ConfigError (issue 14, defect 12): out-of-range sizes and lease times, NUL
+bytes, ``file:`` URIs without ``//``, URI queries/fragments, huge values in
+messages, LMCache keys ecstore does not support."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ecstore.config import ECStoreConfig, load_config
+from ecstore.errors import ConfigError
+
+_SCRIPT = Path(sys.executable).parent / "ecstore-dump"
+DUMP = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ecstore.cli"]
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_config(no_lmcache_env: None) -> None:
+    """Only the test configures ecstore."""
+
+
+def load_error(**kwargs: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("max_local_disk_size", 1e300),
+    ("max_local_disk_size", 1e12),
+    ("max_local_cpu_size", 1e300),
+    ("max_write_queue_size", 10**40),
+    ("lease_seconds", 1e11),
+])
+def test_out_of_range_numbers_are_config_errors(tmp_path: Path, key: str, value: float) -> None:
+    msg = load_error(overrides={"local_disk": str(tmp_path / "s"), "max_local_disk_size": 1, key: value})
+    assert key in msg and "at most" in msg
+    with pytest.raises(ConfigError, match="at most"):
+        ECStoreConfig(**{"local_disk": str(tmp_path / "s"), "max_local_disk_size": 1.0, key: value})
+
+
+def test_largest_allowed_values_open_a_config(tmp_path: Path) -> None:
+    from ecstore.config import MAX_LEASE_SECONDS, MAX_SIZE_GIB
+
+    cfg = load_config(env={}, overrides={"local_disk": str(tmp_path / "s"), "max_local_disk_size": MAX_SIZE_GIB,
+                                         "lease_seconds": MAX_LEASE_SECONDS})
+    assert cfg.disk_capacity_bytes == MAX_SIZE_GIB << 30
+
+
+def test_config_command_reports_overflowing_size_without_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "ec.yaml"
+    cfg.write_text(f"local_disk: {tmp_path / 's'}\nmax_local_disk_size: 1e300\n")
+    r = subprocess.run(DUMP + ["config", "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=120, check=False,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("ecstore-dump: error: max_local_disk_size") and len(r.stderr.splitlines()) == 1
+
+
+def test_nul_byte_in_local_disk(tmp_path: Path) -> None:
+    bad = str(tmp_path) + "/a\0b"
+    assert "NUL" in load_error(overrides={"local_disk": bad, "max_local_disk_size": 1})
+    with pytest.raises(ConfigError, match="NUL"):
+        ECStoreConfig(local_disk=bad, max_local_disk_size=1.0)
+    assert "NUL" in load_error(path=str(tmp_path / "a\0.yaml"))
+
+
+def test_file_uri_without_authority(tmp_path: Path) -> None:
+    cfg = load_config(env={}, overrides={"local_disk": f"file:{tmp_path}/x", "max_local_disk_size": 1})
+    assert cfg.local_disk == f"{tmp_path}/x"
+    msg = load_error(overrides={"local_disk": "file:rel/dir", "max_local_disk_size": 1})
+    assert "absolute" in msg and "file:rel/dir" in msg
+    # A relative plain path with a colon is still a plain path.
+    cfg = load_config(env={}, overrides={"local_disk": "cache:v2", "max_local_disk_size": 1})
+    assert cfg.local_disk is not None and cfg.local_disk.endswith("/cache:v2")
+
+
+@pytest.mark.parametrize("suffix", ["?mode=ro", "#frag", "?a=b#c"])
+def test_file_uri_query_or_fragment_is_refused(tmp_path: Path, suffix: str) -> None:
+    msg = load_error(overrides={"local_disk": f"file://{tmp_path}/x{suffix}", "max_local_disk_size": 1})
+    assert "query" in msg or "fragment" in msg
+    assert "%3F" in msg and "%23" in msg
+    # Percent-encoded, they are part of the path.
+    cfg = load_config(env={}, overrides={"local_disk": f"file://{tmp_path}/x%3Fy%23z", "max_local_disk_size": 1})
+    assert cfg.local_disk == f"{tmp_path}/x?y#z"
+
+
+def test_alias_bomb_in_a_bad_value_gives_a_short_message(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 7):  # 10**7 leaves: a 30 MB repr
+        prev = f"*a{i - 1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 10)}]")
+    lines.append("ec_max_local_disk_size: *a6")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    msg = load_error(path=str(path))
+    assert "ec_max_local_disk_size" in msg and len(msg) < 600
+
+
+def test_long_value_is_truncated_in_the_message() -> None:
+    msg = load_error(overrides={"max_local_disk_size": "9" * 100_000 + "x"})
+    assert "max_local_disk_size" in msg and len(msg) < 600
+
+
+@pytest.mark.parametrize("how", ["override", "env", "yaml"])
+def test_unsupported_lmcache_key_is_named_as_such(tmp_path: Path, how: str) -> None:
+    if how == "override":
+        msg = load_error(overrides={"chunk_size": 256})
+    elif how == "env":
+        # LMCACHE_EC_<lmcache key> stays LMCache's (its own EC engine reads it): no error.
+        assert load_config(env={"LMCACHE_EC_CHUNK_SIZE": "256"}).local_disk is None
+        return
+    else:
+        path = tmp_path / "ec.yaml"
+        path.write_text("ec:\n  chunk_size: 256\n")
+        assert load_config(path=str(path), env={}).local_disk is None
+        return
+    assert "did you mean 'chunk_size'" not in msg
+    assert "chunk_size" in msg and "LMCache" in msg and "not" in msg
