@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlparse
 import yaml
 
 from .errors import ConfigError
+from .identity import check_namespace_pin
 
 GiB = 1 << 30
 
@@ -100,6 +101,12 @@ class ECStoreConfig:
             memory).
         lease_seconds: how long an entry announced to a loader stays pinned
             against eviction if the loader never releases it.
+        namespace: pins the weights part of the encoder identity (see
+            ecstore.identity): None fingerprints the weights automatically;
+            a string (at most 200 printable characters) replaces that
+            fingerprint and the revision, e.g. to share entries between
+            copies of one checkpoint or to mark a change the fingerprint
+            cannot see. Change it whenever the weights change.
         sources: where each value came from (see :func:`load_config`): one
             entry per field when built by :func:`load_config`, plus
             ``"__file__"`` (absolute path of the YAML file read) and
@@ -113,6 +120,7 @@ class ECStoreConfig:
     max_local_disk_size: float = 0.0
     max_write_queue_size: float = 1.0
     lease_seconds: float = 120.0
+    namespace: str | None = None
     # Where each value came from ("default", "path:line", "env VAR", "override KEY").
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -125,6 +133,10 @@ class ECStoreConfig:
         for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds"):
             object.__setattr__(self, name, _check_size(name, getattr(self, name), src(name)))
         object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
+        try:
+            object.__setattr__(self, "namespace", check_namespace_pin(self.namespace))
+        except ValueError as e:
+            raise ConfigError(f"namespace (from {src('namespace')}): {e}, got {self.namespace!r}") from None
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(
                 f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
@@ -279,6 +291,10 @@ KEYS: dict[str, KeySpec] = {
         "float", "s", "a duration in seconds: a finite number >= 0",
         lambda v, _s: _parse_number(v),
         "how long an entry handed to a loader stays pinned against eviction"),
+    "namespace": KeySpec(
+        "str", "-", "a string of at most 200 printable characters (null or empty: automatic)",
+        lambda v, _s: check_namespace_pin(v if v is None or isinstance(v, str) else str(v)),
+        "pin the weights part of the encoder identity (default: fingerprint the weights)"),
 }
 
 assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}

@@ -108,7 +108,7 @@ def disk_extra(tmp_path: Path) -> dict:
 
 def open_store(conn: ECStoreConnector) -> ECStore:
     return ECStore(replace(conn.config, local_cpu=False), model=conn._vllm_config.model_config.model,
-                   dtype=torch.float32)
+                   dtype=torch.float32, identity=conn.identity)
 
 
 def leased(conn: ECStoreConnector, *identifiers: str) -> set[str]:
@@ -129,7 +129,7 @@ def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_ext
     first = eng.step()
     # A: external load, announced to the worker; B: computed by the encoder.
     assert first.scheduled_encoder_inputs == {"r2": [0]}
-    assert first.ec_connector_metadata.loads == [LoadSpec("r1", A, *SHAPE)]
+    assert [(s.req_id, s.identifier, s.num_embeds, s.width) for s in first.ec_connector_metadata.loads] == [("r1", A, *SHAPE)]
     assert first.num_scheduled_tokens == {"r1": vo.EMBEDS_PER_IMAGE + 3, "r2": vo.EMBEDS_PER_IMAGE + 3}
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))  # loaded, bit-exact
     assert leased(eng.connector, A, B) == set()  # released once the worker reported the load
@@ -146,7 +146,7 @@ def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_ext
     eng2.scheduler.add_request(vo.make_request("r3", [B]))
     out = eng2.step()
     assert out.scheduled_encoder_inputs == {}
-    assert out.ec_connector_metadata.loads == [LoadSpec("r3", B, *SHAPE)]
+    assert [(s.req_id, s.identifier, s.num_embeds, s.width) for s in out.ec_connector_metadata.loads] == [("r3", B, *SHAPE)]
     assert torch.equal(eng2.encoder_cache[B], encoder_output(B))
     eng2.run()
     assert eng2.finished == {"r3": FinishReason.LENGTH}
@@ -197,7 +197,7 @@ def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_mo
 
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5))
     first = eng.step()
-    assert first.ec_connector_metadata.loads == [LoadSpec("r1", A, *SHAPE)]
+    assert [(s.req_id, s.identifier, s.num_embeds, s.width) for s in first.ec_connector_metadata.loads] == [("r1", A, *SHAPE)]
     assert not eng.encoder_cache[A].any()  # the stand-in
     eng.step()
     assert eng.finished == {"r1": FinishReason.ERROR}

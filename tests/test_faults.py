@@ -541,7 +541,7 @@ def test_store_used_across_fork_raises_in_child_and_parent_keeps_working(tmp_pat
                                    ("delete", lambda: store.delete("before-fork")),
                                    ("flush", store.flush), ("stats", store.stats),
                                    ("lease", lambda: store.lease(["before-fork"])),
-                                   ("disk.get", lambda: store.disk.get(store.key("x"), "x"))]:
+                                   ("disk.get", lambda: store.disk.get(store.key("x"), store.stored_name("x")))]:
                     try:
                         call()
                         report.append(f"{name}:no-error")

@@ -37,6 +37,7 @@ import torch
 
 from ecstore import codec
 from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier
+from helpers.tensors import stored_name
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -74,7 +75,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def blob_size(idx: int, rows: int, model: str = MODEL) -> int:
     t = torch.empty(rows, COLS, dtype=torch.bfloat16)
-    return codec.blob_size(t, identifier=identifier(idx), model=model)
+    return codec.blob_size(t, identifier=stored_name(identifier(idx), model), model=model)
 
 
 # --------------------------------------------------------------------------
