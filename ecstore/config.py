@@ -107,6 +107,12 @@ class ECStoreConfig:
             fingerprint and the revision, e.g. to share entries between
             copies of one checkpoint or to mark a change the fingerprint
             cannot see. Change it whenever the weights change.
+        share_client_uuids: store and serve items whose identifier is not a
+            content hash (a client's ``multi_modal_uuids`` entry, used verbatim
+            by vLLM). Default false: such items are neither stored nor looked
+            up, since any client could name another image by the same uuid.
+            Set it true where every client of the store is trusted (e.g. an
+            encoder-disaggregated deployment whose proxy assigns the uuids).
         sources: where each value came from (see :func:`load_config`): one
             entry per field when built by :func:`load_config`, plus
             ``"__file__"`` (absolute path of the YAML file read) and
@@ -121,11 +127,15 @@ class ECStoreConfig:
     max_write_queue_size: float = 1.0
     lease_seconds: float = 120.0
     namespace: str | None = None
+    share_client_uuids: bool = False
     # Where each value came from ("default", "path:line", "env VAR", "override KEY").
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
+        if not isinstance(self.share_client_uuids, bool):
+            raise ConfigError(f"share_client_uuids (from {src('share_client_uuids')}): expected true or "
+                              f"false, got {self.share_client_uuids!r}")
         if not isinstance(self.local_cpu, bool):
             raise ConfigError(
                 f"local_cpu (from {src('local_cpu')}): expected true or false, got {self.local_cpu!r}"
@@ -295,6 +305,10 @@ KEYS: dict[str, KeySpec] = {
         "str", "-", "a string of at most 200 printable characters (null or empty: automatic)",
         lambda v, _s: check_namespace_pin(v if v is None or isinstance(v, str) else str(v)),
         "pin the weights part of the encoder identity (default: fingerprint the weights)"),
+    "share_client_uuids": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: _parse_bool(v),
+        "store and serve items named by client multi_modal_uuids (trusting every client)"),
 }
 
 assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}

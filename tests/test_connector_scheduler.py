@@ -26,7 +26,7 @@ from vllm.v1.engine import FinishReason
 
 pytestmark = pytest.mark.vllm
 
-A, B, C, D = (f"{c}" * 16 for c in "abcd")  # opaque mm identifiers
+A, B, C, D = (f"{c}" * 64 for c in "abcd")  # shaped like vLLM content hashes (64 hex digits)
 SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
 
 

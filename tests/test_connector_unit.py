@@ -42,7 +42,7 @@ from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.vllm
 
-A, B, C = "img-a" * 4, "img-b" * 4, "img-c" * 4  # vLLM-style opaque identifiers
+A, B, C = ("a1" * 32, "b2" * 32, "c3" * 32)  # shaped like vLLM content hashes (64 hex digits)
 SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
 NBYTES = SHAPE[0] * SHAPE[1] * 4
 
@@ -511,7 +511,7 @@ def test_memory_only_producer_keeps_no_evicted_tensors(connectors):
     """A producer never loads, so nothing it evicts is parked for a load."""
     extra = {"local_disk": None, "local_cpu": True, "max_local_cpu_size": gib(2 * NBYTES)}
     sched, worker = connectors("ec_producer", extra)
-    computed = {ident: embedding(i) for i, ident in enumerate([A, B, C, "img-d" * 4])}
+    computed = {ident: embedding(i) for i, ident in enumerate([A, B, C, "d4" * 32])}
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), {}, computed)
     assert wm.evicted == [A, B] and wm.stats["evictions"] == 2
     assert worker.worker_side._limbo == {}

@@ -47,7 +47,7 @@ from ..identity import EncoderIdentity
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .stats import ECStoreConnectorStats
-from .vllm_identity import is_per_process
+from .vllm_identity import CLIENT_UUID_WARNING, kept_out
 
 log = logging.getLogger("ecstore")
 
@@ -79,13 +79,14 @@ class SchedulerSide:
         # it asks has_cache_item for that request's items)
         self._expected_rows: dict[str, int] = {}
         self._rejected_logged: set[str] = set()
+        self._uuid_warned = False
         self.stats = ECStoreConnectorStats()
         self.pid = os.getpid()
 
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        if not self.is_consumer or is_per_process(identifier):
-            return False  # a per-process counter names no content: never looked up
+        if not self.is_consumer or self._kept_out(identifier):
+            return False
         if identifier in self._step_hits:
             # Already answered yes this step (and pinned) for a request that
             # was not allocated after all: the pin is still ours to hand on.
@@ -103,6 +104,14 @@ class SchedulerSide:
         if found:
             self._step_hits.add(identifier)
         return found
+
+    def _kept_out(self, identifier: str) -> bool:
+        """Per-process names and (unless shared) client uuids are never looked up."""
+        why = kept_out(identifier, self.cfg.share_client_uuids)
+        if why == "client-uuid" and not self._uuid_warned:
+            self._uuid_warned = True
+            log.warning(CLIENT_UUID_WARNING.format(identifier=identifier))
+        return why is not None
 
     def _fits(self, identifier: str) -> bool:
         """Whether the pinned entry's shape fits what the request expects

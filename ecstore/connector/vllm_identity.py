@@ -186,3 +186,35 @@ def per_process_warning(vllm_config: Any) -> str:
     if _get(vllm_config, "ec_transfer_config.ec_role") == "ec_producer":
         producer = " (an encoder-only ec_producer turns prefix caching off by itself)"
     return PER_PROCESS_WARNING.format(producer=producer)
+
+
+# --------------------------------------------------------------------------- client uuids
+#: vLLM 0.32's content hashes: the hex digest of blake3 / sha256 (64 digits) or
+#: sha512 (128), behind an optional tower-LoRA prefix "<lora name>:".
+_CONTENT_HASH = re.compile(r"(?:^|:)(?:[0-9a-f]{64}|[0-9a-f]{128})$")
+
+
+def is_content_hash(identifier: str) -> bool:
+    """True if ``identifier`` is shaped like vLLM's content hash. False means
+    it certainly is not one (a client uuid or a per-process name); True does
+    not prove it is one: a client may send any string, a hash-shaped one
+    included, and vLLM hashes a uuid together with per-request processor
+    kwargs into a hash-shaped identifier. vLLM 0.32 passes no flag that would
+    tell (``MultiModalFeatureSpec`` holds only the identifier)."""
+    return _CONTENT_HASH.search(identifier) is not None
+
+
+def kept_out(identifier: str, share_client_uuids: bool) -> str | None:
+    """Why ``identifier`` must neither be stored nor looked up, or None."""
+    if is_per_process(identifier):
+        return "per-process"
+    if not share_client_uuids and not is_content_hash(identifier):
+        return "client-uuid"
+    return None
+
+
+CLIENT_UUID_WARNING = (
+    "ecstore: multimodal item {identifier!r} is named by the client (multi_modal_uuids), not by "
+    "its content: ecstore neither stores nor loads such items, since any client could send another "
+    "image under the same uuid. Set the ecstore key share_client_uuids: true (ec_share_client_uuids / "
+    "LMCACHE_EC_SHARE_CLIENT_UUIDS) if every client of the store is trusted.")

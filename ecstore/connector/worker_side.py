@@ -36,7 +36,7 @@ from ..identity import EncoderIdentity, split_stored
 from ..memory import MemoryItem
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
-from .vllm_identity import is_per_process
+from .vllm_identity import kept_out
 
 log = logging.getLogger("ecstore")
 
@@ -58,6 +58,7 @@ class WorkerSide:
         self.dtype = dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.store = ECStore(cfg, model=model, dtype=dtype, identity=identity)
+        self.share_client_uuids = cfg.share_client_uuids
         # A failed load is encoded in the same step instead (see start_load_caches),
         # unless a tensor-parallel encoder would need every rank to join in.
         self._can_recompute = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1
@@ -168,8 +169,8 @@ class WorkerSide:
             self._rank = _tp_rank()
         if self._rank != 0 and not self.memory_only:
             return  # rank 0 writes the shared entry; the others do no I/O
-        if is_per_process(mm_hash):
-            return  # a per-process counter, not content: never stored (warned at start)
+        if kept_out(mm_hash, self.share_client_uuids):
+            return  # a per-process counter or a client uuid: never stored (warned by the scheduler)
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
