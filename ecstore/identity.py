@@ -106,6 +106,14 @@ class EncoderIdentity:
     def namespace(self) -> str:
         return hashlib.sha256(self.canonical()).hexdigest()[:NAMESPACE_LEN]
 
+    @classmethod
+    def from_description(cls, d: Mapping[str, Any]) -> "EncoderIdentity":
+        """The identity :meth:`describe` described (same namespace); tools use
+        it to open a store under an identity read from its namespaces table."""
+        w = d["weights"]
+        return cls(d["model"], d["dtype"], d["revision"], WeightsFingerprint(w["method"], w["value"]),
+                   dict(d["settings"]), int(d["format_version"]))
+
 
 def library_identity(model: str, dtype: str) -> EncoderIdentity:
     """The identity of an :class:`~ecstore.ECStore` opened without one

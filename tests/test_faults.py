@@ -25,12 +25,12 @@ import lmdb
 import pytest
 import torch
 
-from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError
+from ecstore import ECStore, ECStoreError, codec, ForkedStoreError, StoreFullError, StoreOpenError
 from helpers import fault_common as fc
 from helpers import fault_fs
 from helpers import fault_workers as fw
 from helpers.fault_workers import blob_tensor, cfg, open_store
-from helpers.tensors import assert_same, make_tensor
+from helpers.tensors import assert_same, make_tensor, stored_name
 
 sys.path.insert(0, str(fc.REPO / "tools"))
 import stress_concurrency  # noqa: E402
@@ -228,6 +228,7 @@ def test_dead_reader_never_cleared_by_hand_map_full_recovers(tmp_path):
 # ===========================================================================
 
 PROBE_ID = "probe-image-0f3a9c"
+PROBE_NAME = stored_name(PROBE_ID, fc.MODEL).encode()  # what the entry stores (namespace/identifier)
 MARKER = b"<<ECSTORE-CORRUPTION-PROBE-7d1e>>"
 
 
@@ -259,12 +260,12 @@ def _corrupt(path: Path, where: str) -> int:
         offsets = [h + 1000 for h in fault_fs.find_all(data, MARKER * 40)]  # inside the tensor bytes
     elif where == "blob-header":
         prefix = b'"identifier":"'
-        offsets = [h + len(prefix) + 3 for h in fault_fs.find_all(data, prefix + PROBE_ID.encode())]
+        offsets = [h + len(prefix) + 3 for h in fault_fs.find_all(data, prefix + PROBE_NAME)]
     else:  # the record's checksum field (record = 64-byte fixed part, shape, dtype, identifier)
         offsets = []
-        for h in fault_fs.find_all(data, b"bfloat16" + PROBE_ID.encode()):
+        for h in fault_fs.find_all(data, b"bfloat16" + PROBE_NAME):
             start = h - 2 * 8 - 64  # fixed part + shape (2 x u64) before the dtype
-            if data[start] == 1:  # record version byte
+            if data[start] == codec.RECORD_VERSION:  # record version byte
                 offsets.append(start + 1 + 6 * 8)  # version, created, last, hits, seq, nbytes, blob_size: checksum
     assert offsets, f"probe bytes ({where}) not found in data.mdb"
     for off in offsets:
@@ -376,7 +377,7 @@ def test_damaged_btree_page_gives_ecstore_errors_never_a_foreign_exception(tmp_p
         s.put(PROBE_ID, make_tensor(1))
     data_file = path / "data.mdb"
     data = data_file.read_bytes()
-    hits = fault_fs.find_all(data, b"bfloat16" + PROBE_ID.encode())  # the record, in an 'entries' leaf page
+    hits = fault_fs.find_all(data, b"bfloat16" + PROBE_NAME)  # the record, in an 'entries' leaf page
     assert hits
     with open(data_file, "r+b") as fh:
         for h in hits:

@@ -134,7 +134,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                         continue
                     blob = txn.get(k, db=dbs["blobs"])
                     sum_rec += rec.blob_size
-                    a.entries[key] = (rec.identifier, rec.blob_size)
+                    a.entries[key] = (rec.mm_identifier, rec.blob_size)
                     if blob is None:
                         a.problems.append(f"{key}: record without blob")
                         continue
