@@ -145,7 +145,7 @@ class ECStoreConfig:
         object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
         try:
             object.__setattr__(self, "namespace", check_namespace_pin(self.namespace))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise ConfigError(f"namespace (from {src('namespace')}): {e}, got {self.namespace!r}") from None
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(

@@ -30,9 +30,10 @@ import json
 import logging
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import xxhash
 
@@ -107,7 +108,7 @@ class EncoderIdentity:
         return hashlib.sha256(self.canonical()).hexdigest()[:NAMESPACE_LEN]
 
     @classmethod
-    def from_description(cls, d: Mapping[str, Any]) -> "EncoderIdentity":
+    def from_description(cls, d: Mapping[str, Any]) -> EncoderIdentity:
         """The identity :meth:`describe` described (same namespace); tools use
         it to open a store under an identity read from its namespaces table."""
         w = d["weights"]
@@ -163,7 +164,7 @@ def check_namespace_pin(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise ValueError("expected a string")
+        raise TypeError("expected a string")
     text = value.strip()
     if not text:
         return None
@@ -260,7 +261,7 @@ def _hub_snapshot_dir(model: str, revision: str | None) -> Path | None:
         path = snapshot_download(model, revision=revision, local_files_only=True,
                                  allow_patterns=["*.json"])
         return Path(path)
-    except Exception:  # not cached, offline, no huggingface_hub: degrade
+    except Exception:  # noqa: BLE001 - not cached, offline, no huggingface_hub: degrade
         return None
 
 

@@ -20,7 +20,7 @@ from .errors import ECStoreError
 #: The spelling of "written without an identity".
 LEGACY = "none"
 MIN_PREFIX = 6
-_SPEC = re.compile(r"^[0-9a-f]{%d,32}$" % MIN_PREFIX)
+_SPEC = re.compile(rf"^[0-9a-f]{{{MIN_PREFIX},32}}$")
 
 
 @dataclass

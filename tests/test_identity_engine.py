@@ -108,10 +108,9 @@ def writer_as_engine(store_dir: Path, model: Path) -> ECStore:
     engine's). Imports ecstore.identity here so that this file also runs
     against ecstore before identities (to show these tests fail there)."""
     cfg = ECStoreConfig(local_cpu=False, local_disk=str(store_dir), max_local_disk_size=0.01)
-    try:
-        from ecstore.identity import EncoderIdentity
-    except ImportError:  # ecstore before identities
+    if not hasattr(ECStore, "stored_name"):  # ecstore before identities
         return ECStore(cfg, model=str(model), dtype=torch.float32)
+    from ecstore.identity import EncoderIdentity
     env = lmdb.open(str(store_dir), max_dbs=8, readonly=True, lock=False)
     try:
         with env.begin() as txn:
@@ -158,7 +157,7 @@ def first(model, work, disk, base) -> Run:
 
 @pytest.fixture(scope="module")
 def restart(model, work, disk, first) -> Run:
-    h0, h1, h2 = first.puts
+    _h0, h1, h2 = first.puts[:3]  # images 0, 1, 2 in order (an older ecstore also stores "u")
     with writer_as_engine(Path(disk["local_disk"]), model) as st:
         assert st.get(h1).shape == (ROWS, WIDTH)
         assert st.delete(h1) and st.put(h1, torch.randn(16, WIDTH))  # a misfit under the same name

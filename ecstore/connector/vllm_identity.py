@@ -83,7 +83,7 @@ def _hf_config_dict(hf_config: Any) -> Any:
         return None
     try:
         d = hf_config.to_dict()
-    except Exception:  # not a PretrainedConfig: best effort
+    except Exception:  # noqa: BLE001 - not a PretrainedConfig: best effort
         return repr(hf_config)
     for k in (*_TEXT_SUBCONFIGS, "_name_or_path", "transformers_version", "_commit_hash"):
         d.pop(k, None)
