@@ -286,7 +286,8 @@ class ECStore:
 
     def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
                  readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
-                 identity: EncoderIdentity | None = None, _schema_target: int | None = None, _map_size_bytes: int | None = None) -> None:
+                 identity: EncoderIdentity | None = None, _schema_target: int | None = None,
+                 _map_size_bytes: int | None = None) -> None:
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
         self.config = config

@@ -19,7 +19,7 @@ import torch
 from helpers import vllm_objects as vo
 
 from ecstore import ECStore
-from ecstore.connector import ECStoreConnector, LoadSpec
+from ecstore.connector import ECStoreConnector
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.engine import FinishReason
@@ -106,6 +106,11 @@ def disk_extra(tmp_path: Path) -> dict:
     return {"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01, "lease_seconds": 600}
 
 
+def load_specs(out) -> list[tuple]:
+    """(request, identifier, rows, width) of each load a step's metadata announces."""
+    return [(s.req_id, s.identifier, s.num_embeds, s.width) for s in out.ec_connector_metadata.loads]
+
+
 def open_store(conn: ECStoreConnector) -> ECStore:
     return ECStore(replace(conn.config, local_cpu=False), model=conn._vllm_config.model_config.model,
                    dtype=torch.float32, identity=conn.identity)
@@ -129,7 +134,7 @@ def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_ext
     first = eng.step()
     # A: external load, announced to the worker; B: computed by the encoder.
     assert first.scheduled_encoder_inputs == {"r2": [0]}
-    assert [(s.req_id, s.identifier, s.num_embeds, s.width) for s in first.ec_connector_metadata.loads] == [("r1", A, *SHAPE)]
+    assert load_specs(first) == [("r1", A, *SHAPE)]
     assert first.num_scheduled_tokens == {"r1": vo.EMBEDS_PER_IMAGE + 3, "r2": vo.EMBEDS_PER_IMAGE + 3}
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))  # loaded, bit-exact
     assert leased(eng.connector, A, B) == set()  # released once the worker reported the load
@@ -146,7 +151,7 @@ def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_ext
     eng2.scheduler.add_request(vo.make_request("r3", [B]))
     out = eng2.step()
     assert out.scheduled_encoder_inputs == {}
-    assert [(s.req_id, s.identifier, s.num_embeds, s.width) for s in out.ec_connector_metadata.loads] == [("r3", B, *SHAPE)]
+    assert load_specs(out) == [("r3", B, *SHAPE)]
     assert torch.equal(eng2.encoder_cache[B], encoder_output(B))
     eng2.run()
     assert eng2.finished == {"r3": FinishReason.LENGTH}
@@ -197,7 +202,7 @@ def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_mo
 
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5))
     first = eng.step()
-    assert [(s.req_id, s.identifier, s.num_embeds, s.width) for s in first.ec_connector_metadata.loads] == [("r1", A, *SHAPE)]
+    assert load_specs(first) == [("r1", A, *SHAPE)]
     assert not eng.encoder_cache[A].any()  # the stand-in
     eng.step()
     assert eng.finished == {"r1": FinishReason.ERROR}

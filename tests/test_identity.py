@@ -89,7 +89,9 @@ def test_entry_of_another_identity_is_a_miss_and_both_coexist(tmp_store_dir):
 
 def test_same_key_other_identity_is_still_a_miss(tmp_store_dir):
     """Even if two stored names hash to one key, the record's full name is compared."""
-    same = lambda name: "00000000000000aa"
+    def same(name: str) -> str:  # every name collides
+        return "00000000000000aa"
+
     with open_store(tmp_store_dir, ident("w1"), chunk_hasher=same) as a:
         assert a.put("img", make_tensor(1))
         a.flush()

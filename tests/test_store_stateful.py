@@ -35,7 +35,8 @@ MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mm-{c}" for c in "abcdefgh"]  # same length: blob size depends on rows only
 COLS = 16
 # Blob sizes for 1..4 rows of bf16; the cap holds 2 to 3 entries.
-SIZES = {r: codec.blob_size(make_tensor(0, r, COLS), identifier=stored_name(IDS[0], MODEL), model=MODEL) for r in range(1, 5)}
+SIZES = {r: codec.blob_size(make_tensor(0, r, COLS), identifier=stored_name(IDS[0], MODEL), model=MODEL)
+         for r in range(1, 5)}
 CAP = 2 * SIZES[4] + SIZES[1] // 2
 
 

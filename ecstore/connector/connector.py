@@ -67,7 +67,7 @@ class ECStoreConnector(ECConnectorBase):
         self.identity = encoder_identity(vllm_config, str(dtype).removeprefix("torch."), self.config.namespace)
         if per_process_naming(vllm_config) and role == ECConnectorRole.SCHEDULER:
             log.warning(per_process_warning(vllm_config))
-        kw = dict(model=model, dtype=dtype, is_producer=self.is_producer, is_consumer=self.is_consumer,
+        kw: dict[str, Any] = dict(model=model, dtype=dtype, is_producer=self.is_producer, is_consumer=self.is_consumer,
                   identity=self.identity)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
