@@ -567,7 +567,7 @@ def build_small_store(b: Bench, st, start: int, stop: int, prefix: str) -> float
     batch = 20_000
     t0 = time.perf_counter()
     for lo in range(start, stop, batch):
-        reqs = [PutRequest(st.key(h), h, st.model, t) for h in ids(prefix, min(batch, stop - lo), lo)]
+        reqs = [PutRequest(st.key(h), st.stored_name(h), st.model, t) for h in ids(prefix, min(batch, stop - lo), lo)]
         st.disk.write_batch(reqs)
         bad = [r for r in reqs if r.result != "stored"]
         assert not bad, bad[0].result
