@@ -9,7 +9,7 @@ tool is how people see them::
     ecstore-dump stats   [PATH] [--json]
     ecstore-dump export  [PATH] KEY_OR_MM_HASH OUT.safetensors [--model M]
     ecstore-dump verify  [PATH] [--json]
-    ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --all) [--dry-run]
+    ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --namespace NS | --all) [--dry-run]
     ecstore-dump compact [PATH]
     ecstore-dump config  [--config FILE] [--json]
 
@@ -69,7 +69,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import lmdb
 
-from . import codec, schema
+from . import codec, namespaces, schema
 from .codec import CorruptBlobError, Record
 from .config import ECStoreConfig, load_config, normalize_local_disk
 from .errors import ConfigError, ECStoreError
@@ -437,7 +437,8 @@ class Row:
             d["error"] = self.error or "unreadable record"
             return d
         d.update(
-            identifier=r.identifier, shape=list(r.shape), dtype=r.dtype, bytes=r.blob_size,
+            identifier=r.mm_identifier, namespace=r.namespace, shape=list(r.shape), dtype=r.dtype,
+            bytes=r.blob_size,
             tensor_bytes=r.nbytes, created=iso(r.created_ns), created_ns=r.created_ns,
             last_access=iso(r.last_access_ns), last_access_ns=r.last_access_ns, hits=r.hits,
             lru_seq=r.lru_seq, checksum=f"{r.checksum:016x}",
@@ -573,7 +574,8 @@ def find_entries(tier: LMDBTier, text: str, model: str | None = None) -> tuple[l
             return [row], "key"
         return [], "key"
     rows = [r for r in scan(tier)
-            if r.rec is not None and r.rec.identifier == text and (model is None or r.model == model)]
+            if r.rec is not None and text in (r.rec.identifier, r.rec.mm_identifier)
+            and (model is None or r.model == model)]
     return rows, "identifier"
 
 
@@ -628,15 +630,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     for r in shown:
         rec = r.rec
         if rec is None:
-            table.append([_printable(r.key), f"<{r.error}>", "", "", "", "", "", ""])
+            table.append([_printable(r.key), "", f"<{r.error}>", "", "", "", "", "", ""])
             continue
         table.append([
-            _printable(r.key), _printable(rec.identifier), "x".join(map(str, rec.shape)), rec.dtype,
+            _printable(r.key), namespaces.short(rec.namespace), _printable(rec.mm_identifier),
+            "x".join(map(str, rec.shape)), rec.dtype,
             human_size(rec.blob_size), human_age(rec.created_ns, now), human_age(rec.last_access_ns, now),
             str(rec.hits),
         ])
-    _table(["KEY", "MM IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST ACCESS", "HITS"],
-           table, right={4, 7})
+    _table(["KEY", "NAMESPACE", "MM IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST ACCESS",
+            "HITS"], table, right={5, 8})
     if len(shown) != total_entries:
         what = f" of model {args.model!r}" if args.model else ""
         _out(f"shown: {_entries(len(shown))}{what}, {human_size(shown_bytes)}")
@@ -691,6 +694,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     with open_readonly(target) as tier:
         rows, how = _need_entries(tier, target, args.query, args.model)
         details = [_entry_detail(tier, r) for r in rows]
+        descriptions = tier.namespace_descriptions()
+    for d in details:
+        if "namespace" in d:
+            d["identity"] = namespaces.identity_of(descriptions, d["namespace"])
     if args.json:
         _json_out({"store": target.path, "query": args.query, "matched_by": how, "entries": details})
         return EXIT_OK
@@ -706,6 +713,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         if "identifier" in d:
             lines += [
                 ("mm identifier", _printable(d["identifier"])),
+                ("namespace", d["namespace"] or "none (written before encoder identities: never served)"),
+                ("identity", json.dumps(d["identity"], sort_keys=True) if d.get("identity") else "-"),
                 ("dtype", d["dtype"]),
                 ("shape", str(d["shape"])),
                 ("tensor bytes", f"{d['tensor_bytes']} ({human_size(d['tensor_bytes'])})"),
@@ -815,6 +824,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             rows = list(scan(tier, prog))
         lm = _lmdb_stats(tier)
         readers = _readers(tier.env)
+        by_namespace = namespaces.summarize((r.rec for r in rows), tier.namespace_descriptions())
         version = tier.schema_version
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     unreadable = 0
@@ -846,6 +856,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "oldest_created": iso(min((r.created_ns for r in recs), default=None)),
         "newest_access": iso(max((r.last_access_ns for r in recs), default=None)),
         "by_model": by,
+        "by_namespace": [n.as_json() for n in by_namespace],
         "lmdb": lm,
         "readers": readers,
     }
@@ -866,6 +877,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
            [[_printable(g["model"]), g["dtype"], str(g["entries"]), human_size(g["bytes"]), str(g["bytes"]),
              str(g["hits"])] for g in by], right={2, 3, 4, 5})
     _out()
+    _table(["NAMESPACE", "ENTRIES", "SIZE", "HITS", "IDENTITY"],
+           [[n.namespace or namespaces.LEGACY, str(n.entries), human_size(n.bytes), str(n.hits),
+             _identity_line(n.identity, n.namespace)] for n in by_namespace], right={1, 2, 3})
+    _out()
     ps = lm["page_size"]
     _out(f"LMDB file:      {human_size(lm['file_size'])} ({lm['file_pages']} pages of {ps} bytes), "
          f"map size {human_size(lm['map_size'])}")
@@ -880,6 +895,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     _out(f"readers:        {len(active)} slot(s) held by other processes ({pids}); "
          f"{lm['reader_slots_high_water']} of {lm['max_readers']} slots used so far")
     return EXIT_OK
+
+
+def _identity_line(identity: dict[str, Any] | None, namespace: str | None) -> str:
+    if namespace is None:
+        return "written before encoder identities: never served"
+    if not identity:
+        return "?"
+    w = identity.get("weights") or {}
+    return _printable(f"{identity.get('model')} {identity.get('dtype')} weights={w.get('method')}:"
+                      f"{str(w.get('value'))[:12]}")
 
 
 # --------------------------------------------------------------------------
@@ -948,7 +973,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     problem = check_blob(key, rec, txn.get(k, db=dbs["blobs"]))
                 checked += 1
                 if problem:
-                    bad.append({"key": _json_key(key), "identifier": rec.identifier if rec else None,
+                    bad.append({"key": _json_key(key), "identifier": rec.mm_identifier if rec else None,
                                 "error": problem})
                 prog.advance()
     ok = checked - len(bad)
@@ -1024,10 +1049,16 @@ def _purge_capacity(target: Target, tier_total: int) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    if args.all and (args.model or args.older_than or args.key):
-        raise CLIError("--all cannot be combined with --model, --older-than or --key")
-    if not (args.all or args.model or args.older_than or args.key):
-        raise CLIError("say what to purge: --model M, --older-than AGE, --key K (repeatable) or --all")
+    if args.all and (args.model or args.older_than or args.key or args.namespace):
+        raise CLIError("--all cannot be combined with --model, --older-than, --key or --namespace")
+    if not (args.all or args.model or args.older_than or args.key or args.namespace):
+        raise CLIError("say what to purge: --model M, --older-than AGE, --key K (repeatable), "
+                       "--namespace NS or --all")
+    if args.namespace:
+        try:
+            args.namespace = namespaces.check_spec(args.namespace)
+        except ECStoreError as e:
+            raise CLIError(str(e)) from None
     now = time.time_ns()
     cutoff = parse_older_than(args.older_than, now) if args.older_than else None
     target = resolve_target(args)
@@ -1042,6 +1073,11 @@ def cmd_purge(args: argparse.Namespace) -> int:
                 keyset.update(r.key for r in rows)
         with Progress("selecting", tier.entry_count()) as prog:
             victims = [r for r in scan(tier, prog) if _purge_match(r, args, cutoff, keyset)]
+        if args.namespace:
+            try:
+                namespaces.resolve(args.namespace, (r.rec.namespace for r in victims if r.rec))
+            except ECStoreError as e:
+                raise CLIError(str(e)) from None
     nbytes = sum(r.rec.blob_size for r in victims if r.rec)
     if args.dry_run:
         for r in victims:
@@ -1093,6 +1129,8 @@ def _purge_match(r: Row, args: argparse.Namespace, cutoff: int | None, keyset: s
     if args.model is not None and r.model != args.model:
         return False
     if cutoff is not None and (r.rec is None or r.rec.last_access_ns >= cutoff):
+        return False
+    if args.namespace and not namespaces.matches(r.rec, args.namespace):
         return False
     return True
 
@@ -1402,6 +1440,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "or before an ISO 8601 timestamp (UTC unless an offset is given)")
     sp.add_argument("--key", action="append", metavar="K",
                     help="this key, or every entry holding this mm identifier (repeatable)")
+    sp.add_argument("--namespace", metavar="NS",
+                    help="entries of this encoder identity (its hex digits, or a unique prefix of 6+ as "
+                         "'list' shows), or 'none': entries written before identities (never served)")
     sp.add_argument("--all", action="store_true", help="every entry")
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed; change nothing")
     sp.add_argument("-v", "--verbose", action="store_true", help="print each removed key")

@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from .errors import ECStoreError, InvalidEntryError
+from .identity import split_stored
 from .key import parse_key
 
 FORMAT = "ecstore/1"
@@ -375,7 +376,11 @@ def check_storable(tensor: object) -> None:
 # Entry records
 # --------------------------------------------------------------------------
 
-RECORD_VERSION = 1
+#: Version 2 records hold a stored name ``"<namespace>/<mm identifier>"``
+#: (see ecstore.identity); version 1 records (schema <= 2) hold a bare mm
+#: identifier, have no identity and are never served. Same layout.
+RECORD_VERSION = 2
+LEGACY_RECORD_VERSION = 1
 _REC = struct.Struct("<BQQQQQQQBHI")  # version, created_ns, last_access_ns, hits, lru_seq,
 #                                       nbytes, blob_size, checksum, ndim, dtype_len, ident_len
 
@@ -399,6 +404,21 @@ class Record:
     last_access_ns: int
     hits: int
     lru_seq: int
+    version: int = RECORD_VERSION
+
+    @property
+    def namespace(self) -> str | None:
+        """The entry's encoder identity (namespace); None: written without one."""
+        if self.version == LEGACY_RECORD_VERSION:
+            return None
+        return split_stored(self.identifier).namespace
+
+    @property
+    def mm_identifier(self) -> str:
+        """vLLM's item identifier, without the namespace."""
+        if self.version == LEGACY_RECORD_VERSION:
+            return self.identifier
+        return split_stored(self.identifier).identifier
 
     def touched(self, now_ns: int, seq: int, hits: int = 1) -> "Record":
         return replace(self, last_access_ns=max(self.last_access_ns, now_ns), hits=self.hits + hits, lru_seq=seq)
@@ -409,7 +429,7 @@ def pack_record(r: Record) -> bytes:
     ident = r.identifier.encode("utf-8")
     return b"".join(
         (
-            _REC.pack(RECORD_VERSION, r.created_ns, r.last_access_ns, r.hits, r.lru_seq, r.nbytes,
+            _REC.pack(r.version, r.created_ns, r.last_access_ns, r.hits, r.lru_seq, r.nbytes,
                       r.blob_size, r.checksum, len(r.shape), len(dt), len(ident)),
             struct.pack(f"<{len(r.shape)}Q", *r.shape),
             dt,
@@ -422,7 +442,7 @@ def unpack_record(data: Any) -> Record:
     mv = memoryview(data)
     try:
         (ver, created, last, hits, seq, nbytes, bsize, csum, ndim, dlen, ilen) = _REC.unpack_from(mv, 0)
-        if ver != RECORD_VERSION:
+        if ver not in (RECORD_VERSION, LEGACY_RECORD_VERSION):
             raise CorruptBlobError(f"unknown record version {ver}")
         off = _REC.size
         shape = struct.unpack_from(f"<{ndim}Q", mv, off)
@@ -436,7 +456,7 @@ def unpack_record(data: Any) -> Record:
         raise
     except Exception as e:
         raise CorruptBlobError(f"malformed record: {e}") from None
-    return Record(ident, dtype, tuple(shape), nbytes, bsize, csum, created, last, hits, seq)
+    return Record(ident, dtype, tuple(shape), nbytes, bsize, csum, created, last, hits, seq, ver)
 
 
 def record_readable(data: Any) -> bool:
@@ -448,12 +468,15 @@ def record_readable(data: Any) -> bool:
     return True
 
 
-def record_identifier(data: Any) -> str | None:
-    """Only the identifier of a packed record (fast path for ``contains``)."""
+def record_identifier(data: Any, version: int = RECORD_VERSION) -> str | None:
+    """Only the identifier of a packed record (fast path for ``contains``);
+    None for a record of another ``version`` (a legacy entry is never served)."""
     mv = memoryview(data)
     if len(mv) < _REC.size:
         return None
     ver, *_rest, ndim, dlen, ilen = _REC.unpack_from(mv, 0)
+    if ver != version:
+        return None
     off = _REC.size + 8 * ndim + dlen
     try:
         return bytes(mv[off : off + ilen]).decode("utf-8")

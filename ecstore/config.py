@@ -28,6 +28,7 @@ import yaml
 from .errors import ConfigError
 from .redact import mask_value, short_repr
 from .store_files import DEFAULT_FILE_MODE, check_file_mode
+from .identity import check_namespace_pin
 
 GiB = 1 << 30
 
@@ -152,6 +153,18 @@ class ECStoreConfig:
         file_mode: mode of the store's files (directory: the same bits plus
             x): 0600 private (default), 0640/0660 to share the store with
             the directory's group on purpose. See docs/security.md.
+        namespace: pins the weights part of the encoder identity (see
+            ecstore.identity): None fingerprints the weights automatically;
+            a string (at most 200 printable characters) replaces that
+            fingerprint and the revision, e.g. to share entries between
+            copies of one checkpoint or to mark a change the fingerprint
+            cannot see. Change it whenever the weights change.
+        share_client_uuids: store and serve items whose identifier is not a
+            content hash (a client's ``multi_modal_uuids`` entry, used verbatim
+            by vLLM). Default false: such items are neither stored nor looked
+            up, since any client could name another image by the same uuid.
+            Set it true where every client of the store is trusted (e.g. an
+            encoder-disaggregated deployment whose proxy assigns the uuids).
         sources: where each value came from (see :func:`load_config`): one
             entry per field when built by :func:`load_config`, plus
             ``"__file__"`` (absolute path of the YAML file read) and
@@ -166,11 +179,16 @@ class ECStoreConfig:
     max_write_queue_size: float = 1.0
     lease_seconds: float = 120.0
     file_mode: int = DEFAULT_FILE_MODE
+    namespace: str | None = None
+    share_client_uuids: bool = False
     # Where each value came from ("default", "path:line", "env VAR", "override KEY").
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
+        if not isinstance(self.share_client_uuids, bool):
+            raise ConfigError(f"share_client_uuids (from {src('share_client_uuids')}): expected true or "
+                              f"false, got {short_repr(self.share_client_uuids)}")
         if not isinstance(self.local_cpu, bool):
             raise ConfigError(
                 f"local_cpu (from {src('local_cpu')}): expected true or false, got {short_repr(self.local_cpu)}"
@@ -182,6 +200,10 @@ class ECStoreConfig:
             check_file_mode(self.file_mode)
         except ValueError as exc:
             raise ConfigError(f"file_mode (from {src('file_mode')}): got {short_repr(self.file_mode)}: {exc}") from None
+        try:
+            object.__setattr__(self, "namespace", check_namespace_pin(self.namespace))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"namespace (from {src('namespace')}): {e}, got {short_repr(self.namespace)}") from None
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(
                 f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
@@ -363,6 +385,14 @@ KEYS: dict[str, KeySpec] = {
         "octal", "-", "an octal file mode: 0600 (private, default), 0640 or 0660 (shared with the group)",
         lambda v, _s: _parse_file_mode(v),
         "mode of the store's files; the directory gets the same bits plus x (0700/0750/0770)"),
+    "namespace": KeySpec(
+        "str", "-", "a string of at most 200 printable characters (null or empty: automatic)",
+        lambda v, _s: check_namespace_pin(v if v is None or isinstance(v, str) else str(v)),
+        "pin the weights part of the encoder identity (default: fingerprint the weights)"),
+    "share_client_uuids": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: _parse_bool(v),
+        "store and serve items named by client multi_modal_uuids (trusting every client)"),
 }
 
 assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}

@@ -535,6 +535,13 @@ class LMDBTier:
         self._entries = self.env.open_db(b"entries", txn=txn, create=False)
         self._meta = self.env.open_db(b"meta", txn=txn, create=False)
         self._lru = self.env.open_db(b"lru", txn=txn, create=False) if self.schema_version >= 2 else None
+        self._namespaces = (self.env.open_db(b"namespaces", txn=txn, create=False)
+                            if self.schema_version >= 3 else None)
+        # Records this handle writes and serves: from schema 3 on, v2 records
+        # holding stored names (ecstore.identity); a handle held at an older
+        # schema (tests) writes and serves v1.
+        self.record_version = (codec.RECORD_VERSION if self.schema_version >= 3
+                               else codec.LEGACY_RECORD_VERSION)
 
     # ------------------------------------------------------------------ utils
     def _check(self) -> None:
@@ -588,7 +595,7 @@ class LMDBTier:
         self._check()
         with self._begin(buffers=True) as txn:
             raw = txn.get(self._k(key), db=self._entries)
-            return None if raw is None else codec.record_identifier(raw)
+            return None if raw is None else codec.record_identifier(raw, self.record_version)
 
     @_lmdb_errors_as_store_errors
     def record(self, key: str) -> Record | None:
@@ -618,8 +625,8 @@ class LMDBTier:
                 return None
             try:
                 rec = codec.unpack_record(raw)
-                if rec.identifier != identifier:
-                    return None  # another identifier (64-bit hash collision): a plain miss
+                if rec.identifier != identifier or rec.version != self.record_version:
+                    return None  # another identity or identifier (hash collision), or legacy: a plain miss
                 blob = txn.get(k, db=self._blobs)
                 if blob is None:
                     raise CorruptBlobError("record without blob")
@@ -1155,7 +1162,7 @@ class LMDBTier:
                     _, key, identifier, hits, last_ns = op
                     k = self._k(key)
                     raw = txn.get(k, db=self._entries)
-                    if raw is None or codec.record_identifier(raw) != identifier:
+                    if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
                         continue
                     try:
                         rec = codec.unpack_record(raw)
@@ -1179,7 +1186,7 @@ class LMDBTier:
                     total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
                     raw = None
                 if raw is not None:
-                    same = codec.record_identifier(raw) == p.identifier
+                    same = codec.record_identifier(raw, self.record_version) == p.identifier
                     results[i] = "present" if same else "collision"
                     continue
                 size = len(p.blob)
@@ -1196,7 +1203,8 @@ class LMDBTier:
                         results[i] = "full"
                         continue
                 rec = Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."), tuple(p.tensor.shape),
-                             codec.tensor_nbytes(p.tensor), size, codec.checksum(p.blob), now, now, 0, seq)
+                             codec.tensor_nbytes(p.tensor), size, codec.checksum(p.blob), now, now, 0, seq,
+                             self.record_version)
                 txn.put(k, p.blob, db=self._blobs)
                 txn.put(k, codec.pack_record(rec), db=self._entries)
                 if self._lru is not None:
@@ -1212,6 +1220,29 @@ class LMDBTier:
                     f"no room for {len(p.blob)} bytes: the rest of the store is pinned by leases")
             else:
                 p.result = r
+
+    # ------------------------------------------------------------- namespaces
+    @_lmdb_errors_as_store_errors
+    def register_namespace(self, namespace: str, description: bytes) -> None:
+        """Record what ``namespace`` stands for (JSON ``description``), once."""
+        self._check()
+        if self.readonly or self._namespaces is None:
+            return
+        k = namespace.encode("ascii")
+        with self._begin() as txn:
+            if txn.get(k, db=self._namespaces) == description:
+                return
+        with self._write_txn() as txn:
+            txn.put(k, description, db=self._namespaces)
+
+    @_lmdb_errors_as_store_errors
+    def namespace_descriptions(self) -> dict[str, bytes]:
+        """namespace -> identity description (JSON bytes) of every registered one."""
+        self._check()
+        if self._namespaces is None:
+            return {}
+        with self._begin() as txn, txn.cursor(db=self._namespaces) as cur:
+            return {bytes(k).decode("ascii", "replace"): bytes(v) for k, v in cur}
 
     @_lmdb_errors_as_store_errors
     def delete(self, key: str) -> bool:

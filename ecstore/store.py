@@ -30,6 +30,7 @@ import torch
 from . import codec
 from .config import ECStoreConfig
 from .errors import ECStoreError, InvalidEntryError, StoreFullError, check_same_process
+from .identity import EncoderIdentity, library_identity, qualify
 from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
 from .lmdb_tier import LMDBTier
 from .memory import MemoryTier
@@ -89,6 +90,10 @@ class ECStore:
         dtype: the encoder output dtype (the model dtype).
         readonly: open the disk tier read-only (tooling): no writes, no LRU
             updates; ``put``/``delete`` raise ECStoreError.
+        identity: the encoder identity entries are written and read under
+            (see :mod:`ecstore.identity`): an entry of another identity is a
+            miss. Default: :func:`~ecstore.identity.library_identity` of
+            ``(model, dtype)``, i.e. the caller vouches that they fix the encoder.
         chunk_hasher: override the 64-bit identifier hash (tests force
             collisions with it); must return 16 lower-case hex digits.
         _map_size_bytes: test hook, the LMDB map size (see
@@ -99,7 +104,8 @@ class ECStore:
 
     def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
                  readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
-                 _schema_target: int | None = None, _map_size_bytes: int | None = None) -> None:
+                 identity: EncoderIdentity | None = None, _schema_target: int | None = None,
+                 _map_size_bytes: int | None = None) -> None:
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
         self.config = config
@@ -107,6 +113,9 @@ class ECStore:
         self.dtype = dtype
         self.dtype_name = dtype_name(dtype)
         self.readonly = readonly
+        self.identity = identity or library_identity(self.model, self.dtype_name)
+        #: 32 hex digits; part of every key's hash and of every entry's stored name.
+        self.namespace = self.identity.namespace
         self._hash = chunk_hasher or chunk_hash
         self._stats = StoreStats()
         self._lock = threading.Lock()
@@ -115,13 +124,16 @@ class ECStore:
         self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
         self.disk: LMDBTier | None = None
         self._writer: Writer | None = None
+        self._legacy = False
         if config.local_disk:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes,
                                  file_mode=config.file_mode)
+            self._legacy = self.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
                 self._writer = Writer(self.disk, self.model, config.write_queue_bytes,
-                                      max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)))
+                                      max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
+                                      namespace=(self.namespace, self.identity.canonical()))
                 self._writer.start()
 
     # ----------------------------------------------------------------- basics
@@ -140,9 +152,19 @@ class ECStore:
         if self._closed:
             raise ECStoreError("store is closed")
 
+    def stored_name(self, mm_hash: str) -> str:
+        """What an entry of ``mm_hash`` stores and reads compare:
+        ``"<namespace>/<mm_hash>"`` (see :mod:`ecstore.identity`); the bare
+        ``mm_hash`` on a store held at schema < 3 (tests of old stores)."""
+        if self._legacy:
+            return check_identifier(mm_hash)
+        return qualify(self.namespace, check_identifier(mm_hash))
+
     def key(self, mm_hash: str) -> str:
-        """The EC key of an mm identifier: ``<model>@1@0@<chunk_hash>@<dtype>``."""
-        return make_key(self.model, self._hash(check_identifier(mm_hash)), self.dtype_name)
+        """The EC key of an mm identifier under this handle's identity:
+        ``<model>@1@0@<chunk_hash>@<dtype>``, the chunk hash being that of
+        :meth:`stored_name`."""
+        return make_key(self.model, self._hash(self.stored_name(mm_hash)), self.dtype_name)
 
     # ------------------------------------------------------------------ reads
     def _identifier_at(self, key: str) -> str | None:
@@ -161,12 +183,13 @@ class ECStore:
         Does not count as a hit and does not change LRU order.
         """
         self._check()
+        name = self.stored_name(mm_hash)
         key = self.key(mm_hash)
-        if self.memory is not None and self.memory.contains(key, mm_hash):
+        if self.memory is not None and self.memory.contains(key, name):
             return True
-        if self._writer is not None and self._writer.lookup(key, mm_hash) is not None:
+        if self._writer is not None and self._writer.lookup(key, name) is not None:
             return True
-        return self.disk is not None and self.disk.contains(key, mm_hash)
+        return self.disk is not None and self.disk.contains(key, name)
 
     def get(self, mm_hash: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The stored tensor on ``device``, or None on a miss.
@@ -177,18 +200,19 @@ class ECStore:
         caller may modify it. Corrupt entries are misses.
         """
         self._check()
+        name = self.stored_name(mm_hash)
         key = self.key(mm_hash)
         t = None
         tier = "memory"
         if self.memory is not None:
-            t = self.memory.get(key, mm_hash)
+            t = self.memory.get(key, name)
         if t is None and self._writer is not None:
-            t = self._writer.lookup(key, mm_hash)
+            t = self._writer.lookup(key, name)
         if t is None and self.disk is not None:
             tier = "disk"
-            t = self.disk.get(key, mm_hash, model=self.model, dtype=self.dtype)
+            t = self.disk.get(key, name, model=self.model, dtype=self.dtype)
             if t is not None and self.memory is not None:
-                if self.memory.put(key, mm_hash, t, codec.tensor_nbytes(t)) and torch.device(device) == t.device:
+                if self.memory.put(key, name, t, codec.tensor_nbytes(t)) and torch.device(device) == t.device:
                     t = t.clone()  # the memory tier holds t: hand out a copy of our own
         with self._lock:
             if t is None:
@@ -200,10 +224,22 @@ class ECStore:
             else:
                 self._stats.disk_hits += 1
         if self._writer is not None:
-            self._writer.touch(key, mm_hash)
+            self._writer.touch(key, name)
         if torch.device(device) != t.device:
             t = t.to(device, non_blocking=False)
         return t
+
+    def stored_shape(self, mm_hash: str) -> tuple[int, ...] | None:
+        """The shape the disk tier's entry of ``mm_hash`` (under this handle's
+        identity) holds, from its record (no blob read); None if there is none.
+        Lets a caller refuse an entry before committing to load it."""
+        self._check()
+        if self.disk is None:
+            return None
+        rec = self.disk.record(self.key(mm_hash))
+        if rec is None or rec.identifier != self.stored_name(mm_hash) or rec.version != self.disk.record_version:
+            return None
+        return rec.shape
 
     # ----------------------------------------------------------------- writes
     def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:
@@ -226,6 +262,7 @@ class ECStore:
         self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
+        name = self.stored_name(mm_hash)
         key = self.key(mm_hash)
         codec.check_storable(tensor)
         if tensor.dtype != self.dtype:
@@ -238,7 +275,7 @@ class ECStore:
         # The disk cap counts whole blobs: size them exactly (the header holds
         # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped). Built
         # once here and reused by encode below.
-        header = codec.header_bytes(tensor, mm_hash, self.model)
+        header = codec.header_bytes(tensor, name, self.model)
         fits_disk = self.disk is not None and 8 + len(header) + nbytes <= self.disk.capacity_bytes
         if not (fits_memory or fits_disk):
             log.warning("ecstore: refused mm_hash=%s: %d bytes exceed every tier's capacity "
@@ -249,7 +286,7 @@ class ECStore:
                 self._stats.puts_refused += 1
             return False
         held = self._identifier_at(key)
-        if held == mm_hash:
+        if held == name:
             with self._lock:
                 self._stats.puts_skipped += 1
             return False
@@ -265,15 +302,15 @@ class ECStore:
             # strides) into its safetensors blob. The memory tier and pending
             # write hold a view of the blob's data, and the writer stores the
             # blob as is: no second copy to encode it later.
-            blob = codec.encode(tensor, identifier=mm_hash, model=self.model, header=header)
+            blob = codec.encode(tensor, identifier=name, model=self.model, header=header)
             cpu = codec.blob_tensor(blob, 8 + len(header), tensor.dtype, tuple(tensor.shape))
         else:
             cpu = tensor.detach()  # handed over: encoded by the writer
-        stored_in_memory = fits_memory and self.memory is not None and self.memory.put(key, mm_hash, cpu, nbytes)
+        stored_in_memory = fits_memory and self.memory is not None and self.memory.put(key, name, cpu, nbytes)
         with self._lock:
             self._stats.puts += 1
         if self._writer is not None and fits_disk:
-            self._writer.submit(key, PendingPut(mm_hash, cpu, nbytes, blob=blob))
+            self._writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash))
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         return True
@@ -291,14 +328,15 @@ class ECStore:
         self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
+        name = self.stored_name(mm_hash)
         key = self.key(mm_hash)
         found = False
         if self._writer is not None:
-            found = self._writer.lookup(key, mm_hash) is not None
-            self._writer.cancel(key, mm_hash)
-        if self.memory is not None and self.memory.contains(key, mm_hash):
+            found = self._writer.lookup(key, name) is not None
+            self._writer.cancel(key, name)
+        if self.memory is not None and self.memory.contains(key, name):
             found = self.memory.delete(key) or found
-        if self.disk is not None and self.disk.contains(key, mm_hash):
+        if self.disk is not None and self.disk.contains(key, name):
             found = self.disk.delete(key) or found
         return found
 
@@ -352,7 +390,7 @@ class ECStore:
         self._check()
         if self.disk is None or self.readonly:
             return self.contains(mm_hash)
-        return self.disk.pin_if_present(self.key(mm_hash), mm_hash,
+        return self.disk.pin_if_present(self.key(mm_hash), self.stored_name(mm_hash),
                                         self.config.lease_seconds if ttl_s is None else ttl_s)
 
     def release(self, mm_hashes: list[str]) -> None:

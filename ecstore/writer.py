@@ -45,6 +45,7 @@ class PendingPut:
     nbytes: int
     blob: codec.Blob | None = None
     order: int = 0  # position among this handle's puts and touches (writer ticket)
+    mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
 
 
 class Touch(NamedTuple):
@@ -78,6 +79,7 @@ class WriteResult:
     nbytes: int
     outcome: PutOutcome
     error: BaseException | None = None
+    mm_hash: str = ""  # the caller's identifier (``identifier``: the stored name)
 
 
 class Writer(threading.Thread):
@@ -93,10 +95,15 @@ class Writer(threading.Thread):
     :meth:`take_errors` hands them to ``flush``.
     """
 
-    def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int) -> None:
+    def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
+                 namespace: tuple[str, str] | None = None) -> None:
+        """``namespace``: (namespace, canonical identity JSON) recorded in the
+        store's namespaces table with the first batch, so that tools can say
+        what a namespace stands for."""
         super().__init__(name="ecstore-writer", daemon=True)
         self.disk = disk
         self.model = model
+        self.namespace = namespace
         self.max_bytes = max_bytes
         self.batch_bytes = batch_bytes
         self.touch_since = 0.0  # monotonic time of the oldest unwritten LRU touch
@@ -268,6 +275,13 @@ class Writer(threading.Thread):
 
     def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> None:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``."""
+        if batch and self.namespace is not None:
+            try:
+                self.disk.register_namespace(*self.namespace)
+                self.namespace = None
+            except ECStoreError as e:
+                log.warning("ecstore: could not record the encoder identity of namespace %s: %s",
+                            self.namespace[0], e)
         reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
                 for key, it in batch]
         try:
@@ -276,16 +290,16 @@ class Writer(threading.Thread):
             log.error("ecstore: %s", e)
         for (key, it), r in zip(batch, reqs):
             outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
-            self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error))
+            self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
 
     def _report(self, res: WriteResult) -> None:
         if res.outcome is PutOutcome.STORED:
-            log.info("EC put: stored %d bytes for mm_hash=%s", res.nbytes, res.identifier)
+            log.info("EC put: stored %d bytes for mm_hash=%s", res.nbytes, res.mm_hash)
         elif res.outcome is PutOutcome.COLLISION:
             log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
-                        "(64-bit hash collision)", res.identifier, res.key)
+                        "(64-bit hash collision)", res.mm_hash, res.key)
         elif res.outcome is PutOutcome.FAILED:
-            log.error("ecstore: could not store mm_hash=%s: %s", res.identifier, res.error)
+            log.error("ecstore: could not store mm_hash=%s: %s", res.mm_hash, res.error)
             with self.cv:
                 self.write_errors += 1
                 self.errors.append(res.error or StoreFullError("write failed"))

@@ -102,7 +102,7 @@ class StoreContract:
         contents = {}
         for h in ids:  # read without touching any LRU order
             if store.contains(h):
-                t = (store.disk.get(store.key(h), h) if store.disk is not None
+                t = (store.disk.get(store.key(h), store.stored_name(h)) if store.disk is not None
                      else store.memory._items[store.key(h)].tensor)
                 contents[h] = raw_bytes(t)
         return {
@@ -138,7 +138,7 @@ class StoreContract:
                 assert_same(store.get(h, device=torch.device("cpu")), t)
             if store.disk is not None:  # straight from LMDB, bypassing memory and writer
                 for h, t in tensors.items():
-                    assert_same(store.disk.get(store.key(h), h), t)
+                    assert_same(store.disk.get(store.key(h), store.stored_name(h)), t)
 
     def test_nan_and_inf_survive(self, store):
         t = torch.tensor([[float("nan"), float("inf"), float("-inf"), -0.0]], dtype=torch.bfloat16)
@@ -166,7 +166,10 @@ class StoreContract:
         with self.make_store(tmp_path, dtype=dtype) as store:
             h = "a1b2c3d4" * 8
             key = store.key(h)
-            assert key == f"{MODEL}@1@0@{xxhash.xxh64_hexdigest(h.encode())}@{str(dtype)[6:]}"
+            # the chunk hash covers the stored name "<namespace>/<mm identifier>"
+            name = f"{store.namespace}/{h}"
+            assert store.stored_name(h) == name and re.fullmatch(r"[0-9a-f]{32}", store.namespace)
+            assert key == f"{MODEL}@1@0@{xxhash.xxh64_hexdigest(name.encode())}@{str(dtype)[6:]}"
             assert re.fullmatch(re.escape(MODEL) + r"@1@0@[0-9a-f]{16}@" + str(dtype)[6:], key)
             parsed = ecstore.parse_key(key)
             assert (parsed.model, parsed.world_size, parsed.worker_id, parsed.dtype) == (MODEL, 1, 0, str(dtype)[6:])
@@ -372,14 +375,15 @@ class StoreContract:
             assert st.memory_entries + st.disk_entries >= 1
             if store.disk is not None:
                 assert store.disk.lru_keys() == [store.key(first)]
-                assert store.disk.record(store.key(first)).identifier == first
+                assert store.disk.record(store.key(first)).identifier == store.stored_name(first)
+                assert store.disk.record(store.key(first)).mm_identifier == first
 
     def test_delete_of_colliding_identifier_keeps_queued_first(self, tmp_path):
         """delete(second) must not cancel a not-yet-written put of first
         (same key, other identifier)."""
 
         def hasher(s: str) -> str:
-            return COLLIDING if s in ("first", "second") else xxhash.xxh64_hexdigest(s.encode())
+            return COLLIDING if s.endswith(("/first", "/second")) else xxhash.xxh64_hexdigest(s.encode())
 
         with self.make_store(tmp_path, chunk_hasher=hasher) as store:
             t1 = make_tensor(1)
@@ -403,8 +407,8 @@ class StoreContract:
                 assert store.contains("first")
             store.flush()
             assert store.contains("first")
-            assert store.disk.contains(store.key("first"), "first")
-            assert_same(store.disk.get(store.key("first"), "first"), t1)
+            assert store.disk.contains(store.key("first"), store.stored_name("first"))
+            assert_same(store.disk.get(store.key("first"), store.stored_name("first")), t1)
             assert_same(store.get("first"), t1)
 
     # ------------------------------------------------------- refused inputs

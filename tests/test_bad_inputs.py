@@ -247,8 +247,8 @@ def test_put(tmp_path, caplog, case: Case):
             assert got is not None and got.is_contiguous() and not got.requires_grad
             assert same_bits(got, want)
             key = store.key(args["ident"])
-            on_disk = store.disk.get(key, args["ident"]) is not None
-            in_memory = store.memory.contains(key, args["ident"])
+            on_disk = store.disk.get(key, store.stored_name(args["ident"])) is not None
+            in_memory = store.memory.contains(key, store.stored_name(args["ident"]))
             assert (in_memory, on_disk) == {"both tiers": (True, True), "disk only": (False, True),
                                             "memory only": (True, False)}[case.where]
             assert same_bits(original, (case.expect or (lambda t: t))(original))  # caller's tensor untouched

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pty
+import re
 import shutil
 import struct
 import subprocess
@@ -262,12 +263,13 @@ def test_list_table_is_human_readable(template: Template) -> None:
     r = run("list", template.path, "--model", M2, "--sort", "lru")
     assert r.rc == 0 and r.err == ""
     lines = r.out.splitlines()
-    assert lines[0].split() == ["KEY", "MM", "IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "CREATED", "LAST", "ACCESS",
-                                "HITS"]
+    assert lines[0].split() == ["KEY", "NAMESPACE", "MM", "IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "CREATED",
+                                "LAST", "ACCESS", "HITS"]
     assert len(lines) == 1 + M2_N + 2
     first = lines[1].split()
-    assert first[0].startswith(M2 + "@1@0@") and first[1] == ident(0) and first[2] == "4x8"
-    assert first[3] == "float16" and first[5] == "B" and first[-1] == "0" and "ago" in lines[1]
+    assert first[0].startswith(M2 + "@1@0@") and re.fullmatch("[0-9a-f]{12}", first[1])
+    assert first[2] == ident(0) and first[3] == "4x8"
+    assert first[4] == "float16" and first[6] == "B" and first[-1] == "0" and "ago" in lines[1]
     assert lines[-2].startswith(f"shown: {M2_N} entries of model '{M2}'")
     assert lines[-1].startswith(f"total: {TOTAL_N} entries, ") and "KiB" in lines[-1]
     assert "cap unknown" in lines[-1]
@@ -310,7 +312,8 @@ def test_show_by_key_and_by_mm_identifier(template: Template, console: Console) 
     doc = run("show", template.path, key, "--json").json()
     assert doc["matched_by"] == "key" and len(doc["entries"]) == 1
     e = doc["entries"][0]
-    assert e["check"] == "ok" and e["header"]["__metadata__"]["identifier"] == ident(50)
+    assert e["check"] == "ok" and e["header"]["__metadata__"]["identifier"] == f"{e['namespace']}/{ident(50)}"
+    assert e["identifier"] == ident(50) and e["identity"]["model"] == M1  # the registered identity
     assert e["header"]["ec"]["shape"] == [4, 8] and e["blob_bytes"] == e["bytes"]
     assert e["data_offset"] + e["tensor_bytes"] == e["bytes"]
 
@@ -351,7 +354,7 @@ def test_export_round_trip_bit_exact(template: Template, console: Console, tmp_p
         want = tensor_for(3, dtype)
         assert t.dtype == dtype and t.shape == want.shape
         assert t.view(torch.uint8).flatten().tolist() == want.view(torch.uint8).flatten().tolist()
-        assert meta["identifier"] == ident(3) and meta["model"] == model
+        assert meta["identifier"].endswith("/" + ident(3)) and meta["model"] == model
     # The file is exactly the stored blob.
     tier = LMDBTier(str(template.path), 0, readonly=True, create=False)
     try:
@@ -384,7 +387,10 @@ def test_stats_json(template: Template, console: Console) -> None:
     assert st["entries"] == TOTAL_N and st["bytes"] == total == st["accounted_bytes"]
     assert st["cap_bytes"] == 2 * 2**30 and st["cap_source"] == f"{cfg}:2"
     assert st["cap_used"] == pytest.approx(total / 2**31)
-    assert st["schema_version"] == 2 == st["schema_supported"]
+    assert st["schema_version"] == 3 == st["schema_supported"]
+    # one encoder identity per (model, dtype) here, each registered by its writer
+    assert sorted((n["identity"]["model"], n["identity"]["dtype"], n["entries"]) for n in st["by_namespace"]) \
+        == sorted((g["model"], g["dtype"], g["entries"]) for g in st["by_model"])
     lm = st["lmdb"]
     assert lm["file_size"] == (template.path / "data.mdb").stat().st_size
     assert lm["file_pages"] * lm["page_size"] == lm["file_size"]

@@ -52,6 +52,13 @@ def store(tmp_path: Path) -> Path:
     return path
 
 
+def key_for(path: Path, i: int) -> str:
+    """The stored key of ``img-{i}`` in the fixture's store."""
+    with ECStore(ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=0.01),
+                 model=MODEL, dtype=torch.float16, readonly=True) as s:
+        return s.key(f"img-{i}")
+
+
 def keys_of(path: Path) -> list[bytes]:
     env = lmdb.open(str(path), max_dbs=8, readonly=True, lock=False)
     try:
@@ -214,7 +221,7 @@ def test_export_does_not_follow_a_symlink_at_the_temporary_name(store: Path, tmp
     out.parent.mkdir()
     # The old predictable temporary name, and a symlink at the final name.
     os.symlink(victim, f"{out}.tmp-{os.getpid()}")
-    key = keys_of(store)[1].decode()
+    key = key_for(store, 1)
     rc, text, err = run("export", store, key, out)
     assert rc == 0, err
     assert victim.read_bytes() == b"precious"

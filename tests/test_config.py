@@ -23,7 +23,7 @@ from ecstore.config import (
 from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-          "max_write_queue_size", "lease_seconds", "file_mode"]
+          "max_write_queue_size", "lease_seconds", "file_mode", "namespace", "share_client_uuids"]
 
 SEED_YAML = """\
 chunk_size: 256
@@ -86,6 +86,8 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "max_write_queue_size": "default",
         "lease_seconds": "default",
         "file_mode": "default",
+        "namespace": "default",
+        "share_client_uuids": "default",
         "__file__": path,
         "config_file": "argument path",
     }
@@ -114,7 +116,24 @@ def test_describe_config(tmp_path: Path) -> None:
         ("max_write_queue_size", 0.5, "override max_write_queue_size"),
         ("lease_seconds", 30.0, "env LMCACHE_EC_LEASE_SECONDS"),
         ("file_mode", "0600", "default"),
+        ("namespace", None, "default"),
+        ("share_client_uuids", False, "default"),
     ]
+
+
+def test_namespace_key_from_every_source(tmp_path: Path) -> None:
+    """The identity pin (ecstore.identity) follows the usual precedence."""
+    path = write(tmp_path, "ec_namespace: from-yaml\n")
+    assert load_config(path, env={}).namespace == "from-yaml"
+    cfg = load_config(path, env={"LMCACHE_EC_NAMESPACE": "from-env"})
+    assert (cfg.namespace, cfg.source_of("namespace")) == ("from-env", "env LMCACHE_EC_NAMESPACE")
+    cfg = load_config(path, env={"LMCACHE_EC_NAMESPACE": "from-env"}, overrides={"namespace": "ckpt-7"})
+    assert (cfg.namespace, cfg.source_of("namespace")) == ("ckpt-7", "override namespace")
+    assert load_config(env={}, overrides={"namespace": "  "}).namespace is None  # empty: automatic
+    assert load_config(env={"LMCACHE_EC_SHARE_CLIENT_UUIDS": "yes"}).share_client_uuids is True
+    for bad in ("x" * 201, "tab\there"):
+        with pytest.raises(ConfigError, match="namespace"):
+            load_config(env={}, overrides={"namespace": bad})
 
 
 def test_default_env_is_os_environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

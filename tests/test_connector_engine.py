@@ -96,7 +96,7 @@ def entries(store_dir: Path) -> dict[str, tuple]:
     """identifier -> (checksum, blob size, created) of every entry, read-only."""
     cfg = ECStoreConfig(local_cpu=False, local_disk=str(store_dir), max_local_disk_size=0.01)
     with ECStore(cfg, model="reader", dtype=torch.float32, readonly=True) as st:
-        return {rec.identifier: (rec.checksum, rec.blob_size, rec.created_ns)
+        return {rec.mm_identifier: (rec.checksum, rec.blob_size, rec.created_ns)
                 for _, rec in st.disk.iter_records()}
 
 

@@ -19,14 +19,14 @@ import torch
 from helpers import vllm_objects as vo
 
 from ecstore import ECStore
-from ecstore.connector import ECStoreConnector, LoadSpec
+from ecstore.connector import ECStoreConnector
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.engine import FinishReason
 
 pytestmark = pytest.mark.vllm
 
-A, B, C, D = (f"{c}" * 16 for c in "abcd")  # opaque mm identifiers
+A, B, C, D = (f"{c}" * 64 for c in "abcd")  # shaped like vLLM content hashes (64 hex digits)
 SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
 
 
@@ -106,9 +106,14 @@ def disk_extra(tmp_path: Path) -> dict:
     return {"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01, "lease_seconds": 600}
 
 
+def load_specs(out) -> list[tuple]:
+    """(request, identifier, rows, width) of each load a step's metadata announces."""
+    return [(s.req_id, s.identifier, s.num_embeds, s.width) for s in out.ec_connector_metadata.loads]
+
+
 def open_store(conn: ECStoreConnector) -> ECStore:
     return ECStore(replace(conn.config, local_cpu=False), model=conn._vllm_config.model_config.model,
-                   dtype=torch.float32)
+                   dtype=torch.float32, identity=conn.identity)
 
 
 def leased(conn: ECStoreConnector, *identifiers: str) -> set[str]:
@@ -129,7 +134,7 @@ def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_ext
     first = eng.step()
     # A: external load, announced to the worker; B: computed by the encoder.
     assert first.scheduled_encoder_inputs == {"r2": [0]}
-    assert first.ec_connector_metadata.loads == [LoadSpec("r1", A, *SHAPE)]
+    assert load_specs(first) == [("r1", A, *SHAPE)]
     assert first.num_scheduled_tokens == {"r1": vo.EMBEDS_PER_IMAGE + 3, "r2": vo.EMBEDS_PER_IMAGE + 3}
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))  # loaded, bit-exact
     assert leased(eng.connector, A, B) == set()  # released once the worker reported the load
@@ -146,7 +151,7 @@ def test_present_item_is_loaded_absent_item_is_computed(tiny_model_dir, disk_ext
     eng2.scheduler.add_request(vo.make_request("r3", [B]))
     out = eng2.step()
     assert out.scheduled_encoder_inputs == {}
-    assert out.ec_connector_metadata.loads == [LoadSpec("r3", B, *SHAPE)]
+    assert load_specs(out) == [("r3", B, *SHAPE)]
     assert torch.equal(eng2.encoder_cache[B], encoder_output(B))
     eng2.run()
     assert eng2.finished == {"r3": FinishReason.LENGTH}
@@ -197,7 +202,7 @@ def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_mo
 
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5))
     first = eng.step()
-    assert first.ec_connector_metadata.loads == [LoadSpec("r1", A, *SHAPE)]
+    assert load_specs(first) == [("r1", A, *SHAPE)]
     assert not eng.encoder_cache[A].any()  # the stand-in
     eng.step()
     assert eng.finished == {"r1": FinishReason.ERROR}

@@ -42,7 +42,7 @@ from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.vllm
 
-A, B, C = "img-a" * 4, "img-b" * 4, "img-c" * 4  # vLLM-style opaque identifiers
+A, B, C = ("a1" * 32, "b2" * 32, "c3" * 32)  # shaped like vLLM content hashes (64 hex digits)
 SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
 NBYTES = SHAPE[0] * SHAPE[1] * 4
 
@@ -90,7 +90,8 @@ def connectors(tiny_model_dir: Path):
 def seed_store(sched: ECStoreConnector, entries: dict[str, torch.Tensor]) -> None:
     """Write entries as another process (a producer) would: own handle, no memory tier."""
     cfg = replace(sched.config, local_cpu=False)
-    with ECStore(cfg, model=sched._vllm_config.model_config.model, dtype=torch.float32) as st:
+    with ECStore(cfg, model=sched._vllm_config.model_config.model, dtype=torch.float32,
+                 identity=sched.identity) as st:
         for ident, t in entries.items():
             assert st.put(ident, t)
         st.flush()
@@ -98,13 +99,14 @@ def seed_store(sched: ECStoreConnector, entries: dict[str, torch.Tensor]) -> Non
 
 def open_store(conn: ECStoreConnector) -> ECStore:
     cfg = replace(conn.config, local_cpu=False)
-    return ECStore(cfg, model=conn._vllm_config.model_config.model, dtype=torch.float32)
+    return ECStore(cfg, model=conn._vllm_config.model_config.model, dtype=torch.float32,
+                   identity=conn.identity)
 
 
 def snapshot(conn: ECStoreConnector) -> dict[str, tuple]:
     """identifier -> (checksum, blob size, created) of every disk entry."""
     with open_store(conn) as st:
-        return {rec.identifier: (rec.checksum, rec.blob_size, rec.created_ns)
+        return {rec.mm_identifier: (rec.checksum, rec.blob_size, rec.created_ns)
                 for _, rec in st.disk.iter_records()}
 
 
@@ -178,7 +180,7 @@ def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
     sched.update_state_after_alloc(req, 1)
     meta = sched.build_connector_meta(empty_output())
     assert isinstance(meta, ECStoreConnectorMetadata)
-    assert meta.loads == [LoadSpec("r1", A, vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)]
+    assert meta.loads == [LoadSpec("r1", A, vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH, index=0)]
 
     cache: dict[str, torch.Tensor] = {}
     wm = worker_step(worker, meta, cache, computed={B: t_b})
@@ -509,7 +511,7 @@ def test_memory_only_producer_keeps_no_evicted_tensors(connectors):
     """A producer never loads, so nothing it evicts is parked for a load."""
     extra = {"local_disk": None, "local_cpu": True, "max_local_cpu_size": gib(2 * NBYTES)}
     sched, worker = connectors("ec_producer", extra)
-    computed = {ident: embedding(i) for i, ident in enumerate([A, B, C, "img-d" * 4])}
+    computed = {ident: embedding(i) for i, ident in enumerate([A, B, C, "d4" * 32])}
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), {}, computed)
     assert wm.evicted == [A, B] and wm.stats["evictions"] == 2
     assert worker.worker_side._limbo == {}
@@ -539,7 +541,8 @@ def test_stats_reduce_aggregate_and_vllm_logging(tiny_model_dir, disk_extra):
     stats = ECStoreConnector.build_ec_connector_stats(data)
     assert isinstance(stats, ECStoreConnectorStats) and not stats.is_empty()
     assert stats.reduce() == {
-        "hits": 3, "misses": 1, "hit_rate": 0.75, "loads": 3, "load_failures": 0, "saves": 1,
+        "hits": 3, "misses": 1, "hit_rate": 0.75, "loads": 3, "load_failures": 0, "recomputed": 0,
+        "rejected": 0, "saves": 1,
         "save_skipped": 2, "MB_loaded": round(3 * NBYTES / 1e6, 3), "MB_saved": round(NBYTES / 1e6, 3),
         "load_ms": 2.0, "save_ms": 1.0, "evictions": 4}
     both = stats.aggregate(ECStoreConnector.build_ec_connector_stats({"hits": 1, "misses": 3}))

@@ -25,12 +25,12 @@ import lmdb
 import pytest
 import torch
 
-from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError
+from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError, codec
 from ecstore.testing import faults as fc
 from helpers import fault_fs
 from helpers import fault_workers as fw
 from helpers.fault_workers import blob_tensor, cfg, open_store
-from helpers.tensors import assert_same, make_tensor
+from helpers.tensors import assert_same, make_tensor, stored_name
 
 from ecstore.testing import stress_concurrency, stress_crash  # noqa: E402
 
@@ -226,6 +226,7 @@ def test_dead_reader_never_cleared_by_hand_map_full_recovers(tmp_path):
 # ===========================================================================
 
 PROBE_ID = "probe-image-0f3a9c"
+PROBE_NAME = stored_name(PROBE_ID, fc.MODEL).encode()  # what the entry stores (namespace/identifier)
 MARKER = b"<<ECSTORE-CORRUPTION-PROBE-7d1e>>"
 
 
@@ -257,12 +258,12 @@ def _corrupt(path: Path, where: str) -> int:
         offsets = [h + 1000 for h in fault_fs.find_all(data, MARKER * 40)]  # inside the tensor bytes
     elif where == "blob-header":
         prefix = b'"identifier":"'
-        offsets = [h + len(prefix) + 3 for h in fault_fs.find_all(data, prefix + PROBE_ID.encode())]
+        offsets = [h + len(prefix) + 3 for h in fault_fs.find_all(data, prefix + PROBE_NAME)]
     else:  # the record's checksum field (record = 64-byte fixed part, shape, dtype, identifier)
         offsets = []
-        for h in fault_fs.find_all(data, b"bfloat16" + PROBE_ID.encode()):
+        for h in fault_fs.find_all(data, b"bfloat16" + PROBE_NAME):
             start = h - 2 * 8 - 64  # fixed part + shape (2 x u64) before the dtype
-            if data[start] == 1:  # record version byte
+            if data[start] == codec.RECORD_VERSION:  # record version byte
                 offsets.append(start + 1 + 6 * 8)  # version, created, last, hits, seq, nbytes, blob_size: checksum
     assert offsets, f"probe bytes ({where}) not found in data.mdb"
     for off in offsets:
@@ -374,7 +375,7 @@ def test_damaged_btree_page_gives_ecstore_errors_never_a_foreign_exception(tmp_p
         s.put(PROBE_ID, make_tensor(1))
     data_file = path / "data.mdb"
     data = data_file.read_bytes()
-    hits = fault_fs.find_all(data, b"bfloat16" + PROBE_ID.encode())  # the record, in an 'entries' leaf page
+    hits = fault_fs.find_all(data, b"bfloat16" + PROBE_NAME)  # the record, in an 'entries' leaf page
     assert hits
     with open(data_file, "r+b") as fh:
         for h in hits:
@@ -539,7 +540,7 @@ def test_store_used_across_fork_raises_in_child_and_parent_keeps_working(tmp_pat
                                    ("delete", lambda: store.delete("before-fork")),
                                    ("flush", store.flush), ("stats", store.stats),
                                    ("lease", lambda: store.lease(["before-fork"])),
-                                   ("disk.get", lambda: store.disk.get(store.key("x"), "x"))]:
+                                   ("disk.get", lambda: store.disk.get(store.key("x"), store.stored_name("x")))]:
                     try:
                         call()
                         report.append(f"{name}:no-error")

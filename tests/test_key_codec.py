@@ -275,7 +275,7 @@ def test_record_examples_and_corruption():
     t = rec.touched(10, 99)
     assert (t.last_access_ns, t.hits, t.lru_seq) == (10, 4, 99)
     assert rec.touched(0, 5, hits=0).last_access_ns == 2  # never goes back in time
-    for bad in [raw[:-1], raw + b"x", raw[:10], b"", bytes([2]) + raw[1:]]:
+    for bad in [raw[:-1], raw + b"x", raw[:10], b"", bytes([3]) + raw[1:]]:
         with pytest.raises(CorruptBlobError):
             codec.unpack_record(bad)
     assert codec.record_identifier(b"") is None

@@ -105,7 +105,9 @@ def test_v1_store_evicts_in_lru_order(tmp_store_dir):
         assert store.stats().disk_bytes == 4 * c
 
 
-def test_upgrade_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
+def test_upgrade_to_2_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
+    """Migration 2 (LRU index) on a schema-1 store; schema 3 is covered by
+    test_upgrade_to_3_keeps_legacy_entries_but_never_serves_them."""
     t = make_tensor(0)
     c = blob_cost(IDS[0], t)
     cap = 4 * c + c // 2
@@ -114,15 +116,15 @@ def test_upgrade_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
         order_v1 = store.disk.lru_keys()
         records_v1 = {k: store.disk.record(k) for k in order_v1}
         bytes_v1 = store.stats().disk_bytes
-    with open_store(tmp_store_dir, cap) as store:  # default target: migrate
-        assert store.disk.schema_version == schema.current_version()
-        assert schema.read_version(store.disk.env) == schema.current_version()
+    with open_store(tmp_store_dir, cap, _schema_target=2) as store:  # migrate to 2
+        assert store.disk.schema_version == 2
+        assert schema.read_version(store.disk.env) == 2
         assert store.disk.lru_keys() == order_v1
         assert {k: store.disk.record(k) for k in order_v1} == records_v1
         assert store.stats().disk_bytes == bytes_v1 == 4 * c
         for h in IDS[:4]:
             assert store.contains(h)
-            assert_same(store.disk.get(store.key(h), h), ts[h])
+            assert_same(store.disk.get(store.key(h), store.stored_name(h)), ts[h])
         # eviction follows the order carried over: IDS[1] then IDS[3]
         assert store.put(IDS[4], ts[IDS[4]])
         store.flush()
@@ -136,10 +138,10 @@ def test_upgrade_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
         assert store.stats().disk_bytes == 4 * c <= cap
     assert b"lru" in db_names(tmp_store_dir)
     # the lru index matches the records exactly
-    with open_store(tmp_store_dir, cap) as store:
+    with open_store(tmp_store_dir, cap, _schema_target=2) as store:
         by_seq = sorted((r.lru_seq, k) for k, r in store.disk.iter_records())
         assert [k for _, k in by_seq] == store.disk.lru_keys()
-        assert store.disk.schema_version == schema.current_version()
+        assert store.disk.schema_version == 2
 
 
 def test_reopening_a_current_store_with_schema_target_1_keeps_it_current(tmp_store_dir):
@@ -237,7 +239,7 @@ def test_handle_opened_before_a_migration_refuses_to_write(tmp_path):
     old = ecstore.ECStore(cfg, model="m", dtype=torch.float32, _schema_target=1)
     old.put("a", torch.ones(2, 2))
     old.flush()
-    new = ecstore.ECStore(cfg, model="m", dtype=torch.float32)
+    new = ecstore.ECStore(cfg, model="m", dtype=torch.float32, _schema_target=2)
     assert new.disk.schema_version == 2
     old.put("b", torch.ones(2, 2))
     with pytest.raises(ecstore.StoreFullError, match="migrated to schema 2"):

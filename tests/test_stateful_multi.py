@@ -41,7 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from conftest import gib
 from ecstore import ECStore, ECStoreConfig, codec
-from helpers.tensors import assert_same, make_tensor, same_tensor
+from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 
 HANDLES = [("Qwen/Qwen2.5-VL-7B-Instruct", torch.bfloat16),
            ("Qwen/Qwen2.5-VL-7B-Instruct", torch.float16),
@@ -52,7 +52,7 @@ ROWS = (1, 2, 4)
 
 
 def blob_size(h: int, ident: str, t: torch.Tensor) -> int:
-    return codec.blob_size(t, identifier=ident, model=HANDLES[h][0])
+    return codec.blob_size(t, identifier=stored_name(ident, *HANDLES[h]), model=HANDLES[h][0])
 
 
 _MAX = max(blob_size(h, IDS[0], make_tensor(0, 4, COLS, HANDLES[h][1])) for h in range(len(HANDLES)))
@@ -122,7 +122,7 @@ class MultiHandleMachine(RuleBasedStateMachine):
 
     def memory_only(self, k: tuple[int, str]) -> bool:
         s = self.stores[k[0]]
-        return k not in self.lru and s.memory.contains(s.key(k[1]), k[1])
+        return k not in self.lru and s.memory.contains(s.key(k[1]), s.stored_name(k[1]))
 
     def check_exact(self) -> None:
         """Everything flushed: LMDB holds exactly the model."""
@@ -141,7 +141,7 @@ class MultiHandleMachine(RuleBasedStateMachine):
                 assert_same(s.memory._items[k].tensor, self.last[(h, keys[k])])
         for (h, i), t in self.lru.items():  # straight from LMDB: no LRU effect
             s = self.stores[h]
-            assert_same(s.disk.get(s.key(i), i), t)
+            assert_same(s.disk.get(s.key(i), s.stored_name(i)), t)
 
     # ---------------------------------------------------------------- rules
     PUT_ARGS = dict(h=st.integers(0, len(HANDLES) - 1), ident=st.sampled_from(IDS), rows=st.sampled_from(ROWS),

@@ -66,7 +66,7 @@ class TestLMDBOnly(StoreContract):
         return _open(cfg, caps)
 
     def cost(self, store, identifier, tensor):
-        return len(codec.encode(tensor.contiguous(), identifier=identifier, model=store.model))
+        return len(codec.encode(tensor.contiguous(), identifier=store.stored_name(identifier), model=store.model))
 
     def used_bytes(self, stats):
         return stats.disk_bytes
@@ -105,7 +105,7 @@ class TestLMDBOnly(StoreContract):
                 assert list(f.keys()) == ["ec"]
                 assert_same(f.get_tensor("ec"), t)
             assert meta["format"] == "ecstore/1"
-            assert meta["identifier"] == ident
+            assert meta["identifier"] == f"{store.namespace}/{ident}"  # the stored name
             assert meta["model"] == MODEL
             assert meta["dtype"] == str(dtype).removeprefix("torch.")
             assert store.stats().disk_bytes == len(blob)

@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ecstore import StoreFullError, codec
+from ecstore.identity import library_identity, qualify
+from ecstore.key import dtype_name
 from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier, _SharedEnv
 from ecstore.testing import faults as fc
 from helpers import hostile
@@ -31,8 +33,10 @@ KiB = 1 << 10
 
 
 def cost(ident: str, rows: int = 4, cols: int = 16, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Blob bytes of ``make_tensor(_, rows, cols, dtype)`` under ``ident``."""
-    return codec.blob_size(make_tensor(0, rows, cols, dtype), identifier=ident, model=fc.MODEL)
+    """Blob bytes of ``make_tensor(_, rows, cols, dtype)`` put as ``ident`` by
+    a store opened without an identity (it stores ``"<namespace>/<ident>"``)."""
+    name = qualify(library_identity(fc.MODEL, dtype_name(dtype)).namespace, ident)
+    return codec.blob_size(make_tensor(0, rows, cols, dtype), identifier=name, model=fc.MODEL)
 
 
 def corrupt_record(tier: LMDBTier, key: str) -> None:
@@ -203,10 +207,11 @@ def test_d3_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
         with s.disk._shared.write_lock:  # the writer cannot commit meanwhile
             s.put("first", make_tensor(0))  # occupies the writer (waits for the lock)
             with w.cv:
-                while "first" not in [it.identifier for it in w.inflight.values()]:
+                while "first" not in [it.mm_hash for it in w.inflight.values()]:
                     w.cv.wait(0.05)  # the writer takes it without notifying
-            w.submit(key, PendingPut("dup", t, nbytes))
-            w.submit(key, PendingPut("dup", t.clone(), nbytes))
+            name = s.stored_name("dup")
+            w.submit(key, PendingPut(name, t, nbytes))
+            w.submit(key, PendingPut(name, t.clone(), nbytes))
             assert s.stats().pending_bytes == 2 * nbytes  # "first" in flight + one "dup"
         s.flush()
         assert s.stats().pending_bytes == 0

@@ -19,7 +19,7 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig, codec
 from conftest import gib
-from helpers.tensors import assert_same, make_tensor
+from helpers.tensors import assert_same, make_tensor, stored_name
 
 CHILD = str(Path(__file__).parent / "helpers" / "store_child.py")
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -91,7 +91,7 @@ def open_store(path: Path, cap: int, **kw) -> ECStore:
 
 
 def cost(ident: str, rows: int = 4, cols: int = 16) -> int:
-    return codec.blob_size(make_tensor(0, rows, cols), identifier=ident, model=MODEL)
+    return codec.blob_size(make_tensor(0, rows, cols), identifier=stored_name(ident, MODEL), model=MODEL)
 
 
 def seed_of(ident: str) -> int:

@@ -29,13 +29,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from ecstore import ECStore, ECStoreConfig, codec
 from conftest import gib
-from helpers.tensors import assert_same, make_tensor, same_tensor
+from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mm-{c}" for c in "abcdefgh"]  # same length: blob size depends on rows only
 COLS = 16
 # Blob sizes for 1..4 rows of bf16; the cap holds 2 to 3 entries.
-SIZES = {r: codec.blob_size(make_tensor(0, r, COLS), identifier=IDS[0], model=MODEL) for r in range(1, 5)}
+SIZES = {r: codec.blob_size(make_tensor(0, r, COLS), identifier=stored_name(IDS[0], MODEL), model=MODEL)
+         for r in range(1, 5)}
 CAP = 2 * SIZES[4] + SIZES[1] // 2
 
 
@@ -71,8 +72,8 @@ class StoreMachine(RuleBasedStateMachine):
         return sum(self.sizes[i] for i in self.lru)
 
     def model_put(self, ident: str, t: torch.Tensor) -> None:
-        size = codec.blob_size(t, identifier=ident, model=MODEL)
-        assert size == len(codec.encode(t, identifier=ident, model=MODEL))
+        size = codec.blob_size(t, identifier=stored_name(ident, MODEL), model=MODEL)
+        assert size == len(codec.encode(t, identifier=stored_name(ident, MODEL), model=MODEL))
         while self.lru and self.total + size > CAP:
             victim, vt = self.lru.popitem(last=False)
             self.ghosts[victim] = vt
@@ -92,7 +93,7 @@ class StoreMachine(RuleBasedStateMachine):
         for i in IDS:
             assert s.contains(i) == (i in self.lru or self.memory_only(i))
         for i, t in self.lru.items():  # straight from LMDB: no LRU effect
-            assert_same(s.disk.get(s.key(i), i), t)
+            assert_same(s.disk.get(s.key(i), s.stored_name(i)), t)
         if s.memory is not None:  # the memory tier only holds what was put last
             keys = {s.key(i): i for i in IDS}
             for k in s.memory.keys():
@@ -102,7 +103,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Held by the memory tier although the disk model evicted it (a read
         promoted it while the put evicting it was still queued)."""
         s = self.store
-        return s.memory is not None and ident not in self.lru and s.memory.contains(s.key(ident), ident)
+        return s.memory is not None and ident not in self.lru and s.memory.contains(s.key(ident), s.stored_name(ident))
 
     # ---------------------------------------------------------------- rules
     @rule(ident=st.sampled_from(IDS), rows=st.integers(1, 4), seed=st.integers(0, 3))

@@ -225,7 +225,13 @@ class Bench:
 
         cfg = ECStoreConfig(local_disk=d, max_local_disk_size=disk_bytes / GiB if d else 0.0,
                             local_cpu=local_cpu, max_local_cpu_size=(cpu_bytes / GiB) if local_cpu else 0.0)
-        return ECStore(cfg, model=model or self.model or "bench/model", dtype=DTYPE)
+        identity = None
+        if self.vcfg is not None and model in (None, self.model):
+            # What the connectors of this VllmConfig read and write under.
+            from ecstore.connector.vllm_identity import encoder_identity
+
+            identity = encoder_identity(self.vcfg, "bfloat16", None)
+        return ECStore(cfg, model=model or self.model or "bench/model", dtype=DTYPE, identity=identity)
 
 
 def freeze_gc() -> None:
@@ -561,7 +567,7 @@ def build_small_store(b: Bench, st, start: int, stop: int, prefix: str) -> float
     batch = 20_000
     t0 = time.perf_counter()
     for lo in range(start, stop, batch):
-        reqs = [PutRequest(st.key(h), h, st.model, t) for h in ids(prefix, min(batch, stop - lo), lo)]
+        reqs = [PutRequest(st.key(h), st.stored_name(h), st.model, t) for h in ids(prefix, min(batch, stop - lo), lo)]
         st.disk.write_batch(reqs)
         bad = [r for r in reqs if r.result != "stored"]
         assert not bad, bad[0].result

@@ -28,6 +28,7 @@ from .logs import ensure_console_logging
 from .metadata import ECStoreConnectorMetadata
 from .scheduler_side import SchedulerSide
 from .stats import ECStoreConnectorStats, ECStorePromMetrics
+from .vllm_identity import encoder_identity, per_process_naming, per_process_warning
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -61,16 +62,23 @@ class ECStoreConnector(ECConnectorBase):
         self.config = config_from_vllm(vllm_config)
         model = vllm_config.model_config.model
         dtype = model_dtype(vllm_config)
-        kw = dict(model=model, dtype=dtype, is_producer=self.is_producer, is_consumer=self.is_consumer)
+        # Every entry is written and read under this engine's encoder identity
+        # (docs/correctness.md): an entry of another identity is a miss.
+        self.identity = encoder_identity(vllm_config, str(dtype).removeprefix("torch."), self.config.namespace)
+        if per_process_naming(vllm_config) and role == ECConnectorRole.SCHEDULER:
+            log.warning(per_process_warning(vllm_config))
+        kw: dict[str, Any] = dict(model=model, dtype=dtype, is_producer=self.is_producer, is_consumer=self.is_consumer,
+                  identity=self.identity)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == ECConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, self.config, **kw)
         else:
             self.worker_side = WorkerSide(vllm_config, self.config, **kw)
-        log.info("ecstore connector: role=%s ec_role=%s model=%s dtype=%s local_disk=%s "
-                 "(%.3g GiB) local_cpu=%s (%.3g GiB)", role.name,
+        log.info("ecstore connector: role=%s ec_role=%s model=%s dtype=%s namespace=%s (weights: %s) "
+                 "local_disk=%s (%.3g GiB) local_cpu=%s (%.3g GiB)", role.name,
                  vllm_config.ec_transfer_config.ec_role, model, str(dtype).removeprefix("torch."),
+                 self.identity.namespace, self.identity.weights.method,
                  self.config.local_disk, self.config.max_local_disk_size, self.config.local_cpu,
                  self.config.max_local_cpu_size)
 

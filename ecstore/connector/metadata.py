@@ -21,6 +21,11 @@ class LoadSpec:
     #: columns the model expects: the encoder output width vLLM measured at
     #: start-up (producers), else None (consumer-only: the stored width is used)
     width: int | None
+    #: the item's index in the request's mm_features (what vLLM schedules the encoder by)
+    index: int = -1
+    #: the worker can run the encoder for it in this very step if the load
+    #: fails (vLLM holds the item's processed inputs); else a stand-in + failure
+    recomputable: bool = False
 
 
 @dataclass
@@ -34,6 +39,13 @@ class ECStoreConnectorMetadata(ECConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
+    #: the step's ``SchedulerOutput.scheduled_encoder_inputs`` itself (req_id ->
+    #: mm_feature indices the runner encodes this step). Travels in the same
+    #: object graph as the SchedulerOutput (in-process, or one pickle to
+    #: worker processes), so a worker that cannot load an announced entry adds
+    #: the item here and the runner encodes it in this step, before any token
+    #: of the request is computed. None when unavailable.
+    encoder_inputs: dict[str, list[int]] | None = None
 
 
 @dataclass
@@ -55,6 +67,8 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
     evicted: list[str] = field(default_factory=list)
     loaded: list[tuple[str, str]] = field(default_factory=list)  # (req_id, identifier)
     failed: list[tuple[str, str, str]] = field(default_factory=list)  # (req_id, identifier, reason)
+    #: loads that failed and were encoded in the same step instead (req_id, identifier)
+    recomputed: list[tuple[str, str]] = field(default_factory=list)
     cleared: list[str] = field(default_factory=list)  # stand-ins gone from vLLM's encoder cache
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -68,10 +82,11 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
             evicted=sorted(set(self.evicted) | set(other.evicted)),
             loaded=sorted(set(self.loaded) | set(other.loaded)),
             failed=sorted(set(self.failed) | set(other.failed)),
+            recomputed=sorted(set(self.recomputed) | set(other.recomputed)),
             cleared=sorted(set(self.cleared) | set(other.cleared)),
             stats=stats,
         )
 
     def is_empty(self) -> bool:
         return not (self.saved or self.evicted or self.loaded or self.failed or self.cleared
-                    or self.stats)
+                    or self.recomputed or self.stats)

@@ -18,10 +18,19 @@ One index for scheduler and workers
   acknowledges the eviction in a later step's metadata, so an entry announced
   before the scheduler learned of its eviction is still loadable.
 
+Entries are read under the engine's encoder identity (ecstore.identity): an
+entry of another identity is a miss. Identifiers vLLM made up per process
+(``renderer<rank>-mm-<n>-...``) are never looked up.
+
 A load is announced exactly for the items ``has_cache_item`` said yes to
-(vLLM then does not run the encoder for them). A load that fails anyway gets
-a stand-in from the worker and its request is failed; ``ensure_cache_available``
-keeps later requests off that stand-in while vLLM's encoder cache holds it.
+(vLLM then does not run the encoder for them). Before saying yes, the entry's
+record is checked against what the request expects (rows from
+``ensure_cache_available``, which vLLM calls for the request just before;
+width where vLLM measured it): a misfit is a miss and the encoder runs. A load
+that fails anyway on the worker (corrupt blob) is encoded by the worker in the
+same step (``recomputed``); only where that is impossible does it get a
+stand-in and its request is failed; ``ensure_cache_available`` keeps later
+requests off that stand-in while vLLM's encoder cache holds it.
 """
 
 from __future__ import annotations
@@ -34,16 +43,18 @@ from typing import Any
 
 from ..config import ECStoreConfig
 from ..errors import ECStoreError
+from ..identity import EncoderIdentity
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .stats import ECStoreConnectorStats
+from .vllm_identity import CLIENT_UUID_WARNING, kept_out
 
 log = logging.getLogger("ecstore")
 
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, cfg: ECStoreConfig, *, model: str, dtype: Any,
-                 is_producer: bool, is_consumer: bool) -> None:
+                 is_producer: bool, is_consumer: bool, identity: EncoderIdentity | None = None) -> None:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.cfg = cfg
@@ -52,7 +63,7 @@ class SchedulerSide:
         if cfg.local_disk:
             # The scheduler only reads and leases: no memory tier of its own.
             self.store = ECStore(replace(cfg, local_cpu=False, sources=dict(cfg.sources)),
-                                 model=model, dtype=dtype)
+                                 model=model, dtype=dtype, identity=identity)
         self.mirror: dict[str, int] = {}  # memory-only: identifier -> bytes held by workers
         self._acks: list[str] = []
         self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
@@ -63,12 +74,18 @@ class SchedulerSide:
         # hold the worker's zero stand-in (see ensure_cache_available).
         self._poisoned: set[str] = set()
         self._failed_reqs: set[str] = set()  # already failed and logged
+        # identifier -> rows the request being scheduled expects (set by
+        # ensure_cache_available, which vLLM calls for a request right before
+        # it asks has_cache_item for that request's items)
+        self._expected_rows: dict[str, int] = {}
+        self._rejected_logged: set[str] = set()
+        self._uuid_warned = False
         self.stats = ECStoreConnectorStats()
         self.pid = os.getpid()
 
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        if not self.is_consumer:
+        if not self.is_consumer or self._kept_out(identifier):
             return False
         if identifier in self._step_hits:
             # Already answered yes this step (and pinned) for a request that
@@ -81,12 +98,41 @@ class SchedulerSide:
             # for this entry holds its own pin (see _finish_loads).
             found = False
             try:
-                found = self.store.pin_if_present(identifier)
+                found = self.store.pin_if_present(identifier) and self._fits(identifier)
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
         if found:
             self._step_hits.add(identifier)
         return found
+
+    def _kept_out(self, identifier: str) -> bool:
+        """Per-process names and (unless shared) client uuids are never looked up."""
+        why = kept_out(identifier, self.cfg.share_client_uuids)
+        if why == "client-uuid" and not self._uuid_warned:
+            self._uuid_warned = True
+            log.warning(CLIENT_UUID_WARNING.format(identifier=identifier))
+        return why is not None
+
+    def _fits(self, identifier: str) -> bool:
+        """Whether the pinned entry's shape fits what the request expects
+        (rows, and the encoder width where vLLM measured it). A misfit (e.g.
+        a client uuid reused for an image of another size) is a miss: the
+        pin is let go and vLLM runs the encoder; nothing is loaded."""
+        assert self.store is not None
+        shape = self.store.stored_shape(identifier)
+        rows = self._expected_rows.get(identifier)
+        widths = set(self._widths().values())
+        ok = shape is not None and len(shape) == 2 and (rows is None or shape[0] == rows) \
+            and (not widths or shape[1] in widths)
+        if not ok:
+            self._release([identifier])
+            self.stats.add("rejected")
+            if identifier not in self._rejected_logged:
+                self._rejected_logged.add(identifier)
+                log.warning("ecstore: entry %s has shape %s but the request expects %s rows%s: "
+                            "not loaded, the encoder runs instead", identifier, shape, rows,
+                            f" of width {sorted(widths)}" if widths else "")
+        return ok
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
@@ -99,7 +145,8 @@ class SchedulerSide:
             self._step_hits.discard(identifier)
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
-                                        self._width(feature.modality)))
+                                        self._width(feature.modality), index=index,
+                                        recomputable=getattr(feature, "data", None) is not None))
             self._inflight[identifier].add(request.request_id)
             self.stats.add("hits")
         else:
@@ -118,9 +165,16 @@ class SchedulerSide:
         ``cleared``, e.g. after ``reset_encoder_cache``), the item is looked
         up and computed afresh.
         """
+        features = getattr(request, "mm_features", None) or []
+        self._expected_rows = {}
+        for i, feature in enumerate(features):
+            try:
+                self._expected_rows[feature.identifier] = int(request.get_num_encoder_embeds(i))
+            except Exception:  # an older Request without it: rows are checked by the worker
+                pass
         if not self._poisoned:
             return True
-        for feature in getattr(request, "mm_features", None) or []:
+        for feature in features:
             if feature.identifier in self._poisoned:
                 if request.request_id not in self._failed_reqs:
                     log.error("ecstore: request %s failed: vLLM's encoder cache holds a stand-in "
@@ -136,11 +190,15 @@ class SchedulerSide:
         # instances only. A consumer-only instance does not know it (it can
         # differ from the LM hidden size, e.g. Qwen3-VL's deepstack outputs),
         # so the worker then checks rows and dtype and trusts the stored width.
-        widths = getattr(self._vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
+        widths = self._widths()
         return int(widths[modality]) if modality in widths else None
 
+    def _widths(self) -> dict[str, int]:
+        return getattr(self._vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
+
     def build_connector_meta(self, scheduler_output: Any) -> ECStoreConnectorMetadata:
-        meta = ECStoreConnectorMetadata(loads=self._loads, acks=self._acks)
+        meta = ECStoreConnectorMetadata(loads=self._loads, acks=self._acks,
+                                        encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None))
         self._loads, self._acks = [], []
         if self._step_hits and self.store is not None:
             # has_cache_item said yes but vLLM did not allocate (e.g. no KV
@@ -167,7 +225,7 @@ class SchedulerSide:
         for identifier in wm.evicted:
             if self.mirror.pop(identifier, None) is not None or self.store is None:
                 self._acks.append(identifier)
-        done = list(wm.loaded)
+        done = list(wm.loaded) + list(wm.recomputed)
         for req_id, identifier, reason in wm.failed:
             log.error("ecstore: request %s failed: could not load encoder output %s: %s",
                       req_id, identifier, reason)

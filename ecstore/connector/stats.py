@@ -2,7 +2,9 @@
 
 Counters (all cumulative within a logging interval): ``hits``/``misses``
 (scheduler: allocated items served from ecstore / computed), ``loads``,
-``load_failures``, ``saves``, ``save_skipped`` (already present),
+``load_failures`` (of which ``recomputed``: encoded in the same step
+instead), ``rejected`` (entries found but refused before the load: their
+shape does not fit the request), ``saves``, ``save_skipped`` (already present),
 ``bytes_loaded``/``bytes_saved``, ``load_seconds``/``save_seconds`` (time
 spent in the worker's ``start_load_caches``/``save_caches``), ``evictions``.
 """
@@ -14,7 +16,7 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
-COUNTERS = ("hits", "misses", "loads", "load_failures", "saves", "save_skipped",
+COUNTERS = ("hits", "misses", "loads", "load_failures", "recomputed", "rejected", "saves", "save_skipped",
             "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "evictions")
 
 
@@ -47,6 +49,8 @@ class ECStoreConnectorStats(ECConnectorStats):
             "hit_rate": round(hits / looked, 3) if looked else 0.0,
             "loads": int(d.get("loads", 0)),
             "load_failures": int(d.get("load_failures", 0)),
+            "recomputed": int(d.get("recomputed", 0)),
+            "rejected": int(d.get("rejected", 0)),
             "saves": int(d.get("saves", 0)),
             "save_skipped": int(d.get("save_skipped", 0)),
             "MB_loaded": round(d.get("bytes_loaded", 0) / 1e6, 3),

@@ -4,12 +4,16 @@ Runs in each worker process, called from the model-runner thread.
 
 * ``start_load_caches`` puts every announced entry into ``encoder_cache`` on
   the runner's device with the shape and dtype the model expects. An entry
-  that cannot be loaded (corrupt, wrong shape, gone) gets a zero stand-in so
-  the step does not crash the engine, and is reported: the scheduler fails
-  that request through vLLM's unavailable-request path, and any later one
-  that would get the stand-in from vLLM's encoder cache. When the stand-in
-  has left that cache (vLLM freed or reset it) the worker reports it
-  ``cleared``.
+  that cannot be loaded (corrupt, wrong shape, gone) is added to this step's
+  ``scheduled_encoder_inputs`` (the runner encodes it right after this call,
+  before any token is computed) and reported ``recomputed``. Only where that
+  is impossible (tensor parallelism, or vLLM holds no processed inputs for the
+  item) does it get a zero stand-in so that the step does not crash the
+  engine; the scheduler then fails that request through vLLM's
+  unavailable-request path (one step later: vLLM reads unavailable requests
+  before worker reports), and any later one that would get the stand-in from
+  vLLM's encoder cache. When the stand-in has left that cache (vLLM freed or
+  reset it) the worker reports it ``cleared``.
 * ``save_caches`` copies the new encoder output off the device once (into
   its safetensors blob) and hands it to the store, whose background writer
   does the LMDB write. With tensor parallelism only rank 0 writes to disk;
@@ -28,9 +32,11 @@ import torch
 from ..codec import tensor_nbytes
 from ..config import ECStoreConfig
 from ..errors import ECStoreError
+from ..identity import EncoderIdentity, split_stored
 from ..memory import MemoryItem
 from ..store import ECStore
-from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata
+from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
+from .vllm_identity import kept_out
 
 log = logging.getLogger("ecstore")
 
@@ -46,12 +52,16 @@ def _tp_rank() -> int:
 
 class WorkerSide:
     def __init__(self, vllm_config: Any, cfg: ECStoreConfig, *, model: str, dtype: torch.dtype,
-                 is_producer: bool, is_consumer: bool) -> None:
+                 is_producer: bool, is_consumer: bool, identity: EncoderIdentity | None = None) -> None:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.dtype = dtype
         self.device = torch.device(vllm_config.device_config.device)
-        self.store = ECStore(cfg, model=model, dtype=dtype)
+        self.store = ECStore(cfg, model=model, dtype=dtype, identity=identity)
+        self.share_client_uuids = cfg.share_client_uuids
+        # A failed load is encoded in the same step instead (see start_load_caches),
+        # unless a tensor-parallel encoder would need every rank to join in.
+        self._can_recompute = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1
         # Width of a stand-in when vLLM measured none (consumer-only): the
         # LM's input embedding size, what most models' encoders produce.
         self._fallback_width = int(vllm_config.model_config.get_inputs_embeds_size())
@@ -63,6 +73,7 @@ class WorkerSide:
         self._evicted: list[str] = []
         self._loaded: list[tuple[str, str]] = []  # (req_id, identifier)
         self._failed: list[tuple[str, str, str]] = []
+        self._recomputed: list[tuple[str, str]] = []
         # Zero stand-ins this worker put into vLLM's encoder cache, and those
         # seen gone from it since the last report (vLLM freed or reset them).
         self._standins: dict[str, torch.Tensor] = {}
@@ -80,9 +91,10 @@ class WorkerSide:
         # can have a load of it announced; a producer's scheduler side never
         # acks (nor does vLLM deliver an encode-only instance's reports), so
         # parking there would keep every evicted tensor forever.
+        identifier = split_stored(item.identifier).identifier  # the tier holds stored names
         if self.is_consumer:
-            self._limbo[item.identifier] = item.tensor
-        self._evicted.append(item.identifier)
+            self._limbo[identifier] = item.tensor
+        self._evicted.append(identifier)
         self._count("evictions")
 
     # -- loading ------------------------------------------------------------
@@ -115,6 +127,13 @@ class WorkerSide:
                     reason = (f"stored shape {tuple(tensor.shape)} {tensor.dtype} does not match "
                               f"the model's {expect} {self.dtype}")
                     tensor = None
+            if tensor is None and self._recompute(spec, meta):
+                log.warning("ecstore: could not load encoder output %s for request %s (%s): "
+                            "computing it in this step instead", spec.identifier, spec.req_id, reason)
+                self._recomputed.append((spec.req_id, spec.identifier))
+                self._count("load_failures")
+                self._count("recomputed")
+                continue
             if tensor is None:
                 self._failed.append((spec.req_id, spec.identifier, reason))
                 self._count("load_failures")
@@ -131,6 +150,17 @@ class WorkerSide:
         self._count("load_seconds", time.perf_counter() - t0)
         self.store.write_lru_soon()  # this step's hits: one LRU commit, off the step
 
+    def _recompute(self, spec: LoadSpec, meta: ECStoreConnectorMetadata) -> bool:
+        """Have vLLM's runner encode ``spec``'s item in this step (it runs the
+        encoder right after this call, over ``scheduled_encoder_inputs``)."""
+        if not (self._can_recompute and spec.recomputable and spec.index >= 0
+                and meta.encoder_inputs is not None):
+            return False
+        indices = meta.encoder_inputs.setdefault(spec.req_id, [])
+        if spec.index not in indices:
+            indices.append(spec.index)
+        return True
+
     # -- saving -------------------------------------------------------------
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self.is_producer:
@@ -139,6 +169,8 @@ class WorkerSide:
             self._rank = _tp_rank()
         if self._rank != 0 and not self.memory_only:
             return  # rank 0 writes the shared entry; the others do no I/O
+        if kept_out(mm_hash, self.share_client_uuids):
+            return  # a per-process counter or a client uuid: never stored (warned by the scheduler)
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
@@ -168,8 +200,10 @@ class WorkerSide:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions
         wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
-                                   failed=self._failed, cleared=self._cleared, stats=self._stats)
+                                   failed=self._failed, cleared=self._cleared, stats=self._stats,
+                                   recomputed=self._recomputed)
         self._saved, self._evicted, self._loaded, self._failed, self._stats = {}, [], [], [], {}
+        self._recomputed = []
         self._cleared = []
         return None if wm.is_empty() else wm
 

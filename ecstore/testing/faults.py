@@ -35,6 +35,7 @@ import torch
 
 from ecstore import codec
 from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier
+from ecstore.identity import library_identity, qualify
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 COLS = 512  # bf16 columns: one row is 1 KiB
@@ -71,7 +72,9 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def blob_size(idx: int, rows: int, model: str = MODEL) -> int:
     t = torch.empty(rows, COLS, dtype=torch.bfloat16)
-    return codec.blob_size(t, identifier=identifier(idx), model=model)
+    # an ECStore opened without an identity stores "<namespace>/<identifier>"
+    name = qualify(library_identity(model, "bfloat16").namespace, identifier(idx))
+    return codec.blob_size(t, identifier=name, model=model)
 
 
 # --------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                         continue
                     blob = txn.get(k, db=dbs["blobs"])
                     sum_rec += rec.blob_size
-                    a.entries[key] = (rec.identifier, rec.blob_size)
+                    a.entries[key] = (rec.mm_identifier, rec.blob_size)
                     if blob is None:
                         a.problems.append(f"{key}: record without blob")
                         continue

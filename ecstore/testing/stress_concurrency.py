@@ -188,7 +188,7 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
             if store.pin_if_present(ident(i), ttl_s=600):
                 counts["pinned"] += 1
                 # The lease must keep the entry on disk whatever the others evict.
-                t = store.disk.get(store.key(ident(i)), ident(i))
+                t = store.disk.get(store.key(ident(i)), store.stored_name(ident(i)))
                 assert t is not None, f"worker {w}: pinned entry {i} vanished from disk"
                 check_hit(i, t)
                 store.release([ident(i)])
@@ -228,7 +228,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
                     blob = txn.get(k, db=dbs["blobs"])
                     assert blob is not None and len(blob) == rec.blob_size, "reader: partial entry"
                     t = fc.codec.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
-                    i = idx_of(rec.identifier)
+                    i = idx_of(rec.mm_identifier)
                     assert fc.tensor_bytes(t) == fc.tensor_bytes(content(i, spec)), \
                         f"reader: entry {i} has wrong content"
                     reads += 1

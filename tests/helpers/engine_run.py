@@ -3,13 +3,22 @@
     python engine_run.py --model DIR --out result.json [--role ec_both]
         [--extra JSON] [--images 0,1] [--multiprocess] [--no-connector]
         [--encoder-cache-budget N] [--log-stats] [--max-tokens N]
+        [--uuids JSON] [--engine-kw JSON] [--embeds]
 
 Every run is a fresh process, as a restart would be. Writes to --out::
 
     {"tokens": {"<image seed>": [token ids], ...},   # in --images order
      "ec_metrics": {"hits": .., "misses": .., "loads": .., ...},
      "ec_metrics_lines": <number of "EC Transfer metrics" lines logged>,
-     "errors": {"<image seed>": "<finish reason>"}}  # requests that did not finish normally
+     "errors": {"<image seed>": "<finish reason>"},  # requests that did not finish normally
+     "embeds": {"<image seed>": [[float, ...], ...]}}  # with --embeds
+
+``--embeds`` wraps the model's ``embed_input_ids`` and records, per prompt,
+the multimodal embedding that reached the language model (whether computed
+or loaded by the connector), as nested lists of floats.
+``--uuids '{"3": "u"}'`` sends ``multi_modal_uuids`` for the prompt of image
+seed 3; ``--engine-kw`` adds ``LLM(...)`` keyword arguments (e.g.
+``{"mm_processor_kwargs": {"do_normalize": false}}``).
 
 ``ec_metrics`` sums the integer counters of every ``EC Transfer metrics``
 line vLLM's stat logger printed (``--log-stats`` turns stat logging on with a
@@ -61,6 +70,19 @@ class _MetricsCapture(logging.Handler):
             self.totals[key] = self.totals.get(key, 0) + number
 
 
+def _record_mm_embeds(model, sink: list) -> None:
+    """Wrap ``model.embed_input_ids`` to append every multimodal embedding it
+    receives (what reaches the language model) to ``sink`` as float lists."""
+    orig = model.embed_input_ids
+
+    def embed_input_ids(input_ids, multimodal_embeddings=None, **kw):
+        for e in multimodal_embeddings or ():
+            sink.append(e.detach().float().cpu().tolist())
+        return orig(input_ids, multimodal_embeddings, **kw)
+
+    model.embed_input_ids = embed_input_ids
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -75,6 +97,9 @@ def main() -> None:
     ap.add_argument("--log-stats", action="store_true",
                     help="LLM(disable_log_stats=False) and log stats every step")
     ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--uuids", default="{}")
+    ap.add_argument("--engine-kw", default="{}")
+    ap.add_argument("--embeds", action="store_true")
     a = ap.parse_args()
     if not a.multiprocess:
         tiny_model.setup_single_process_env()
@@ -91,12 +116,19 @@ def main() -> None:
     if a.encoder_cache_budget:
         # vLLM sizes its encoder cache as max(max_num_batched_tokens, largest item).
         overrides["max_num_batched_tokens"] = max(a.encoder_cache_budget, 64)
+    overrides.update(json.loads(a.engine_kw))
     llm = LLM(**tiny_model.engine_kwargs(a.model, single_process=not a.multiprocess, **overrides))
     # After LLM(): creating the engine (re)applies vLLM's logging config,
     # which replaces the handlers of the "vllm" logger.
     capture = _MetricsCapture()
     logging.getLogger("vllm").addHandler(capture)
     params = SamplingParams(**tiny_model.greedy_sampling_kwargs(a.max_tokens))
+    seen_embeds: list = []
+    if a.embeds:
+        assert not a.multiprocess, "--embeds needs the model in this process"
+        llm.apply_model(lambda model: _record_mm_embeds(model, seen_embeds))
+    uuids = json.loads(a.uuids)
+    embeds: dict[str, list] = {}
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     seen: dict[int, int] = {}
@@ -104,8 +136,14 @@ def main() -> None:
         n = seen.get(seed, 0)
         seen[seed] = n + 1
         name = str(seed) if n == 0 else f"{seed}#{n}"
-        out = llm.generate({"prompt": tiny_model.prompt(), "multi_modal_data": {"image": tiny_model.make_image(seed)}},
-                           params, use_tqdm=False)
+        prompt = {"prompt": tiny_model.prompt(), "multi_modal_data": {"image": tiny_model.make_image(seed)}}
+        if str(seed) in uuids:
+            prompt["multi_modal_uuids"] = {"image": [uuids[str(seed)]]}
+        del seen_embeds[:]
+        out = llm.generate(prompt, params, use_tqdm=False)
+        if a.embeds:
+            assert len(seen_embeds) == 1, f"expected one image embedding per prompt, got {len(seen_embeds)}"
+            embeds[name] = seen_embeds[0]
         completion = out[0].outputs[0]
         tokens[name] = list(completion.token_ids)
         if completion.finish_reason not in ("length", "stop"):
@@ -113,7 +151,7 @@ def main() -> None:
     if a.log_stats:
         llm.llm_engine.do_log_stats()  # whatever the last interval still holds
     result = {"tokens": tokens, "ec_metrics": capture.totals, "ec_metrics_lines": capture.lines,
-              "errors": errors}
+              "errors": errors, "embeds": embeds}
     Path(a.out).write_text(json.dumps(result))
     # Shut the engine down (connector shutdown: leases released, store flushed).
     llm.llm_engine.engine_core.shutdown()

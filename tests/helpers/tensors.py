@@ -49,3 +49,11 @@ def assert_same(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
     assert a.device.type == "cpu"
     assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
                        b.contiguous().reshape(-1).view(torch.uint8)), "tensor bytes differ"
+
+
+def stored_name(ident: str, model: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """What an ``ECStore(model=model, dtype=dtype)`` opened without an identity
+    stores for mm identifier ``ident`` (blob sizes depend on it)."""
+    from ecstore.identity import library_identity, qualify
+
+    return qualify(library_identity(model, str(dtype).removeprefix("torch.")).namespace, ident)
