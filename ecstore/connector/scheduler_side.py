@@ -36,6 +36,7 @@ from ..config import ECStoreConfig
 from ..errors import ECStoreError
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
+from .shared_stats import SharedCounters, record_path
 from .stats import ECStoreConnectorStats
 
 log = logging.getLogger("ecstore")
@@ -56,6 +57,15 @@ class SchedulerSide:
         self.mirror: dict[str, int] = {}  # memory-only: identifier -> bytes held by workers
         self._acks: list[str] = []
         self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
+        self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
+        # Producer-only (encode-only) instances: vLLM drops the worker
+        # metadata, so worker counters come through a shared record.
+        self._shared: SharedCounters | None = None
+        if is_producer and not is_consumer:
+            try:
+                self._shared = SharedCounters(record_path(vllm_config))
+            except OSError as e:
+                log.warning("ecstore: worker counters will not be reported (stats record: %s)", e)
         self._loads: list[LoadSpec] = []
         self._inflight: dict[str, set[str]] = defaultdict(set)  # identifier -> req_ids awaiting load
         self._unavailable: set[str] = set()
@@ -69,7 +79,7 @@ class SchedulerSide:
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
         if not self.is_consumer:
-            return False
+            return self._producer_has(identifier)
         if identifier in self._step_hits:
             # Already answered yes this step (and pinned) for a request that
             # was not allocated after all: the pin is still ours to hand on.
@@ -88,10 +98,33 @@ class SchedulerSide:
             self._step_hits.add(identifier)
         return found
 
+    def _producer_has(self, identifier: str) -> bool:
+        """A producer-only instance (vLLM runs it encode-only) answers from the
+        store too: a yes makes vLLM skip its encoder for the item, and there
+        is nothing to load (vLLM calls no load on producers; no lease is
+        taken). Memory-only: its workers' reports never reach this side
+        (vLLM drops an encode-only instance's worker metadata), so no."""
+        if self.store is None:
+            return False
+        try:
+            found = self.store.contains(identifier)
+        except ECStoreError as e:
+            log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
+            return False
+        if found:
+            self._producer_hits.add(identifier)
+        return found
+
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
         identifier = feature.identifier
         if not self.is_consumer:
+            # Announces nothing; counts what the store spared the encoder.
+            if identifier in self._producer_hits:
+                self._producer_hits.discard(identifier)
+                self.stats.add("hits")
+            else:
+                self.stats.add("misses")
             return
         # Announce a load exactly when has_cache_item said yes: then vLLM
         # did not schedule the encoder for it. Anything else is computed.
@@ -147,6 +180,7 @@ class SchedulerSide:
             # space this step): let go; it will be asked again.
             self._release(list(self._step_hits))
         self._step_hits = set()
+        self._producer_hits.clear()
         if self._poisoned:
             self._unpoison(getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
         return meta
@@ -215,9 +249,14 @@ class SchedulerSide:
         return False, None
 
     def get_stats(self) -> ECStoreConnectorStats | None:
+        if self._shared is not None:
+            self.stats.merge(self._shared.take_delta())
         return self.stats.snapshot_and_reset()
 
     def shutdown(self) -> None:
+        if self._shared is not None:
+            self._shared.close(remove=True)
+            self._shared = None
         if self.store is not None:
             pending = [i for i, reqs in self._inflight.items() for _ in reqs] + list(self._step_hits)
             self._release(pending)

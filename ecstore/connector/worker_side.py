@@ -14,6 +14,20 @@ Runs in each worker process, called from the model-runner thread.
   its safetensors blob) and hands it to the store, whose background writer
   does the LMDB write. With tensor parallelism only rank 0 writes to disk;
   every rank of a memory-only store keeps its own copy (no I/O).
+* Visibility on encode-only producers (``ec_producer``, which vLLM 0.32 runs
+  as an encoder-only engine): at the end of every step that saved,
+  ``build_worker_meta`` (the last connector call of the step, made before the
+  step's output leaves the model runner) waits until the writer has
+  committed those saves to LMDB. So when a request's output leaves the
+  engine, every entry it saved is visible to every process on the store,
+  and a PD instance that receives the request next finds it. vLLM 0.32 has
+  no way to hold back a finished request's output until the connector is
+  done (``request_finished`` only delays freeing blocks), hence the wait;
+  the commit itself started on the background writer when ``save_caches``
+  handed the entry over. ``ec_both`` instances do not wait (their step
+  goes on to the language model; entries appear when the writer commits).
+* Counters of encode-only producers go to a shared record read by the
+  scheduler side (``shared_stats``): vLLM drops their worker metadata.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from ..errors import ECStoreError
 from ..memory import MemoryItem
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata
+from .shared_stats import SharedCounters, record_path
 
 log = logging.getLogger("ecstore")
 
@@ -70,6 +85,12 @@ class WorkerSide:
         self._stats: dict[str, float] = {}
         self._rank: int | None = None
         self._disk_evictions_seen = 0
+        # Encode-only producer: commit each step's saves before its output
+        # leaves the engine, and report counters through the shared record.
+        self.encode_only = is_producer and not is_consumer
+        self._uncommitted = False  # a save of this step is not committed yet
+        self._shared: SharedCounters | None = None
+        self._record_path = record_path(vllm_config) if self.encode_only else None
         atexit.register(self.shutdown)
 
     def _count(self, key: str, value: float = 1) -> None:
@@ -153,6 +174,7 @@ class WorkerSide:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return
         if stored:
+            self._uncommitted = self._uncommitted or self.encode_only
             self._saved[mm_hash] = tensor_nbytes(tensor)
             self._count("saves")
             self._count("bytes_saved", tensor_nbytes(tensor))
@@ -161,12 +183,43 @@ class WorkerSide:
         self._count("save_seconds", time.perf_counter() - t0)
 
     # -- reporting ------------------------------------------------------------
+    def _commit_step_saves(self) -> None:
+        """Encode-only producers: block until this step's saves are committed
+        (visible to other processes). Only the commit is waited for; a failed
+        write is logged by the store and the entry is simply absent."""
+        self._uncommitted = False
+        t0 = time.perf_counter()
+        try:
+            self.store.wait_committed()
+        except ECStoreError as e:
+            log.warning("ecstore: waiting for this step's saves to be committed failed: %s", e)
+        self._count("commit_seconds", time.perf_counter() - t0)
+
+    def _publish_counters(self) -> None:
+        """Encode-only producers: add this step's counters to the shared record."""
+        if self._rank is None:
+            self._rank = _tp_rank()
+        if self._rank == 0 and self._stats:
+            if self._shared is None and self._record_path is not None:
+                try:
+                    self._shared = SharedCounters(self._record_path)
+                except OSError as e:
+                    log.warning("ecstore: worker counters will not be reported (stats record: %s)", e)
+                    self._record_path = None
+            if self._shared is not None:
+                self._shared.add(self._stats)
+        self._stats = {}
+
     def build_worker_meta(self) -> ECStoreWorkerMetadata | None:
+        if self._uncommitted:
+            self._commit_step_saves()
         if self.store.disk is not None:
             evictions = self.store.disk.evictions
             if evictions > self._disk_evictions_seen:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions
+        if self.encode_only:
+            self._publish_counters()  # vLLM would drop them with the metadata
         wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
                                    failed=self._failed, cleared=self._cleared, stats=self._stats)
         self._saved, self._evicted, self._loaded, self._failed, self._stats = {}, [], [], [], {}
@@ -174,6 +227,9 @@ class WorkerSide:
         return None if wm.is_empty() else wm
 
     def shutdown(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         try:
             self.store.close()
         except Exception as e:  # never raise during interpreter/engine teardown
