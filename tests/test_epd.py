@@ -234,3 +234,44 @@ def test_step_end_waits_for_the_commit(tiny_model_dir, disk_extra):
         reader.close()
         sched.shutdown()
         worker.shutdown()
+
+
+def test_consumer_never_waits_for_a_writer(tiny_model_dir, disk_extra):
+    """A PD instance (ec_consumer) looks up, pins and loads without the
+    store's write lock: while another process (an encoder instance
+    committing, say) holds it, the consumer's whole step completes."""
+    cfg = vo.vllm_config(tiny_model_dir, "ec_consumer", disk_extra)
+    sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
+    worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+    seed(sched, {A: encoder_output(A)})
+    holder = subprocess.Popen([sys.executable, str(HELPERS / "lmdb_lock_holder.py"), disk_extra["local_disk"]],
+                              text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    cache: dict[str, torch.Tensor] = {}
+    answers: dict[str, bool] = {}
+
+    def pd_step() -> None:
+        answers["A"], answers["B"] = sched.has_cache_item(A), sched.has_cache_item(B)
+        req = vo.make_request("r1", [A, B])
+        sched.update_state_after_alloc(req, 0)
+        sched.update_state_after_alloc(req, 1)
+        worker.bind_connector_metadata(sched.build_connector_meta(vo.SchedulerOutput.make_empty()))
+        worker.start_load_caches(cache)
+        cache[B] = encoder_output(B)  # computed; a consumer saves nothing
+        worker.save_caches(cache, B)
+        worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        step = threading.Thread(target=pd_step, daemon=True)
+        step.start()
+        step.join(timeout=300)  # a hang guard: the step needs milliseconds
+        assert not step.is_alive(), "the consumer's step waited for the write lock"
+        assert answers == {"A": True, "B": False}
+        assert torch.equal(cache[A], encoder_output(A))
+    finally:
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        holder.wait(timeout=60)
+        sched.shutdown()
+        worker.shutdown()
