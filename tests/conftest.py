@@ -49,17 +49,14 @@ def _ecstore_logs_to_caplog(caplog: pytest.LogCaptureFixture):
 # vLLM connector tests (tests/test_connector_*.py)
 # ---------------------------------------------------------------------------
 # The tiny random BLIP-2 that the real vLLM (CPU build) serves. Built once
-# into the repository's .cache/ (gitignored); tools/tiny_model.py reuses a
+# into the repository's .cache/ (gitignored); ecstore.testing.tiny_model reuses a
 # finished build whose marker matches and locks concurrent builds.
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    import sys
+    from ecstore.testing import tiny_model
 
     repo = Path(__file__).resolve().parents[1]
-    if str(repo / "tools") not in sys.path:
-        sys.path.insert(0, str(repo / "tools"))
-    import tiny_model
 
     return tiny_model.build_tiny_blip2(repo / ".cache" / "tiny_blip2")
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -32,12 +31,10 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from conftest import gib  # noqa: E402
-from ecstore import ECStore, ECStoreConfig, InvalidEntryError, parse_key  # noqa: E402
-from ecstore.key import MAX_IDENTIFIER_BYTES, MAX_MODEL_NAME_BYTES  # noqa: E402
-from helpers.tensors import make_tensor, raw_bytes  # noqa: E402
+from conftest import gib
+from ecstore import ECStore, ECStoreConfig, InvalidEntryError, parse_key
+from ecstore.key import MAX_IDENTIFIER_BYTES, MAX_MODEL_NAME_BYTES
+from helpers.tensors import make_tensor, raw_bytes
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*(Sparse CSR|quantize_per_tensor|nested tensors|ComplexHalf).*:UserWarning")

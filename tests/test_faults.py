@@ -26,15 +26,13 @@ import pytest
 import torch
 
 from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError
-from helpers import fault_common as fc
+from ecstore.testing import faults as fc
 from helpers import fault_fs
 from helpers import fault_workers as fw
 from helpers.fault_workers import blob_tensor, cfg, open_store
 from helpers.tensors import assert_same, make_tensor
 
-sys.path.insert(0, str(fc.REPO / "tools"))
-import stress_concurrency  # noqa: E402
-import stress_crash  # noqa: E402
+from ecstore.testing import stress_concurrency, stress_crash  # noqa: E402
 
 MODEL = fc.MODEL
 MiB = 1 << 20

@@ -55,13 +55,18 @@ def test_parse_key_rejects_non_keys(bad):
     assert not key.looks_like_key(bad)
 
 
-@given(model=st.text(min_size=1, max_size=40).filter(lambda s: "\x00" not in s and not any(0xD800 <= ord(c) < 0xE000 for c in s)),
-       ident=st.text(min_size=1, max_size=60).filter(lambda s: not any(0xD800 <= ord(c) < 0xE000 for c in s)))
+def _no_surrogates(s: str) -> bool:
+    return not any(0xD800 <= ord(c) < 0xE000 for c in s)
+
+
+@given(model=st.text(min_size=1, max_size=40).filter(lambda s: "\x00" not in s and _no_surrogates(s)),
+       ident=st.text(min_size=1, max_size=60).filter(_no_surrogates))
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 def test_parse_key_round_trips_any_model(model, ident):
     k = ecstore.make_key(key.check_model(model), ecstore.chunk_hash(key.check_identifier(ident)), "bfloat16")
     p = ecstore.parse_key(k)
-    assert (p.model, p.world_size, p.worker_id, p.chunk_hash, p.dtype) == (model, 1, 0, ecstore.chunk_hash(ident), "bfloat16")
+    want = (model, 1, 0, ecstore.chunk_hash(ident), "bfloat16")
+    assert (p.model, p.world_size, p.worker_id, p.chunk_hash, p.dtype) == want
 
 
 @pytest.mark.parametrize("ident", ["a@b@c", "img/1/2", "nul\x00inside", "\x00", "é" * 2048, "x" * 4096,
@@ -209,7 +214,7 @@ def test_corrupted_blob_raises_corrupt_blob_error(dtype):
     blob = codec.encode(t, identifier="img", model=MODEL)
     good = codec.checksum(blob)
     seen = 0
-    for name, bad, header_ok in _corruptions(bytearray(blob)):
+    for _name, bad, header_ok in _corruptions(bytearray(blob)):
         with pytest.raises(CorruptBlobError):
             codec.decode(bad, expected_checksum=good)
         if not header_ok:  # caught by the header checks alone

@@ -65,7 +65,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
-sys.path.insert(0, str(TOOLS))
+# tools/ is sys.path[0] when this runs as a script: bench_peers, bench_report import from here.
 
 import torch  # noqa: E402
 
@@ -184,7 +184,7 @@ class Bench:
     # -- vLLM ------------------------------------------------------------------
     def vllm_config(self):
         if self.vcfg is None:
-            import tiny_model
+            from ecstore.testing import tiny_model
             from vllm.config import ECTransferConfig
             from vllm.engine.arg_utils import EngineArgs
 
@@ -266,7 +266,6 @@ def sec_floor(b: Bench) -> None:
               workload=name, note="same bytes")
         b.add("floor", "clone() (fresh allocation)", [timed(lambda: src.clone()) for _ in range(reps)],
               workload=name, note="includes page faults of new memory")
-        del dst
     fill_ratios(b, "floor")
 
 

@@ -182,7 +182,7 @@ def cmd_get(args) -> None:
                 r["torch.empty + copy (today)"] = med_ms(fresh)
                 r["hugepage alloc + copy"] = med_ms(huge)
                 r["copy into preallocated"] = med_ms(prealloc)
-                del blob, view
+                blob = view = None  # LMDB buffers must not outlive the transaction
             base = r["memcpy"]
             print(f"{name:8s} " + " | ".join(f"{k} {v:.3f} ({v / base:.1f}x)" for k, v in r.items()))
     finally:

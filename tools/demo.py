@@ -61,7 +61,7 @@ from typing import Any, Callable
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
-sys.path.insert(0, str(TOOLS))
+# tools/ is sys.path[0] when this runs as a script: demo_report, demo_server import from here.
 
 import demo_report  # noqa: E402
 import demo_server  # noqa: E402
@@ -165,7 +165,7 @@ class ImageSet:
 
 
 def data_url(seed: int, size: int) -> str:
-    import tiny_model
+    from ecstore.testing import tiny_model
 
     buf = io.BytesIO()
     tiny_model.make_image(seed, size).save(buf, format="PNG")
@@ -236,7 +236,7 @@ def server_argv(model: ModelInfo, args: argparse.Namespace, port: int,
                 ec_cfg: dict[str, Any] | None) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     if model.tiny:
-        import tiny_model
+        from ecstore.testing import tiny_model
 
         base = tiny_model.server_args(model.path)
         i = base.index("--limit-mm-per-prompt")
@@ -506,7 +506,7 @@ class Demo:
             path = str(p.resolve()) if p.exists() else a.model
             say(f"Model: {path} (given with --model{'; a tiny BLIP-2 built by tools/tiny_model.py' if tiny else ''})")
         else:
-            import tiny_model
+            from ecstore.testing import tiny_model
 
             say(f"Model: tiny random-weight BLIP-2, heavy vision tower (448 px, 6 layers), cached in "
                 f"{DEFAULT_MODEL_DIR}")
@@ -552,7 +552,6 @@ class Demo:
         return 0
 
     def run_connector(self, c: str, sets: list[ImageSet], news: list[ImageSet]) -> dict[str, Any]:
-        a = self.args
         work = self.work / c
         work.mkdir(parents=True, exist_ok=True)
         rec: dict[str, Any] = {"title": TITLES[c], "ec_transfer_config": ec_transfer_config(c, work)}

@@ -27,11 +27,9 @@ import argparse
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import tiny_model  # noqa: E402
+from ecstore.testing import tiny_model  # noqa: E402
 
 METRICS_PREFIX = "EC Transfer metrics"
 

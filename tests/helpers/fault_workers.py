@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ecstore import ECStore, ECStoreConfig, SchemaError, StoreFullError, StoreOpenError
-from helpers import fault_common as fc
+from ecstore.testing import faults as fc
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -20,15 +20,13 @@ Importing this module imports vLLM.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import tiny_model  # noqa: E402
+from ecstore.testing import tiny_model  # noqa: E402
 
 tiny_model.setup_single_process_env()
 

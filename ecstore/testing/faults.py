@@ -15,8 +15,7 @@ scripts (tools/stress_crash.py, tools/stress_concurrency.py).
   a crash (SIGBUS, SIGSEGV) or a hang is reported instead of taking the
   caller down.
 
-Importable as ``helpers.fault_common`` (tests, tools put ``tests/`` on
-sys.path).
+Importable as ``ecstore.testing.faults``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -38,7 +36,6 @@ import torch
 from ecstore import codec
 from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 COLS = 512  # bf16 columns: one row is 1 KiB
 ROW_BYTES = COLS * 2
@@ -178,15 +175,12 @@ def run_verify_cli(path: str | os.PathLike, timeout: float = 300) -> subprocess.
 # Worker processes
 # --------------------------------------------------------------------------
 
-_PRELOAD = ["torch", "numpy", "lmdb", "ecstore", "ecstore.cli", "helpers.fault_common"]
+_PRELOAD = ["torch", "numpy", "lmdb", "ecstore", "ecstore.cli", "ecstore.testing.faults"]
 
 
 def mp_context() -> multiprocessing.context.BaseContext:
     """The forkserver context (server started on first use, then reused)."""
     ctx = multiprocessing.get_context("forkserver")
-    tests_dir = str(REPO / "tests")
-    if tests_dir not in sys.path:  # the server must import helpers.fault_common
-        sys.path.insert(0, tests_dir)
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 

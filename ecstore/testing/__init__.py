@@ -1,0 +1,13 @@
+"""Test support shipped with ecstore (nothing in ``ecstore`` itself imports it).
+
+* :mod:`ecstore.testing.tiny_model` -- builds a tiny random-weight BLIP-2 (no
+  download) and the engine settings that run it on a CPU.
+* :mod:`ecstore.testing.faults` -- content as a function of an id, a full
+  consistency audit of a store, forkserver workers that can be SIGKILLed.
+* :mod:`ecstore.testing.stress_crash`, :mod:`ecstore.testing.stress_concurrency`
+  -- the crash and concurrency stress runs; ``tools/stress_*.py`` are their
+  command lines and ``tests/test_faults.py`` runs them with smaller settings.
+
+The test suite and the tools share code through this package instead of
+``sys.path`` edits.
+"""
