@@ -40,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ecstore import ECStore, ECStoreConfig  # noqa: E402
+from ecstore import ECStore, ECStoreConfig
 
 WIDTH = 3584  # a 7B VLM's hidden size (Qwen2.5-VL-7B)
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

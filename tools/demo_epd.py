@@ -40,10 +40,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import demo_server  # noqa: E402
-import tiny_model  # noqa: E402
-from demo_server import Server  # noqa: E402
+# tools/ is sys.path[0] when this runs as a script: demo_server imports from here.
+import demo_server
+from demo_server import Server
+
+from ecstore.testing import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -59,12 +60,12 @@ def say(msg: str = "") -> None:
 # ------------------------------------------------------------------- proxy
 class _ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # the body ends when the connection closes
-    server: "EPDProxy"
+    server: EPDProxy
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet
         return
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         if self.path != "/v1/chat/completions":
             self.send_error(404)
             return

@@ -31,13 +31,12 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_model  # noqa: E402
-from engine_run import _MetricsCapture  # noqa: E402
+from ecstore.testing import tiny_model
+
+# This script's directory is sys.path[0] when it runs: engine_run is a sibling.
+from engine_run import _MetricsCapture
 
 _RECORD: dict[str, Any] = {"embeds": [], "encoded": 0}
 
