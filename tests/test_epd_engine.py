@@ -11,7 +11,7 @@ language model are bit-identical to a single instance without a connector
 already holds, and the producers' saves show in vLLM's stats lines. Then two
 producers and two consumers at once on the same store.
 
-Five engine starts in all: the baseline, then P1/C1, then P2/C2.
+Five engine starts in all, one after the other: the baseline, P1, C1, then P2, C2.
 """
 
 from __future__ import annotations
@@ -117,11 +117,12 @@ def cluster(tiny_model_dir, work, extra):
     added by the second test)."""
     engines: dict[str, Engine] = {}
     try:
-        engines["base"] = Engine(tiny_model_dir, work / "base.log")
-        engines["P1"] = Engine(tiny_model_dir, work / "p1.log", "ec_producer", extra)
-        engines["C1"] = Engine(tiny_model_dir, work / "c1.log", "ec_consumer", extra)
-        for e in engines.values():
-            e.wait_ready()
+        # One start at a time: engines starting at once can pick the same
+        # free port for their distributed init.
+        for name, log, role in (("base", "base.log", None), ("P1", "p1.log", "ec_producer"),
+                                ("C1", "c1.log", "ec_consumer")):
+            engines[name] = Engine(tiny_model_dir, work / log, role, extra)
+            engines[name].wait_ready()
         yield engines
     finally:
         for e in engines.values():
@@ -166,8 +167,8 @@ def test_producer_then_consumer_one_request_at_a_time(cluster, baseline):
 def test_two_producers_two_consumers_on_one_store(cluster, baseline, tiny_model_dir, work, extra):
     P1, C1 = cluster["P1"], cluster["C1"]
     cluster["P2"] = P2 = Engine(tiny_model_dir, work / "p2.log", "ec_producer", extra)
-    cluster["C2"] = C2 = Engine(tiny_model_dir, work / "c2.log", "ec_consumer", extra)
     P2.wait_ready()
+    cluster["C2"] = C2 = Engine(tiny_model_dir, work / "c2.log", "ec_consumer", extra)
     C2.wait_ready()
 
     # Both producers at once, different images; then both consumers at once,

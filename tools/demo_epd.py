@@ -217,12 +217,14 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         model, tiny = str(tiny_model.build_tiny_blip2(DEFAULT_MODEL_DIR, heavy=True)), True
     say(f"Store: {store} (shared by both servers)")
     t0 = time.monotonic()
+    # One start at a time: engines starting at once can pick the same free
+    # port for their distributed init.
     e = start_server("E", model, tiny, "ec_producer", store, logs)
+    say(f"Starting E  (ec_producer, encoder-only) on {e.base_url} ...")
+    e.wait_healthy(args.startup_timeout)
     pd = start_server("PD", model, tiny, "ec_consumer", store, logs)
-    say(f"Starting E  (ec_producer, encoder-only) on {e.base_url} and "
-        f"PD (ec_consumer) on {pd.base_url} ...")
-    for s in (e, pd):
-        s.wait_healthy(args.startup_timeout)
+    say(f"Starting PD (ec_consumer) on {pd.base_url} ...")
+    pd.wait_healthy(args.startup_timeout)
     say(f"  both healthy after {time.monotonic() - t0:.0f} s")
     proxy = EPDProxy(args.proxy_port, e.base_url, pd.base_url)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
