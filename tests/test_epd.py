@@ -112,6 +112,8 @@ class EncoderEngine:
         ECConnectorModelRunnerMixin's context, run the encoder for the
         scheduled inputs (save_caches after each), nothing else."""
         features = {r.req_id: r.mm_features for r in out.scheduled_new_reqs}
+        for ident in out.free_encoder_mm_hashes:  # what vLLM's encoder cache evicted
+            self.encoder_cache.pop(ident, None)
         w = self.worker
         w.bind_connector_metadata(out.ec_connector_metadata)
         w.start_save_caches(encoder_cache=self.encoder_cache)
@@ -275,3 +277,34 @@ def test_consumer_never_waits_for_a_writer(tiny_model_dir, disk_extra):
         holder.wait(timeout=60)
         sched.shutdown()
         worker.shutdown()
+
+
+def test_item_served_from_vllms_own_cache_is_published_again(producer, disk_extra):
+    """An encode-only producer serves a repeat from vLLM's own encoder cache
+    without asking the connector or saving (save_caches never fires for it).
+    If the store lost the entry meanwhile (evicted by another process), the
+    worker stores it again from that cache in start_save_caches (vLLM passes
+    the encoder cache for this), so it is visible when the request's output
+    leaves. (It used to stay absent: the PD instance then encoded it.)"""
+    model = producer.connector._vllm_config.model_config.model
+    reader = Reader(disk_extra["local_disk"], model)
+    try:
+        producer.scheduler.add_request(vo.make_request("r1", [A]))
+        assert producer.step() == ["r1"] and reader.contains(A)
+        cfg = replace(producer.connector.config, local_cpu=False)
+        with ECStore(cfg, model=model, dtype=torch.float32) as st:  # "evicted" by another process
+            assert st.delete(A)
+        assert not reader.contains(A)
+        producer.scheduler.add_request(vo.make_request("r2", [A]))
+        assert producer.step() == ["r2"]
+        assert producer.encoded == [A]  # encoded once: r2 was served from vLLM's cache
+        assert reader.contains(A)  # ...and stored again before r2's output left
+        with ECStore(cfg, model=model, dtype=torch.float32, readonly=True) as st:
+            assert torch.equal(st.get(A), encoder_output(A))
+        assert producer.ec_stats.get("saves") == 2 and producer.ec_stats.get("save_skipped", 0) == 0
+        # A third request for A finds it stored: nothing is written again.
+        producer.scheduler.add_request(vo.make_request("r3", [A]))
+        assert producer.step() == ["r3"]
+        assert producer.ec_stats.get("saves") == 2 and producer.encoded == [A]
+    finally:
+        reader.close()

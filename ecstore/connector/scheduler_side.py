@@ -58,6 +58,7 @@ class SchedulerSide:
         self._acks: list[str] = []
         self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
         self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
+        self._producer_allocated: set[str] = set()  # producer-only: allocated this step
         # Producer-only (encode-only) instances: vLLM drops the worker
         # metadata, so worker counters come through a shared record.
         self._shared: SharedCounters | None = None
@@ -120,6 +121,7 @@ class SchedulerSide:
         identifier = feature.identifier
         if not self.is_consumer:
             # Announces nothing; counts what the store spared the encoder.
+            self._producer_allocated.add(identifier)
             if identifier in self._producer_hits:
                 self._producer_hits.discard(identifier)
                 self.stats.add("hits")
@@ -173,7 +175,8 @@ class SchedulerSide:
         return int(widths[modality]) if modality in widths else None
 
     def build_connector_meta(self, scheduler_output: Any) -> ECStoreConnectorMetadata:
-        meta = ECStoreConnectorMetadata(loads=self._loads, acks=self._acks)
+        meta = ECStoreConnectorMetadata(loads=self._loads, acks=self._acks,
+                                        publish=self._to_publish(scheduler_output))
         self._loads, self._acks = [], []
         if self._step_hits and self.store is not None:
             # has_cache_item said yes but vLLM did not allocate (e.g. no KV
@@ -184,6 +187,23 @@ class SchedulerSide:
         if self._poisoned:
             self._unpoison(getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
         return meta
+
+    def _to_publish(self, scheduler_output: Any) -> list[str]:
+        """Producer-only, disk store: the items of this step's new requests
+        that vLLM neither encodes nor asked about (served from its own
+        encoder cache, e.g. an image it encoded for an earlier request). The
+        worker stores those the store lost meanwhile (evicted), so a request's
+        items are in the store when its output leaves, as if computed now."""
+        allocated, self._producer_allocated = self._producer_allocated, set()
+        if self.is_consumer or self.store is None:
+            return []
+        out: list[str] = []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            for feature in getattr(new, "mm_features", None) or ():
+                ident = feature.identifier
+                if ident not in allocated and ident not in out:
+                    out.append(ident)
+        return out
 
     def _unpoison(self, identifiers) -> None:
         self._poisoned.difference_update(identifiers)

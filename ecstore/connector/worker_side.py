@@ -153,6 +153,30 @@ class WorkerSide:
         self.store.write_lru_soon()  # this step's hits: one LRU commit, off the step
 
     # -- saving -------------------------------------------------------------
+    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], meta: ECStoreConnectorMetadata) -> None:
+        """Before the step's encoder runs (producers): store the items vLLM
+        serves from its own encoder cache this step (``meta.publish``) that
+        the store no longer holds, so they are committed by the step's end
+        like the ones it computes. vLLM passes ``encoder_cache`` for exactly
+        this; ``save_caches`` never fires for such items."""
+        if not self.is_producer or not meta.publish:
+            return
+        for identifier in meta.publish:
+            if encoder_cache.get(identifier) is None:
+                continue  # computed later in this step (then saved) or not ours
+            try:
+                # The shared file is what counts: this process's memory tier
+                # may still hold an entry another process evicted from disk.
+                key = self.store.key(identifier)
+                if self.store.disk is None or self.store.disk.contains(key, identifier):
+                    continue
+                if self.store.memory is not None:
+                    self.store.memory.delete(key)  # stale copy: put would skip it
+            except ECStoreError as e:
+                log.warning("ecstore: lookup of %s failed, not re-publishing it: %s", identifier, e)
+                continue
+            self.save_caches(encoder_cache, identifier)
+
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self.is_producer:
             return
