@@ -18,6 +18,13 @@ One index for scheduler and workers
   acknowledges the eviction in a later step's metadata, so an entry announced
   before the scheduler learned of its eviction is still loadable.
 
+Producer-only instances (``ec_producer``; vLLM runs them encoder-only) answer
+``has_cache_item`` from the store too (a yes spares the encoder; nothing is
+pinned or loaded), and name the items of each step's new requests that vLLM
+serves from its own encoder cache (``publish``), which the worker stores again
+if the store lost them. Their worker counters arrive through a shared record
+(``shared_stats``): vLLM drops an encoder-only instance's worker metadata.
+
 A load is announced exactly for the items ``has_cache_item`` said yes to
 (vLLM then does not run the encoder for them). A load that fails anyway gets
 a stand-in from the worker and its request is failed; ``ensure_cache_available``
