@@ -308,3 +308,22 @@ def test_item_served_from_vllms_own_cache_is_published_again(producer, disk_extr
         assert producer.ec_stats.get("saves") == 2 and producer.encoded == [A]
     finally:
         reader.close()
+
+
+def test_bench_epd_runs(tmp_path):
+    """tools/bench_epd.py (the cost of the visibility commit) keeps working:
+    a small run produces a row per size and batch with every number. No
+    timing is asserted."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(HELPERS.parents[1] / "tools" / "bench_epd.py"),
+                           "--sizes", "0.05,0.2", "--reps", "2", "--batch", "3", "--encoder-ms", "10,20",
+                           "--dir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], round(r["mb"], 2)) for r in rows] == [(1, 0.05), (3, 0.05), (1, 0.2), (3, 0.2)]
+    for r in rows:
+        assert r["reps"] == 2 and r["commit_ms"] >= 0 and r["visible_ms"] >= r["commit_ms"]
+        assert r["commit_to_encoder"] >= 0
+    assert list(tmp_path.glob("bench-epd-*")) == []  # its store is removed
+    assert "commit/encoder" in proc.stdout
