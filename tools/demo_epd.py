@@ -19,7 +19,8 @@ small proxy, sharing one ecstore store.
    one new image straight to PD. For each request it prints where the encoder
    output came from, read from the servers' ``vllm:ec_store_*`` counters on
    ``/metrics`` before and after (E: computed and saved, or already stored;
-   PD: loaded from the store, or computed), E's time and the TTFT the client saw.
+   PD: loaded from the store, or computed), E's time, how long E's step waited for
+   the commit that makes its save visible to PD, and the TTFT the client saw.
 
 Writes ``OUT/demo_epd.json`` and the server logs to ``OUT/logs``; exits 1 if a
 request through the proxy was not computed on E and loaded on PD, or PD's log
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     plan = [("proxy", 100 + i) for i in range(args.images)] + [("PD only", 900)]
     proxy.records.clear()
-    say(f"{'#':>2}  {'route':<8} {'image':>5}  {'E ms':>7}  {'TTFT ms':>8}  encoder output")
+    say(f"{'#':>2}  {'route':<8} {'image':>5}  {'E ms':>7}  {'commit ms':>9}  {'TTFT ms':>8}  encoder output")
     for i, (route, seed) in enumerate(plan, 1):
         e_before, pd_before = counters(e), counters(pd)
         url = proxy.base_url if route == "proxy" else pd.base_url
@@ -252,7 +253,8 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                "token_ids": res["token_ids"]}
         rows.append(row)
         e_ms = f"{row['e_ms']:.0f}" if row["e_ms"] is not None else "-"
-        say(f"{i:>2}  {route:<8} {seed:>5}  {e_ms:>7}  {row['ttft_ms']:>8.0f}  {row['source']}")
+        commit = f"{e_d.get('commit_seconds', 0) * 1e3:.1f}" if e_d is not None else "-"
+        say(f"{i:>2}  {route:<8} {seed:>5}  {e_ms:>7}  {commit:>9}  {row['ttft_ms']:>8.0f}  {row['source']}")
     e_total, pd_total = counters(e), counters(pd)
     proxy.shutdown()
     for s in (e, pd):
