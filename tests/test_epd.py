@@ -327,3 +327,29 @@ def test_bench_epd_runs(tmp_path):
         assert r["commit_to_encoder"] >= 0
     assert list(tmp_path.glob("bench-epd-*")) == []  # its store is removed
     assert "commit/encoder" in proc.stdout
+
+
+def test_shared_counters_leave_no_file(tmp_path):
+    """The worker->scheduler counter record of an encode-only producer: the
+    second of its two users removes the file name at once (both keep their
+    mapping), so nothing is left behind even if the engine is killed; the
+    reader gets each counter's growth once."""
+    from ecstore.connector.shared_stats import SharedCounters
+
+    path = tmp_path / "ecstore-stats-x-dp0.bin"
+    reader = SharedCounters(str(path))  # the scheduler side, at engine start
+    assert path.exists()
+    writer = SharedCounters(str(path))  # worker rank 0, at its first step
+    assert not path.exists()
+    writer.add({"saves": 2, "bytes_saved": 100, "commit_seconds": 0.5, "unknown": 7})
+    assert reader.take_delta() == {"saves": 2, "bytes_saved": 100, "commit_seconds": 0.5}
+    assert reader.take_delta() == {}
+    writer.add({"saves": 1})
+    assert reader.take_delta() == {"saves": 1}
+    again = SharedCounters(str(path))  # a later engine under the same name: a fresh record
+    assert path.exists() and again.take_delta() == {}
+    reader.close(remove=True)  # not its file any more: left alone
+    assert path.exists()
+    again.close(remove=True)
+    assert not path.exists()
+    writer.close()

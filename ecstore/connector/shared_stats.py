@@ -12,8 +12,9 @@ the worker (the only writer) and the scheduler side (the only reader), which
 reports the growth since its previous read. The file lives in ``/dev/shm``
 (else the temp directory), is named after the engine (vLLM's
 ``instance_id``, which every process of one engine shares, and the data
-parallel rank) and holds no store data: it is outside the store, and the
-scheduler side removes it at shutdown.
+parallel rank) and holds no store data. Its two users are the scheduler side
+and worker rank 0: whichever opens it second removes the name at once (both
+keep their mappings), so no file outlives the engine even when it is killed.
 
 Consistency: each counter is one aligned 8-byte store, so a read never sees a
 torn value; a read may see one counter of a step updated and another not yet,
@@ -58,14 +59,19 @@ class SharedCounters:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd, first = _open_record(path)
         try:
             if os.fstat(fd).st_size < _SIZE:
                 os.ftruncate(fd, _SIZE)  # zero-filled; never shrinks a record in use
             self._mm = mmap.mmap(fd, _SIZE)
+            self._ino = os.fstat(fd).st_ino
         finally:
             os.close(fd)
         self._values = np.frombuffer(self._mm, dtype="<f8", count=len(COUNTERS))
+        if not first:
+            # Both sides (the creator and us) have it mapped now: drop the
+            # name, so nothing is left behind however the engine ends.
+            self._unlink_if_ours()
         # The reader's last totals: zero, so counts the worker added before
         # the scheduler side opened the record are reported too.
         self._seen = np.zeros(len(COUNTERS), dtype="<f8")
@@ -92,9 +98,30 @@ class SharedCounters:
         except (BufferError, AttributeError, ValueError):
             pass  # a view is still alive or already closed: the OS unmaps at exit
         if remove:
-            try:
+            self._unlink_if_ours()
+
+    def _unlink_if_ours(self) -> None:
+        """Remove the file name if it still names this record (not one a
+        later engine with the same name created)."""
+        try:
+            if os.stat(self.path).st_ino == self._ino:
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("ecstore: could not remove the stats record %s: %s", self.path, e)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("ecstore: could not remove the stats record %s: %s", self.path, e)
+
+
+def _open_record(path: str) -> tuple[int, bool]:
+    """(fd, created by this call). The scheduler side and worker rank 0 of an
+    engine each open the record once; whichever comes second unlinks it."""
+    for _ in range(3):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, os.O_RDWR), False
+        except FileNotFoundError:
+            continue  # unlinked in between: create it afresh
+    raise OSError(f"could not open the stats record {path}")

@@ -220,17 +220,18 @@ class WorkerSide:
         self._count("commit_seconds", time.perf_counter() - t0)
 
     def _publish_counters(self) -> None:
-        """Encode-only producers: add this step's counters to the shared record."""
+        """Encode-only producers: add this step's counters to the shared record
+        (opened at the first step: the scheduler side has created it by then)."""
         if self._rank is None:
             self._rank = _tp_rank()
-        if self._rank == 0 and self._stats:
+        if self._rank == 0:
             if self._shared is None and self._record_path is not None:
                 try:
                     self._shared = SharedCounters(self._record_path)
                 except OSError as e:
                     log.warning("ecstore: worker counters will not be reported (stats record: %s)", e)
                     self._record_path = None
-            if self._shared is not None:
+            if self._shared is not None and self._stats:
                 self._shared.add(self._stats)
         self._stats = {}
 
