@@ -1,10 +1,13 @@
 """Worker counters of an encode-only instance, handed to its scheduler side.
 
-vLLM 0.32 runs an ``ec_producer``-only instance as an encoder-only engine: its
-model runner returns ``make_empty_encoder_model_runner_output`` and drops the
-step's EC connector output, worker metadata included. The counters ecstore
-sends in that metadata (saves, saved bytes, save and commit time, skips,
-evictions) would never reach vLLM's stats log or ``/metrics``.
+vLLM 0.32 runs an ``ec_producer``-only instance as an encoder-only engine. Its
+V1 model runner (the one vLLM's CPU backend and, where Model Runner V2 is not
+selected, GPUs use) returns ``make_empty_encoder_model_runner_output`` and
+drops the step's EC connector output, worker metadata included: the counters
+ecstore sends there (saves, saved bytes, save and commit time, skips,
+evictions) would never reach vLLM's stats log or ``/metrics``. (V2's
+encoder-only runner keeps the output; the counters take this route there too,
+so they are counted once either way.)
 
 Instead, the worker adds them to a small shared record: a file of
 ``len(COUNTERS)`` little-endian float64 cumulative totals, memory-mapped by
