@@ -34,8 +34,8 @@ class ECStoreConnectorMetadata(ECConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
-    #: producer-only: identifiers of this step's new requests that vLLM does
-    #: not encode this step (its own encoder cache holds them); the worker
+    #: producer-only: identifiers of this step's requests that vLLM does not
+    #: encode this step (its own encoder cache may hold them); the worker
     #: stores any it holds that the store lacks (``start_save_caches``).
     publish: list[str] = field(default_factory=list)
 

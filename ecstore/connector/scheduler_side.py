@@ -20,9 +20,9 @@ One index for scheduler and workers
 
 Producer-only instances (``ec_producer``; vLLM runs them encoder-only) answer
 ``has_cache_item`` from the store too (a yes spares the encoder; nothing is
-pinned or loaded), and name the items of each step's new requests that vLLM
-serves from its own encoder cache (``publish``), which the worker stores again
-if the store lost them. Their worker counters arrive through a shared record
+pinned or loaded), and name the items of each step's requests that vLLM does
+not encode in that step (``publish``): those its own encoder cache serves, the
+worker stores again if the store lost them. Their worker counters arrive through a shared record
 (``shared_stats``): vLLM drops an encoder-only instance's worker metadata.
 
 A load is announced exactly for the items ``has_cache_item`` said yes to
@@ -66,6 +66,7 @@ class SchedulerSide:
         self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
         self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
         self._producer_allocated: set[str] = set()  # producer-only: allocated this step
+        self._req_items: dict[str, list[str]] = {}  # producer-only: req_id -> its item identifiers
         # Producer-only (encode-only) instances: vLLM drops the worker
         # metadata, so worker counters come through a shared record.
         self._shared: SharedCounters | None = None
@@ -196,18 +197,22 @@ class SchedulerSide:
         return meta
 
     def _to_publish(self, scheduler_output: Any) -> list[str]:
-        """Producer-only, disk store: the items of this step's new requests
-        that vLLM neither encodes nor asked about (served from its own
+        """Producer-only, disk store: the items of this step's requests that
+        vLLM neither encodes nor asked about this step (served from its own
         encoder cache, e.g. an image it encoded for an earlier request). The
         worker stores those the store lost meanwhile (evicted), so a request's
         items are in the store when its output leaves, as if computed now."""
         allocated, self._producer_allocated = self._producer_allocated, set()
         if self.is_consumer or self.store is None:
             return []
-        out: list[str] = []
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            for feature in getattr(new, "mm_features", None) or ():
-                ident = feature.identifier
+            self._req_items[new.req_id] = [f.identifier for f in getattr(new, "mm_features", None) or ()]
+        # Every request scheduled this step (a long prompt may take several
+        # steps): items vLLM encodes later are not in its cache yet, and the
+        # worker skips those the store holds (one read each).
+        out: list[str] = []
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
+            for ident in self._req_items.get(req_id, ()):
                 if ident not in allocated and ident not in out:
                     out.append(ident)
         return out
@@ -271,6 +276,7 @@ class SchedulerSide:
         # A request that ends before its load was reported (aborted) must not
         # keep its entries pinned.
         self._failed_reqs.discard(request.request_id)
+        self._req_items.pop(request.request_id, None)
         self._finish_loads([(request.request_id, f.identifier)
                             for f in getattr(request, "mm_features", None) or []])
         return False, None
