@@ -357,6 +357,20 @@ class ECStore:
         if errors:
             raise StoreFullError(f"{len(errors)} write(s) failed since the last flush: {errors[-1]}")
 
+    def wait_committed(self) -> None:
+        """Block until every put this handle made so far is committed to LMDB.
+
+        After it returns, ``contains``/``get`` in every other process on the
+        same ``local_disk`` see those entries (read-your-writes across
+        processes), except puts that failed (disk full...), which
+        :meth:`flush` reports. Unlike :meth:`flush` it adds no fsync of its own:
+        the cost is the writer's commit of what is queued (each commit syncs
+        the data pages; see ``lmdb_tier``). No-op without a disk tier.
+        """
+        self._check()
+        if self._writer is not None:
+            self._writer.drain()
+
     def close(self) -> None:
         """Flush pending writes and release the store. Idempotent."""
         if self._closed or os.getpid() != self._pid:

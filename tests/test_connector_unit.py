@@ -269,19 +269,25 @@ def test_unallocated_yes_is_released(connectors, disk_extra):
 
 
 def test_producer_never_loads(connectors, disk_extra, caplog):
+    """ec_producer (encode-only): has_cache_item answers from the store, so
+    vLLM does not run the encoder for a present item; nothing is announced,
+    leased or loaded. (It used to answer no: a present image was encoded
+    again and the save skipped.)"""
     sched, worker = connectors("ec_producer", disk_extra)
     t_a = embedding(1)
     seed_store(sched, {A: t_a})
     before = snapshot(sched)
     caplog.clear()
     req = vo.make_request("r1", [A, B])
-    assert sched.has_cache_item(A) is False  # present, but a producer computes
-    assert leased(sched, A) == set()
+    assert sched.has_cache_item(A) is True  # present: vLLM skips its encoder
+    assert sched.has_cache_item(B) is False
+    assert leased(sched, A) == set()  # nothing to load, nothing pinned
     sched.update_state_after_alloc(req, 0)
     sched.update_state_after_alloc(req, 1)
     meta = sched.build_connector_meta(empty_output())
     assert meta.loads == []
-    assert sched.get_ec_connector_stats() is None
+    stats = sched.get_ec_connector_stats()
+    assert stats is not None and (stats.data["hits"], stats.data["misses"]) == (1, 1)
 
     # Even a load announced by someone else is not performed.
     cache: dict[str, torch.Tensor] = {}
@@ -291,13 +297,17 @@ def test_producer_never_loads(connectors, disk_extra, caplog):
     worker.clear_connector_metadata()
     assert cache == {}
 
-    # It saves what it computes; a present key is skipped (entry untouched).
-    wm = worker_step(worker, meta, cache, computed={A: embedding(7), B: embedding(2)})
-    assert wm.saved == {B: NBYTES} and wm.stats["save_skipped"] == 1 and wm.stats["saves"] == 1
-    worker.worker_side.store.flush()
-    after = snapshot(sched)
+    # It saves what it computes; a present key (stored by another producer
+    # in the meantime) is skipped, the entry untouched. Its counters reach
+    # the scheduler side's stats although vLLM drops its worker metadata.
+    worker_step(worker, meta, cache, computed={A: embedding(7), B: embedding(2)})
+    after = snapshot(sched)  # committed by the end of the step: no flush needed
     assert after[A] == before[A] and set(after) == {A, B}
     assert put_lines(caplog) == [f"EC put: stored {NBYTES} bytes for mm_hash={B}"]
+    stats = sched.get_ec_connector_stats()
+    assert stats is not None
+    assert (stats.data["saves"], stats.data["save_skipped"], stats.data["bytes_saved"]) == (1, 1, NBYTES)
+    assert stats.data["save_seconds"] > 0 and stats.data["commit_seconds"] > 0
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["empty-store", "existing-store"])
@@ -513,7 +523,8 @@ def test_memory_only_producer_keeps_no_evicted_tensors(connectors):
     sched, worker = connectors("ec_producer", extra)
     computed = {ident: embedding(i) for i, ident in enumerate([A, B, C, "d4" * 32])}
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), {}, computed)
-    assert wm.evicted == [A, B] and wm.stats["evictions"] == 2
+    assert wm.evicted == [A, B]
+    assert sched.get_ec_connector_stats().data["evictions"] == 2  # via the shared record
     assert worker.worker_side._limbo == {}
     assert worker.worker_side.store.stats().memory_entries == 2
 
@@ -544,7 +555,7 @@ def test_stats_reduce_aggregate_and_vllm_logging(tiny_model_dir, disk_extra):
         "hits": 3, "misses": 1, "hit_rate": 0.75, "loads": 3, "load_failures": 0, "recomputed": 0,
         "rejected": 0, "saves": 1,
         "save_skipped": 2, "MB_loaded": round(3 * NBYTES / 1e6, 3), "MB_saved": round(NBYTES / 1e6, 3),
-        "load_ms": 2.0, "save_ms": 1.0, "evictions": 4}
+        "load_ms": 2.0, "save_ms": 1.0, "evictions": 4, "commit_ms": 0.0}
     both = stats.aggregate(ECStoreConnector.build_ec_connector_stats({"hits": 1, "misses": 3}))
     assert (both.reduce()["hits"], both.reduce()["misses"], both.reduce()["hit_rate"]) == (4, 4, 0.5)
     assert stats.data["hits"] == 3  # aggregate does not modify its inputs
@@ -596,6 +607,8 @@ def test_prometheus_counters(tiny_model_dir, disk_extra):
     prom.observe({"hits": 5}, engine_idx=1)
     assert (value("hits"), value("misses"), value("loads"), value("saves")) == (3, 1, 2, 1)
     assert value("loaded_bytes") == 2 * NBYTES and value("saved_bytes") == NBYTES
+    prom.observe({"save_skipped": 2, "commit_seconds": 0.25}, engine_idx=0)
+    assert (value("save_skipped"), value("commit_seconds")) == (2, 0.25)
     assert value("hits", engine="1") == 5
 
 

@@ -89,6 +89,13 @@ class ECStoreConnector(ECConnectorBase):
         assert isinstance(meta, ECStoreConnectorMetadata)
         self.worker_side.start_load_caches(encoder_cache, meta)
 
+    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
+        if self.worker_side is None or encoder_cache is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ECStoreConnectorMetadata)
+        self.worker_side.start_save_caches(encoder_cache, meta)
+
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         assert self.worker_side is not None
         self.worker_side.save_caches(encoder_cache, mm_hash)

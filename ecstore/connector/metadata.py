@@ -46,6 +46,10 @@ class ECStoreConnectorMetadata(ECConnectorMetadata):
     #: the item here and the runner encodes it in this step, before any token
     #: of the request is computed. None when unavailable.
     encoder_inputs: dict[str, list[int]] | None = None
+    #: producer-only: identifiers of this step's requests that vLLM does not
+    #: encode this step (its own encoder cache may hold them); the worker
+    #: stores any it holds that the store lacks (``start_save_caches``).
+    publish: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -22,6 +22,13 @@ Entries are read under the engine's encoder identity (ecstore.identity): an
 entry of another identity is a miss. Identifiers vLLM made up per process
 (``renderer<rank>-mm-<n>-...``) are never looked up.
 
+Producer-only instances (``ec_producer``; vLLM runs them encoder-only) answer
+``has_cache_item`` from the store too (a yes spares the encoder; nothing is
+pinned or loaded), and name the items of each step's requests that vLLM does
+not encode in that step (``publish``): those its own encoder cache serves, the
+worker stores again if the store lost them. Their worker counters arrive through a shared record
+(``shared_stats``): vLLM drops an encoder-only instance's worker metadata.
+
 A load is announced exactly for the items ``has_cache_item`` said yes to
 (vLLM then does not run the encoder for them). Before saying yes, the entry's
 record is checked against what the request expects (rows from
@@ -46,6 +53,7 @@ from ..errors import ECStoreError
 from ..identity import EncoderIdentity
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
+from .shared_stats import SharedCounters, record_path
 from .stats import ECStoreConnectorStats
 from .vllm_identity import CLIENT_UUID_WARNING, kept_out
 
@@ -67,6 +75,17 @@ class SchedulerSide:
         self.mirror: dict[str, int] = {}  # memory-only: identifier -> bytes held by workers
         self._acks: list[str] = []
         self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
+        self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
+        self._producer_allocated: set[str] = set()  # producer-only: allocated this step
+        self._req_items: dict[str, list[str]] = {}  # producer-only: req_id -> its item identifiers
+        # Producer-only (encode-only) instances: vLLM drops the worker
+        # metadata, so worker counters come through a shared record.
+        self._shared: SharedCounters | None = None
+        if is_producer and not is_consumer:
+            try:
+                self._shared = SharedCounters(record_path(vllm_config))
+            except OSError as e:
+                log.warning("ecstore: worker counters will not be reported (stats record: %s)", e)
         self._loads: list[LoadSpec] = []
         self._inflight: dict[str, set[str]] = defaultdict(set)  # identifier -> req_ids awaiting load
         self._unavailable: set[str] = set()
@@ -85,8 +104,10 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        if not self.is_consumer or self._kept_out(identifier):
+        if self._kept_out(identifier):
             return False
+        if not self.is_consumer:
+            return self._producer_has(identifier)
         if identifier in self._step_hits:
             # Already answered yes this step (and pinned) for a request that
             # was not allocated after all: the pin is still ours to hand on.
@@ -134,10 +155,34 @@ class SchedulerSide:
                             f" of width {sorted(widths)}" if widths else "")
         return ok
 
+    def _producer_has(self, identifier: str) -> bool:
+        """A producer-only instance (vLLM runs it encode-only) answers from the
+        store too: a yes makes vLLM skip its encoder for the item, and there
+        is nothing to load (vLLM calls no load on producers; no lease is
+        taken). Memory-only: its workers' reports never reach this side
+        (vLLM drops an encode-only instance's worker metadata), so no."""
+        if self.store is None:
+            return False
+        try:
+            found = self.store.contains(identifier)
+        except ECStoreError as e:
+            log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
+            return False
+        if found:
+            self._producer_hits.add(identifier)
+        return found
+
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
         identifier = feature.identifier
         if not self.is_consumer:
+            # Announces nothing; counts what the store spared the encoder.
+            self._producer_allocated.add(identifier)
+            if identifier in self._producer_hits:
+                self._producer_hits.discard(identifier)
+                self.stats.add("hits")
+            else:
+                self.stats.add("misses")
             return
         # Announce a load exactly when has_cache_item said yes: then vLLM
         # did not schedule the encoder for it. Anything else is computed.
@@ -198,16 +243,40 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> ECStoreConnectorMetadata:
         meta = ECStoreConnectorMetadata(loads=self._loads, acks=self._acks,
-                                        encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None))
+                                        encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None),
+                                        publish=self._to_publish(scheduler_output))
         self._loads, self._acks = [], []
         if self._step_hits and self.store is not None:
             # has_cache_item said yes but vLLM did not allocate (e.g. no KV
             # space this step): let go; it will be asked again.
             self._release(list(self._step_hits))
         self._step_hits = set()
+        self._producer_hits.clear()
         if self._poisoned:
             self._unpoison(getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
         return meta
+
+    def _to_publish(self, scheduler_output: Any) -> list[str]:
+        """Producer-only, disk store: the items of this step's requests that
+        vLLM neither encodes nor asked about this step (served from its own
+        encoder cache, e.g. an image it encoded for an earlier request). The
+        worker stores those the store lost meanwhile (evicted), so a request's
+        items are in the store when its output leaves, as if computed now."""
+        allocated, self._producer_allocated = self._producer_allocated, set()
+        if self.is_consumer or self.store is None:
+            return []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            self._req_items[new.req_id] = [f.identifier for f in getattr(new, "mm_features", None) or ()]
+        # Every request scheduled this step (a long prompt may take several
+        # steps): items vLLM encodes later are not in its cache yet, and the
+        # worker skips those the store holds (one read each).
+        out: list[str] = []
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
+            for ident in self._req_items.get(req_id, ()):
+                if ident not in allocated and ident not in out \
+                        and kept_out(ident, self.cfg.share_client_uuids) is None:
+                    out.append(ident)
+        return out
 
     def _unpoison(self, identifiers) -> None:
         self._poisoned.difference_update(identifiers)
@@ -268,14 +337,20 @@ class SchedulerSide:
         # A request that ends before its load was reported (aborted) must not
         # keep its entries pinned.
         self._failed_reqs.discard(request.request_id)
+        self._req_items.pop(request.request_id, None)
         self._finish_loads([(request.request_id, f.identifier)
                             for f in getattr(request, "mm_features", None) or []])
         return False, None
 
     def get_stats(self) -> ECStoreConnectorStats | None:
+        if self._shared is not None:
+            self.stats.merge(self._shared.take_delta())
         return self.stats.snapshot_and_reset()
 
     def shutdown(self) -> None:
+        if self._shared is not None:
+            self._shared.close(remove=True)
+            self._shared = None
         if self.store is not None:
             pending = [i for i, reqs in self._inflight.items() for _ in reqs] + list(self._step_hits)
             self._release(pending)

@@ -6,7 +6,11 @@ Counters (all cumulative within a logging interval): ``hits``/``misses``
 instead), ``rejected`` (entries found but refused before the load: their
 shape does not fit the request), ``saves``, ``save_skipped`` (already present),
 ``bytes_loaded``/``bytes_saved``, ``load_seconds``/``save_seconds`` (time
-spent in the worker's ``start_load_caches``/``save_caches``), ``evictions``.
+spent in the worker's ``start_load_caches``/``save_caches``), ``evictions``,
+``commit_seconds`` (encode-only producers: time the step waited at its end
+for its saves to be committed, see ``worker_side``). On an encode-only
+``ec_producer`` a hit is an item the store already held (its encoder is not
+run) and a miss one it computes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
 COUNTERS = ("hits", "misses", "loads", "load_failures", "recomputed", "rejected", "saves", "save_skipped",
-            "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "evictions")
+            "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "evictions",
+            "commit_seconds")
 
 
 @dataclass
@@ -58,6 +63,7 @@ class ECStoreConnectorStats(ECConnectorStats):
             "load_ms": round(d.get("load_seconds", 0) * 1e3, 3),
             "save_ms": round(d.get("save_seconds", 0) * 1e3, 3),
             "evictions": int(d.get("evictions", 0)),
+            "commit_ms": round(d.get("commit_seconds", 0) * 1e3, 3),
         }
 
     def is_empty(self) -> bool:
@@ -83,6 +89,9 @@ _PROM = {
     "load_seconds": ("vllm:ec_store_load_seconds", "Seconds workers spent loading from ecstore."),
     "save_seconds": ("vllm:ec_store_save_seconds", "Seconds workers spent in save_caches."),
     "evictions": ("vllm:ec_store_evictions", "Entries evicted from ecstore's tiers."),
+    "save_skipped": ("vllm:ec_store_save_skipped", "Saves skipped: the store already held the entry."),
+    "commit_seconds": ("vllm:ec_store_commit_seconds",
+                       "Seconds encode-only producers waited for their saves to be committed."),
 }
 
 

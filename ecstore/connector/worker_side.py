@@ -18,6 +18,20 @@ Runs in each worker process, called from the model-runner thread.
   its safetensors blob) and hands it to the store, whose background writer
   does the LMDB write. With tensor parallelism only rank 0 writes to disk;
   every rank of a memory-only store keeps its own copy (no I/O).
+* Visibility on encode-only producers (``ec_producer``, which vLLM 0.32 runs
+  as an encoder-only engine): at the end of every step that saved,
+  ``build_worker_meta`` (the last connector call of the step, made before the
+  step's output leaves the model runner) waits until the writer has
+  committed those saves to LMDB. So when a request's output leaves the
+  engine, every entry it saved is visible to every process on the store,
+  and a PD instance that receives the request next finds it. vLLM 0.32 has
+  no way to hold back a finished request's output until the connector is
+  done (``request_finished`` only delays freeing blocks), hence the wait;
+  the commit itself started on the background writer when ``save_caches``
+  handed the entry over. ``ec_both`` instances do not wait (their step
+  goes on to the language model; entries appear when the writer commits).
+* Counters of encode-only producers go to a shared record read by the
+  scheduler side (``shared_stats``): vLLM drops their worker metadata.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from ..memory import MemoryItem
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .vllm_identity import kept_out
+from .shared_stats import SharedCounters, record_path
 
 log = logging.getLogger("ecstore")
 
@@ -81,6 +96,12 @@ class WorkerSide:
         self._stats: dict[str, float] = {}
         self._rank: int | None = None
         self._disk_evictions_seen = 0
+        # Encode-only producer: commit each step's saves before its output
+        # leaves the engine, and report counters through the shared record.
+        self.encode_only = is_producer and not is_consumer
+        self._uncommitted = False  # a save of this step is not committed yet
+        self._shared: SharedCounters | None = None
+        self._record_path = record_path(vllm_config) if self.encode_only else None
         atexit.register(self.shutdown)
 
     def _count(self, key: str, value: float = 1) -> None:
@@ -162,6 +183,30 @@ class WorkerSide:
         return True
 
     # -- saving -------------------------------------------------------------
+    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], meta: ECStoreConnectorMetadata) -> None:
+        """Before the step's encoder runs (producers): store the items vLLM
+        serves from its own encoder cache this step (``meta.publish``) that
+        the store no longer holds, so they are committed by the step's end
+        like the ones it computes. vLLM passes ``encoder_cache`` for exactly
+        this; ``save_caches`` never fires for such items."""
+        if not self.is_producer or not meta.publish:
+            return
+        for identifier in meta.publish:
+            if encoder_cache.get(identifier) is None:
+                continue  # computed later in this step (then saved) or not ours
+            try:
+                # The shared file is what counts: this process's memory tier
+                # may still hold an entry another process evicted from disk.
+                key = self.store.key(identifier)
+                if self.store.disk is None or self.store.disk.contains(key, self.store.stored_name(identifier)):
+                    continue
+                if self.store.memory is not None:
+                    self.store.memory.delete(key)  # stale copy: put would skip it
+            except ECStoreError as e:
+                log.warning("ecstore: lookup of %s failed, not re-publishing it: %s", identifier, e)
+                continue
+            self.save_caches(encoder_cache, identifier)
+
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self.is_producer:
             return
@@ -185,6 +230,7 @@ class WorkerSide:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return
         if stored:
+            self._uncommitted = self._uncommitted or self.encode_only
             self._saved[mm_hash] = tensor_nbytes(tensor)
             self._count("saves")
             self._count("bytes_saved", tensor_nbytes(tensor))
@@ -193,12 +239,44 @@ class WorkerSide:
         self._count("save_seconds", time.perf_counter() - t0)
 
     # -- reporting ------------------------------------------------------------
+    def _commit_step_saves(self) -> None:
+        """Encode-only producers: block until this step's saves are committed
+        (visible to other processes). Only the commit is waited for; a failed
+        write is logged by the store and the entry is simply absent."""
+        self._uncommitted = False
+        t0 = time.perf_counter()
+        try:
+            self.store.wait_committed()
+        except ECStoreError as e:
+            log.warning("ecstore: waiting for this step's saves to be committed failed: %s", e)
+        self._count("commit_seconds", time.perf_counter() - t0)
+
+    def _publish_counters(self) -> None:
+        """Encode-only producers: add this step's counters to the shared record
+        (opened at the first step: the scheduler side has created it by then)."""
+        if self._rank is None:
+            self._rank = _tp_rank()
+        if self._rank == 0:
+            if self._shared is None and self._record_path is not None:
+                try:
+                    self._shared = SharedCounters(self._record_path)
+                except OSError as e:
+                    log.warning("ecstore: worker counters will not be reported (stats record: %s)", e)
+                    self._record_path = None
+            if self._shared is not None and self._stats:
+                self._shared.add(self._stats)
+        self._stats = {}
+
     def build_worker_meta(self) -> ECStoreWorkerMetadata | None:
+        if self._uncommitted:
+            self._commit_step_saves()
         if self.store.disk is not None:
             evictions = self.store.disk.evictions
             if evictions > self._disk_evictions_seen:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions
+        if self.encode_only:
+            self._publish_counters()  # vLLM would drop them with the metadata
         wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
                                    failed=self._failed, cleared=self._cleared, stats=self._stats,
                                    recomputed=self._recomputed)
@@ -208,6 +286,9 @@ class WorkerSide:
         return None if wm.is_empty() else wm
 
     def shutdown(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         try:
             self.store.close()
         except Exception as e:  # never raise during interpreter/engine teardown

@@ -26,6 +26,8 @@ import traceback
 
 import torch
 
+from ecstore.identity import EncoderIdentity
+
 from ecstore import ECStore, ECStoreConfig
 from tensors import make_tensor, same_tensor
 
@@ -46,7 +48,9 @@ def main() -> None:
                                     local_disk=cmd["dir"], max_local_disk_size=cmd["disk_bytes"] / 2**30)
                 store = ECStore(cfg, model=cmd.get("model", MODEL),
                                 dtype=getattr(torch, cmd.get("dtype", "bfloat16")),
-                                _schema_target=cmd.get("schema_target"))
+                                _schema_target=cmd.get("schema_target"),
+                                identity=(EncoderIdentity.from_description(cmd["identity"])
+                                          if cmd.get("identity") else None))
                 result = {"pid": os.getpid(), "schema": store.disk.schema_version}
             elif op == "put":
                 t = make_tensor(cmd["seed"], cmd.get("rows", 4), cmd.get("cols", 16), store.dtype)
