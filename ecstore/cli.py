@@ -12,6 +12,7 @@ tool is how people see them::
     ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --namespace NS | --all) [--dry-run]
     ecstore-dump compact [PATH]
     ecstore-dump config  [--config FILE] [--json]
+    ecstore-dump list|stats|verify redis://host:port/db   (a remote tier: docs/remote.md)
 
 PATH is the ``local_disk`` directory (or a ``file://`` URI). When omitted it
 comes from the effective configuration (:func:`ecstore.config.load_config`:
@@ -600,7 +601,22 @@ _SORTS = {
 }
 
 
+def _remote_path(args: argparse.Namespace) -> bool:
+    from .remote.inspect import is_remote
+
+    return is_remote(getattr(args, "path", None))
+
+
+def _remote_command(name: str, args: argparse.Namespace) -> int:
+    """list/stats/verify of a remote tier (PATH is a redis:// URL): see ecstore.remote.inspect."""
+    from .remote.inspect import run
+
+    return run(name, args)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    if _remote_path(args):
+        return _remote_command("list", args)
     target = resolve_target(args)
     with open_readonly(target) as tier:
         with Progress("reading entries", tier.entry_count()) as prog:
@@ -818,6 +834,8 @@ def _lmdb_stats(tier: LMDBTier) -> dict[str, Any]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if _remote_path(args):
+        return _remote_command("stats", args)
     target = resolve_target(args)
     with open_readonly(target) as tier:
         with Progress("reading entries", tier.entry_count()) as prog:
@@ -945,6 +963,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if _remote_path(args):
+        return _remote_command("verify", args)
     target = resolve_target(args)
     bad: list[dict[str, Any]] = []
     problems: list[str] = []
@@ -1431,6 +1451,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("verify", "check every blob's checksum and header; exit 1 if any is bad", cmd_verify)
     sp.add_argument("path", nargs="?", metavar="PATH")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--delete-bad", action="store_true",
+                    help="with a remote URL as PATH: delete the values that fail verification")
 
     sp = cmd("purge", "remove entries by model, last-access age, key, or all", cmd_purge)
     sp.add_argument("path", nargs="?", metavar="PATH")

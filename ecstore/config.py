@@ -29,6 +29,7 @@ from .errors import ConfigError
 from .redact import mask_value, short_repr
 from .store_files import DEFAULT_FILE_MODE, check_file_mode
 from .identity import check_namespace_pin
+from .remote.url import mask_url, parse_remote_url
 
 GiB = 1 << 30
 
@@ -98,12 +99,18 @@ _NUMBER_KINDS = {
     "max_local_disk_size": "a size in GiB",
     "max_write_queue_size": "a size in GiB",
     "lease_seconds": "a duration in seconds",
+    "remote_timeout_seconds": "a duration in seconds",
+    "remote_ttl_seconds": "a duration in seconds",
+    "max_remote_queue_size": "a size in GiB",
 }
 _NUMBER_MAX = {
     "max_local_cpu_size": float(MAX_SIZE_GIB),
     "max_local_disk_size": float(MAX_SIZE_GIB),
     "max_write_queue_size": float(MAX_SIZE_GIB),
     "lease_seconds": MAX_LEASE_SECONDS,
+    "remote_timeout_seconds": MAX_LEASE_SECONDS,
+    "remote_ttl_seconds": 366 * 86400.0,
+    "max_remote_queue_size": float(MAX_SIZE_GIB),
 }
 
 
@@ -114,6 +121,14 @@ def _too_big(name: str, number: float) -> str | None:
         unit = "GiB" if "size" in name else "s"
         return f"at most {top:g} {unit}"
     return None
+
+
+#: Keys read only from ecstore's own levels (ec_<key>, ec: {<key>}, LMCACHE_EC_<KEY>,
+#: overrides): a base ``remote_url`` / ``LMCACHE_REMOTE_URL`` is LMCache's KV-cache remote.
+EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
+                          "remote_ttl_seconds", "max_remote_queue_size"})
+#: Keys whose values are secrets (masked by describe_config and in messages).
+SECRET_KEYS = frozenset({"remote_url", "remote_password"})
 
 
 def _check_size(name: str, value: Any, source: str) -> float:
@@ -165,6 +180,18 @@ class ECStoreConfig:
             up, since any client could name another image by the same uuid.
             Set it true where every client of the store is trusted (e.g. an
             encoder-disaggregated deployment whose proxy assigns the uuids).
+        remote_url: the shared remote tier (Redis/Valkey, see
+            docs/remote.md), or None. May hold a password: never logged
+            (``repr`` leaves it out; :func:`describe_config` masks it).
+        remote_password: password of the remote when the URL has none
+            (normally ``LMCACHE_EC_REMOTE_PASSWORD``).
+        remote_timeout_seconds: bound of connecting and of each socket
+            read/write to the remote; also how long ``put`` waits for room
+            in a full remote write queue before dropping that write.
+        remote_ttl_seconds: expiry of values written to the remote (0: none;
+            the server's ``maxmemory`` policy bounds it).
+        max_remote_queue_size: GiB of tensors waiting for the background
+            remote writer.
         sources: where each value came from (see :func:`load_config`): one
             entry per field when built by :func:`load_config`, plus
             ``"__file__"`` (absolute path of the YAML file read) and
@@ -181,6 +208,11 @@ class ECStoreConfig:
     file_mode: int = DEFAULT_FILE_MODE
     namespace: str | None = None
     share_client_uuids: bool = False
+    remote_url: str | None = field(default=None, repr=False)
+    remote_password: str | None = field(default=None, repr=False)
+    remote_timeout_seconds: float = 0.5
+    remote_ttl_seconds: float = 0.0
+    max_remote_queue_size: float = 0.25
     # Where each value came from ("default", "path:line", "env VAR", "override KEY").
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -193,7 +225,8 @@ class ECStoreConfig:
             raise ConfigError(
                 f"local_cpu (from {src('local_cpu')}): expected true or false, got {short_repr(self.local_cpu)}"
             )
-        for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds"):
+        for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds",
+                     "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"):
             object.__setattr__(self, name, _check_size(name, getattr(self, name), src(name)))
         object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
         try:
@@ -204,6 +237,18 @@ class ECStoreConfig:
             object.__setattr__(self, "namespace", check_namespace_pin(self.namespace))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"namespace (from {src('namespace')}): {e}, got {short_repr(self.namespace)}") from None
+        for name in ("remote_url", "remote_password"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                object.__setattr__(self, name, None)
+            elif value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} (from {src(name)}): expected a string, got a {type(value).__name__}")
+        if self.remote_url is not None:
+            object.__setattr__(self, "remote_url", self.remote_url.strip())
+            parse_remote_url(self.remote_url, src("remote_url"))
+            if self.remote_timeout_seconds <= 0:
+                raise ConfigError(f"remote_timeout_seconds (from {src('remote_timeout_seconds')}): must be "
+                                  f"> 0 s when remote_url is set, got {self.remote_timeout_seconds:g}")
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(
                 f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
@@ -226,6 +271,10 @@ class ECStoreConfig:
     @property
     def write_queue_bytes(self) -> int:
         return max(1, int(self.max_write_queue_size * GiB))
+
+    @property
+    def remote_queue_bytes(self) -> int:
+        return max(1, int(self.max_remote_queue_size * GiB))
 
     @property
     def config_file(self) -> str | None:
@@ -341,6 +390,23 @@ def _parse_local_disk(value: Any, source: str) -> str | None:
     return normalize_local_disk(value, source)
 
 
+def _parse_remote_url(value: Any, source: str) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"remote_url (from {source}): expected a redis:// URL, got a {type(value).__name__}")
+    parse_remote_url(value, source)  # ConfigError with the URL masked
+    return value.strip()
+
+
+def _parse_secret(value: Any, source: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise ConfigError(f"remote_password (from {source}): expected a string, got a {type(value).__name__}")
+    return str(value) or None
+
+
 @dataclass(frozen=True)
 class KeySpec:
     """How one ecstore key is documented and parsed.
@@ -393,6 +459,23 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: _parse_bool(v),
         "store and serve items named by client multi_modal_uuids (trusting every client)"),
+    "remote_url": KeySpec(
+        "url", "-", "redis://host:port/db, rediss://, redis+cluster://h1:p1,h2:p2 or unix:///path",
+        lambda v, s: _parse_remote_url(v, s),
+        "shared remote tier (Redis/Valkey); none = local tiers only (docs/remote.md)"),
+    "remote_password": KeySpec(
+        "str", "-", "a string (the remote's password; prefer LMCACHE_EC_REMOTE_PASSWORD)",
+        lambda v, s: _parse_secret(v, s), "password of the remote when remote_url has none"),
+    "remote_timeout_seconds": KeySpec(
+        "float", "s", "a duration in seconds: a finite number > 0",
+        lambda v, _s: _parse_number(v, "remote_timeout_seconds"),
+        "bound of each remote connect/read/write; a slower remote is a miss"),
+    "remote_ttl_seconds": KeySpec(
+        "float", "s", "a duration in seconds: a finite number >= 0 (0: no expiry)",
+        lambda v, _s: _parse_number(v, "remote_ttl_seconds"), "expiry of values written to the remote"),
+    "max_remote_queue_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: _parse_number(v, "max_remote_queue_size"),
+        "tensors queued for the background remote writer"),
 }
 
 assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}
@@ -756,6 +839,8 @@ def load_config(
     for key in KEYS:
         for level in reversed(_LEVELS):
             setting = layers[level].get(key)
+            if setting is not None and level in _SHARED_LEVELS and key in EC_ONLY_KEYS:
+                continue  # LMCache's own remote_url (its KV cache's remote) is not ours
             if setting is not None:
                 values[key] = _parse(key, setting)
                 sources[key] = setting.source
@@ -781,5 +866,14 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
         value = getattr(cfg, key)
         if key == "file_mode":
             value = f"{value:04o}"
-        rows.append((key, mask_value(key, value), cfg.source_of(key)))
+        rows.append((key, _shown(key, value), cfg.source_of(key)))
     return rows
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A value as it may be printed: passwords masked."""
+    if key == "remote_password" and value:
+        return "***"
+    if key == "remote_url" and value:
+        return mask_url(value)
+    return mask_value(key, value)

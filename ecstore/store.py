@@ -4,6 +4,11 @@
                └──► writer queue ──► writer thread ──► LMDB tier (one txn per batch)
                     (ecstore/writer.py)
     ECStore.get ──► memory tier ─► pending map ─► LMDB tier (promote to memory)
+               └──► remote tier, if configured (verified; promote to memory + LMDB)
+    ECStore.put ──► ... and the remote tier's writer (background, pipelined)
+
+The remote tier (``remote_url``, :mod:`ecstore.remote`) is shared across
+machines; its failures are misses, never errors (see docs/remote.md).
 
 A handle is bound to one (model, dtype). Several handles, threads and
 processes may use one ``local_disk`` directory at once.
@@ -22,8 +27,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 import torch
 
@@ -35,6 +44,9 @@ from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_n
 from .lmdb_tier import LMDBTier
 from .memory import MemoryTier
 from .writer import PendingPut, Writer
+
+if TYPE_CHECKING:
+    from .remote.tier import RemoteTier
 
 log = logging.getLogger("ecstore")
 
@@ -70,6 +82,16 @@ class StoreStats:
     disk_capacity_bytes: int = 0
     pending_writes: int = 0
     pending_bytes: int = 0
+    # Remote tier (zero without remote_url): see ecstore.remote.tier.RemoteStats.
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_errors: int = 0
+    remote_puts: int = 0
+    remote_puts_dropped: int = 0
+    remote_corrupt_dropped: int = 0
+    remote_bytes_read: int = 0
+    remote_bytes_written: int = 0
+    remote_pending_writes: int = 0
 
     @property
     def evictions(self) -> int:
@@ -98,6 +120,8 @@ class ECStore:
             collisions with it); must return 16 lower-case hex digits.
         _map_size_bytes: test hook, the LMDB map size (see
             :class:`~ecstore.lmdb_tier.LMDBTier`); default max(1.25 x cap, cap + 1 MiB).
+        _remote_clock: test hook, the monotonic clock of the remote tier's
+            circuit breaker and negative cache.
 
     Use as a context manager, or call :meth:`close` (which flushes).
     """
@@ -105,7 +129,8 @@ class ECStore:
     def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
                  readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
                  identity: EncoderIdentity | None = None, _schema_target: int | None = None,
-                 _map_size_bytes: int | None = None) -> None:
+                 _map_size_bytes: int | None = None,
+                 _remote_clock: Callable[[], float] | None = None) -> None:
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
         self.config = config
@@ -135,6 +160,16 @@ class ECStore:
                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
                                       namespace=(self.namespace, self.identity.canonical()))
                 self._writer.start()
+        self.remote: RemoteTier | None = None
+        if config.remote_url:
+            from .remote import open_remote
+
+            try:
+                self.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
+                                          clock=_remote_clock or time.monotonic)
+            except BaseException:
+                self.close()
+                raise
 
     # ----------------------------------------------------------------- basics
     def __enter__(self) -> "ECStore":
@@ -189,7 +224,16 @@ class ECStore:
             return True
         if self._writer is not None and self._writer.lookup(key, name) is not None:
             return True
-        return self.disk is not None and self.disk.contains(key, name)
+        if self.disk is not None and self.disk.contains(key, name):
+            return True
+        return self.remote is not None and self.remote.contains(key)
+
+    def remote_contains(self, mm_hash: str) -> bool:
+        """Does the remote tier hold ``mm_hash``? False without one, while it
+        is unreachable, or when it said no less than a second ago. Bounded
+        by ``remote_timeout_seconds``; never raises for remote failures."""
+        self._check()
+        return self.remote is not None and self.remote.contains(self.key(mm_hash))
 
     def get(self, mm_hash: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The stored tensor on ``device``, or None on a miss.
@@ -214,6 +258,12 @@ class ECStore:
             if t is not None and self.memory is not None:
                 if self.memory.put(key, name, t, codec.tensor_nbytes(t)) and torch.device(device) == t.device:
                     t = t.clone()  # the memory tier holds t: hand out a copy of our own
+        if t is None and self.remote is not None:
+            entry = self.remote.get(key, name)
+            if entry is not None:
+                tier, t = "remote", entry.tensor
+                if self._promote(key, name, mm_hash, t, entry.blob) and torch.device(device) == t.device:
+                    t = t.clone()  # the memory tier holds t: hand out a copy of our own
         with self._lock:
             if t is None:
                 self._stats.misses += 1
@@ -221,7 +271,7 @@ class ECStore:
             self._stats.hits += 1
             if tier == "memory":
                 self._stats.memory_hits += 1
-            else:
+            elif tier == "disk":
                 self._stats.disk_hits += 1
         if self._writer is not None:
             self._writer.touch(key, name)
@@ -240,6 +290,20 @@ class ECStore:
         if rec is None or rec.identifier != self.stored_name(mm_hash) or rec.version != self.disk.record_version:
             return None
         return rec.shape
+
+    def _promote(self, key: str, name: str, mm_hash: str, t: torch.Tensor, blob: memoryview) -> bool:
+        """A verified remote entry (stored name ``name``) into the memory tier
+        and (background) LMDB, its blob stored as is; not written back to the
+        remote. True if the memory tier now holds ``t``."""
+        nbytes = codec.tensor_nbytes(t)
+        in_memory = False
+        if self.memory is not None and nbytes <= self.memory.capacity_bytes:
+            in_memory = self.memory.put(key, name, t, nbytes)
+        if self._writer is not None and self.disk is not None and len(blob) <= self.disk.capacity_bytes \
+                and self._identifier_at(key) in (None, name):
+            self._writer.submit(key, PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8),
+                                                mm_hash=mm_hash))
+        return in_memory
 
     # ----------------------------------------------------------------- writes
     def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:
@@ -277,7 +341,7 @@ class ECStore:
         # once here and reused by encode below.
         header = codec.header_bytes(tensor, name, self.model)
         fits_disk = self.disk is not None and 8 + len(header) + nbytes <= self.disk.capacity_bytes
-        if not (fits_memory or fits_disk):
+        if not (fits_memory or fits_disk or self.remote is not None):
             log.warning("ecstore: refused mm_hash=%s: %d bytes exceed every tier's capacity "
                         "(memory %d, disk %d bytes)", mm_hash, nbytes,
                         self.memory.capacity_bytes if self.memory else 0,
@@ -313,6 +377,8 @@ class ECStore:
             self._writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash))
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
+        if self.remote is not None:
+            self.remote.submit(key, name, cpu, blob)
         return True
 
     def write_lru_soon(self) -> None:
@@ -324,7 +390,9 @@ class ECStore:
             self._writer.touches_now()
 
     def delete(self, mm_hash: str) -> bool:
-        """Remove an entry from every tier; True if it was present anywhere."""
+        """Remove an entry from every tier; True if it was present anywhere
+        locally. With a remote tier the shared remote value is deleted too
+        (for every node; best effort, not counted in the result)."""
         self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
@@ -338,6 +406,8 @@ class ECStore:
             found = self.memory.delete(key) or found
         if self.disk is not None and self.disk.contains(key, name):
             found = self.disk.delete(key) or found
+        if self.remote is not None:
+            self.remote.delete(key)
         return found
 
     def flush(self) -> None:
@@ -348,6 +418,8 @@ class ECStore:
         intact.
         """
         self._check()
+        if self.remote is not None:
+            self.remote.drain()  # sent or dropped (remote failures never raise)
         if self._writer is None:
             return
         self._writer.drain()
@@ -365,11 +437,18 @@ class ECStore:
         processes), except puts that failed (disk full...), which
         :meth:`flush` reports. Unlike :meth:`flush` it adds no fsync of its own:
         the cost is the writer's commit of what is queued (each commit syncs
-        the data pages; see ``lmdb_tier``). No-op without a disk tier.
+        the data pages; see ``lmdb_tier``).
+
+        With a remote tier it also waits until those puts were sent to the
+        remote (or dropped: the remote down, slow or its queue full; bounded
+        by ``remote_timeout_seconds`` per batch, never raises), so that other
+        nodes see them too. No-op without a disk or remote tier.
         """
         self._check()
         if self._writer is not None:
             self._writer.drain()
+        if self.remote is not None:
+            self.remote.drain()
 
     def close(self) -> None:
         """Flush pending writes and release the store. Idempotent."""
@@ -384,6 +463,9 @@ class ECStore:
                     self.disk.sync()
         finally:
             self._closed = True
+            remote, self.remote = getattr(self, "remote", None), None
+            if remote is not None:
+                remote.close()
             if self.disk is not None:
                 self.disk.close()
 
@@ -434,4 +516,10 @@ class ECStore:
                 s.write_errors = self._writer.write_errors
                 s.pending_writes = len(self._writer.queue) + len(self._writer.inflight)
                 s.pending_bytes = self._writer.queued_bytes
+        if self.remote is not None:
+            r = self.remote.stats()
+            s.remote_hits, s.remote_misses, s.remote_errors = r.hits, r.misses, r.errors
+            s.remote_puts, s.remote_puts_dropped, s.remote_corrupt_dropped = r.puts, r.puts_dropped, r.corrupt_dropped
+            s.remote_bytes_read, s.remote_bytes_written = r.bytes_read, r.bytes_written
+            s.remote_pending_writes = self.remote.pending
         return s

@@ -68,3 +68,19 @@ def no_lmcache_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in list(os.environ):
         if var.startswith("LMCACHE_"):
             monkeypatch.delenv(var)
+
+
+# ---------------------------------------------------------------------------
+# Remote tier tests (tests/test_remote*.py): a real redis-server
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A real redis-server on 127.0.0.1 (free port, own temp dir), killed afterwards."""
+    from ecstore.testing.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.workdir.mkdir()
+    server.start()
+    yield server
+    server.kill()

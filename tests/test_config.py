@@ -23,7 +23,8 @@ from ecstore.config import (
 from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-          "max_write_queue_size", "lease_seconds", "file_mode", "namespace", "share_client_uuids"]
+          "max_write_queue_size", "lease_seconds", "file_mode", "namespace", "share_client_uuids",
+          "remote_url", "remote_password", "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"]
 
 SEED_YAML = """\
 chunk_size: 256
@@ -88,6 +89,7 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "file_mode": "default",
         "namespace": "default",
         "share_client_uuids": "default",
+        **{key: "default" for key in FIELDS[9:]},  # the remote tier's keys
         "__file__": path,
         "config_file": "argument path",
     }
@@ -118,7 +120,7 @@ def test_describe_config(tmp_path: Path) -> None:
         ("file_mode", "0600", "default"),
         ("namespace", None, "default"),
         ("share_client_uuids", False, "default"),
-    ]
+    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[9:]]  # the remote tier's keys
 
 
 def test_namespace_key_from_every_source(tmp_path: Path) -> None:

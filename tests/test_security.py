@@ -271,7 +271,7 @@ def test_secret_in_a_bad_value_is_masked_in_the_error(tmp_path: Path) -> None:
 def test_config_command_masks_secrets(tmp_path: Path) -> None:
     path = tmp_path / "ec.yaml"
     path.write_text(f"local_disk: {tmp_path / 's'}\nmax_local_disk_size: 1\nfile_mode: 0660\n"
-                    f"remote_url: redis://user:hunter2@cache:6379/0\n")
+                    f"ec_remote_url: redis://user:hunter2@cache:6379/0\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     r = subprocess.run([sys.executable, "-m", "ecstore.cli", "config", "--config", str(path), "--json"],
                        capture_output=True, text=True, timeout=120, check=False, env=env)
@@ -279,8 +279,7 @@ def test_config_command_masks_secrets(tmp_path: Path) -> None:
     assert "hunter2" not in r.stdout + r.stderr
     doc = json.loads(r.stdout)
     assert doc["values"]["file_mode"]["value"] == "0660"
-    if "remote_url" in doc["values"]:  # once the remote tier reads it
-        assert doc["values"]["remote_url"]["value"] == "redis://user:***@cache:6379/0"
+    assert doc["values"]["remote_url"]["value"] == "redis://user:***@cache:6379/0"
 
 
 def test_logs_never_carry_the_config_secret(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

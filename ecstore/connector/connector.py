@@ -24,6 +24,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ..config import ECStoreConfig, load_config
+from ..remote.url import mask_url
 from .logs import ensure_console_logging
 from .metadata import ECStoreConnectorMetadata
 from .scheduler_side import SchedulerSide
@@ -76,11 +77,12 @@ class ECStoreConnector(ECConnectorBase):
         else:
             self.worker_side = WorkerSide(vllm_config, self.config, **kw)
         log.info("ecstore connector: role=%s ec_role=%s model=%s dtype=%s namespace=%s (weights: %s) "
-                 "local_disk=%s (%.3g GiB) local_cpu=%s (%.3g GiB)", role.name,
+                 "local_disk=%s (%.3g GiB) local_cpu=%s (%.3g GiB) remote=%s", role.name,
                  vllm_config.ec_transfer_config.ec_role, model, str(dtype).removeprefix("torch."),
                  self.identity.namespace, self.identity.weights.method,
                  self.config.local_disk, self.config.max_local_disk_size, self.config.local_cpu,
-                 self.config.max_local_cpu_size)
+                 self.config.max_local_cpu_size,
+                 mask_url(self.config.remote_url) if self.config.remote_url else None)
 
     # ---------------------------------------------------------------- worker
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:

@@ -29,6 +29,15 @@ not encode in that step (``publish``): those its own encoder cache serves, the
 worker stores again if the store lost them. Their worker counters arrive through a shared record
 (``shared_stats``): vLLM drops an encoder-only instance's worker metadata.
 
+Remote tier (``remote_url``)
+----------------------------
+When the local tiers miss, ``has_cache_item`` asks the remote (one EXISTS,
+bounded by ``remote_timeout_seconds``, remembered for a second when the
+answer is no, skipped while the remote is unreachable). A remote yes is not
+pinned: the worker fetches, verifies and promotes the entry when it loads it;
+should the remote lose it in between (its own eviction, a crash), that one
+load fails like a vanished disk entry (the request is failed, retryable).
+
 A load is announced exactly for the items ``has_cache_item`` said yes to
 (vLLM then does not run the encoder for them). Before saying yes, the entry's
 record is checked against what the request expects (rows from
@@ -54,7 +63,7 @@ from ..identity import EncoderIdentity
 from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .shared_stats import SharedCounters, record_path
-from .stats import ECStoreConnectorStats
+from .stats import ECStoreConnectorStats, remote_deltas
 from .vllm_identity import CLIENT_UUID_WARNING, kept_out
 
 log = logging.getLogger("ecstore")
@@ -68,7 +77,8 @@ class SchedulerSide:
         self.cfg = cfg
         self._vllm_config = vllm_config
         self.store: ECStore | None = None
-        if cfg.local_disk:
+        self.memory_only = not cfg.local_disk
+        if cfg.local_disk or cfg.remote_url:
             # The scheduler only reads and leases: no memory tier of its own.
             self.store = ECStore(replace(cfg, local_cpu=False, sources=dict(cfg.sources)),
                                  model=model, dtype=dtype, identity=identity)
@@ -100,6 +110,7 @@ class SchedulerSide:
         self._rejected_logged: set[str] = set()
         self._uuid_warned = False
         self.stats = ECStoreConnectorStats()
+        self._remote_seen: dict[str, float] = {}
         self.pid = os.getpid()
 
     # -- lookups ------------------------------------------------------------
@@ -112,16 +123,23 @@ class SchedulerSide:
             # Already answered yes this step (and pinned) for a request that
             # was not allocated after all: the pin is still ours to hand on.
             return True
-        if self.store is None:
-            found = identifier in self.mirror
+        if self.memory_only or self.store is None:
+            found = local = identifier in self.mirror
         else:
             # One lease per yes that gets allocated: every request waiting
             # for this entry holds its own pin (see _finish_loads).
-            found = False
+            found = local = False
             try:
-                found = self.store.pin_if_present(identifier) and self._fits(identifier)
+                local = self.store.pin_if_present(identifier)
+                found = local and self._fits(identifier)
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
+        # The remote only when no local tier holds the item (a local entry
+        # refused as a misfit is not looked up again there).
+        if not local and self.store is not None and self.store.remote is not None:
+            found = self.store.remote_contains(identifier)  # bounded; never raises
+            if found:
+                self.stats.add("remote_lookup_hits")
         if found:
             self._step_hits.add(identifier)
         return found
@@ -289,10 +307,10 @@ class SchedulerSide:
         if not isinstance(wm, ECStoreWorkerMetadata):
             return
         for identifier, nbytes in wm.saved.items():
-            if self.store is None:
+            if self.memory_only:
                 self.mirror[identifier] = nbytes
         for identifier in wm.evicted:
-            if self.mirror.pop(identifier, None) is not None or self.store is None:
+            if self.mirror.pop(identifier, None) is not None or self.memory_only:
                 self._acks.append(identifier)
         done = list(wm.loaded) + list(wm.recomputed)
         for req_id, identifier, reason in wm.failed:
@@ -301,7 +319,7 @@ class SchedulerSide:
             self._unavailable.add(req_id)
             self._failed_reqs.add(req_id)
             self._poisoned.add(identifier)
-            if self.store is None:
+            if self.memory_only:
                 self.mirror.pop(identifier, None)
             done.append((req_id, identifier))
         for identifier in wm.cleared:
@@ -345,6 +363,9 @@ class SchedulerSide:
     def get_stats(self) -> ECStoreConnectorStats | None:
         if self._shared is not None:
             self.stats.merge(self._shared.take_delta())
+        errors = remote_deltas(self.store, self._remote_seen).get("remote_errors")
+        if errors:
+            self.stats.add("remote_errors", errors)
         return self.stats.snapshot_and_reset()
 
     def shutdown(self) -> None:

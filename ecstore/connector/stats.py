@@ -11,6 +11,11 @@ spent in the worker's ``start_load_caches``/``save_caches``), ``evictions``,
 for its saves to be committed, see ``worker_side``). On an encode-only
 ``ec_producer`` a hit is an item the store already held (its encoder is not
 run) and a miss one it computes.
+With a remote tier: ``remote_hits``/``remote_misses`` (worker reads that
+reached the remote), ``remote_lookup_hits`` (scheduler lookups answered by
+the remote), ``remote_errors`` (failed remote calls, scheduler and workers),
+``remote_bytes_read``/``remote_bytes_written`` and ``remote_seconds`` (time
+in remote reads and background writes).
 """
 
 from __future__ import annotations
@@ -22,7 +27,29 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMet
 
 COUNTERS = ("hits", "misses", "loads", "load_failures", "recomputed", "rejected", "saves", "save_skipped",
             "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "evictions",
-            "commit_seconds")
+            "commit_seconds", "remote_hits", "remote_misses", "remote_lookup_hits", "remote_errors",
+            "remote_bytes_read", "remote_bytes_written", "remote_seconds")
+
+#: RemoteStats field -> connector counter (deltas are reported per step).
+REMOTE_COUNTERS = {"hits": "remote_hits", "misses": "remote_misses", "errors": "remote_errors",
+                   "bytes_read": "remote_bytes_read", "bytes_written": "remote_bytes_written"}
+
+
+def remote_deltas(store: Any, seen: dict[str, float]) -> dict[str, float]:
+    """Connector counters gained by ``store``'s remote tier since ``seen``
+    (updated in place); empty without a remote tier."""
+    remote = getattr(store, "remote", None)
+    if remote is None:
+        return {}
+    now = remote.stats().as_dict()
+    now["seconds"] = now["get_seconds"] + now["put_seconds"]
+    out: dict[str, float] = {}
+    for field_name, counter in [*REMOTE_COUNTERS.items(), ("seconds", "remote_seconds")]:
+        delta = now[field_name] - seen.get(field_name, 0)
+        if delta:
+            out[counter] = delta
+            seen[field_name] = now[field_name]
+    return out
 
 
 @dataclass
@@ -64,6 +91,15 @@ class ECStoreConnectorStats(ECConnectorStats):
             "save_ms": round(d.get("save_seconds", 0) * 1e3, 3),
             "evictions": int(d.get("evictions", 0)),
             "commit_ms": round(d.get("commit_seconds", 0) * 1e3, 3),
+            **({
+                "remote_hits": int(d.get("remote_hits", 0)),
+                "remote_misses": int(d.get("remote_misses", 0)),
+                "remote_lookup_hits": int(d.get("remote_lookup_hits", 0)),
+                "remote_errors": int(d.get("remote_errors", 0)),
+                "remote_MB_read": round(d.get("remote_bytes_read", 0) / 1e6, 3),
+                "remote_MB_written": round(d.get("remote_bytes_written", 0) / 1e6, 3),
+                "remote_ms": round(d.get("remote_seconds", 0) * 1e3, 3),
+            } if any(k.startswith("remote_") for k in d) else {}),
         }
 
     def is_empty(self) -> bool:
@@ -92,6 +128,13 @@ _PROM = {
     "save_skipped": ("vllm:ec_store_save_skipped", "Saves skipped: the store already held the entry."),
     "commit_seconds": ("vllm:ec_store_commit_seconds",
                        "Seconds encode-only producers waited for their saves to be committed."),
+    "remote_hits": ("vllm:ec_store_remote_hits", "Encoder outputs loaded from the remote tier."),
+    "remote_misses": ("vllm:ec_store_remote_misses", "Remote-tier reads that found nothing usable."),
+    "remote_lookup_hits": ("vllm:ec_store_remote_lookup_hits", "Scheduler lookups answered by the remote tier."),
+    "remote_errors": ("vllm:ec_store_remote_errors", "Remote-tier calls that failed (treated as misses)."),
+    "remote_bytes_read": ("vllm:ec_store_remote_read_bytes", "Bytes read from the remote tier."),
+    "remote_bytes_written": ("vllm:ec_store_remote_written_bytes", "Bytes written to the remote tier."),
+    "remote_seconds": ("vllm:ec_store_remote_seconds", "Seconds spent in remote-tier reads and writes."),
 }
 
 

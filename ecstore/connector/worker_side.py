@@ -52,6 +52,7 @@ from ..store import ECStore
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .vllm_identity import kept_out
 from .shared_stats import SharedCounters, record_path
+from .stats import remote_deltas
 
 log = logging.getLogger("ecstore")
 
@@ -102,6 +103,7 @@ class WorkerSide:
         self._uncommitted = False  # a save of this step is not committed yet
         self._shared: SharedCounters | None = None
         self._record_path = record_path(vllm_config) if self.encode_only else None
+        self._remote_seen: dict[str, float] = {}
         atexit.register(self.shutdown)
 
     def _count(self, key: str, value: float = 1) -> None:
@@ -277,6 +279,8 @@ class WorkerSide:
                 self._disk_evictions_seen = evictions
         if self.encode_only:
             self._publish_counters()  # vLLM would drop them with the metadata
+        for key, delta in remote_deltas(self.store, self._remote_seen).items():
+            self._count(key, delta)
         wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
                                    failed=self._failed, cleared=self._cleared, stats=self._stats,
                                    recomputed=self._recomputed)

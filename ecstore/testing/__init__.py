@@ -7,6 +7,8 @@
 * :mod:`ecstore.testing.stress_crash`, :mod:`ecstore.testing.stress_concurrency`
   -- the crash and concurrency stress runs; ``tools/stress_*.py`` are their
   command lines and ``tests/test_faults.py`` runs them with smaller settings.
+* :mod:`ecstore.testing.redis_server` -- a real redis-server (single, TLS,
+  unix socket, or a three-master cluster) on 127.0.0.1 for the remote tier.
 
 The test suite and the tools share code through this package instead of
 ``sys.path`` edits.

@@ -1,0 +1,208 @@
+"""The remote key-value protocol the remote tier needs, and its Redis/Valkey
+implementation (``redis`` from PyPI: ``pip install ecstore[redis]``).
+
+A backend only moves bytes: framing, verification, the circuit breaker and
+statistics live in :mod:`ecstore.remote.tier`. Backend methods raise
+:class:`RemoteUnavailable` when the server cannot be reached in time (the
+breaker counts those) and :class:`RemoteRefused` when it answered with an
+error (e.g. ``OOM command not allowed`` under ``maxmemory`` + ``noeviction``).
+
+Threading: one backend is shared by the caller threads and the tier's
+writer thread; redis-py's clients are thread-safe (a connection pool).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from urllib.parse import parse_qs, urlsplit
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ..errors import ConfigError, ECStoreError
+from .url import RemoteTarget, redact
+
+log = logging.getLogger("ecstore")
+
+#: Prefix of every key ecstore writes (the rest is the entry's EC key).
+KEY_PREFIX = "ecstore:1:"
+
+_DELETE_IF_UNCHANGED = """
+if redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[1]) and
+   redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+_SSL_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "ssl_ca_certs": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_cert_reqs": str,
+    "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes", "on")}
+
+
+def _ssl_options(url: str) -> dict[str, Any]:
+    """TLS options given as query arguments (``?ssl_ca_certs=...``), for the
+    cluster client (``Redis.from_url`` reads them itself)."""
+    query = parse_qs(urlsplit(url).query)
+    return {k: conv(query[k][-1]) for k, conv in _SSL_OPTIONS.items() if k in query}
+
+
+def _pack_set(key: str, parts: Sequence[Any], px: int | None) -> list[Any]:
+    """RESP of ``SET key <parts joined> NX [PX px]`` as buffers (the parts are not copied)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    tail = [b"NX"] + ([b"PX", str(px).encode()] if px is not None else [])
+    k = key.encode()
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(tail), len(k), k, sum(len(v) for v in views))
+    end = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in tail)
+    return [head, *views, end]
+
+
+class RemoteUnavailable(ECStoreError):
+    """The remote server could not be reached or did not answer in time."""
+
+
+class RemoteRefused(ECStoreError):
+    """The remote server answered with an error (full, wrong type, auth...)."""
+
+
+class RemoteBackend(Protocol):
+    """Byte-level operations on one remote store (keys are ``str``)."""
+
+    description: str  # for messages: the URL with its password masked
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def set_many(self, items: Sequence[tuple[str, Sequence[Any]]], ttl_s: float) -> list[bool]:
+        """Store values whose keys are absent (SET NX), in one round trip;
+        each value is given as buffers to concatenate (sent without copying
+        where the client allows). True per item that was written."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+    def delete_if_unchanged(self, key: str, value: bytes) -> bool:
+        """Delete ``key`` only if it still holds exactly ``value``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RedisBackend:
+    """:class:`RemoteBackend` over redis-py (a single server, a unix socket,
+    or a cluster).
+
+    ``timeout_s`` bounds connecting and every socket read/write (seconds);
+    redis-py's own retries are off but one immediate reconnect (a pooled
+    connection the server closed, e.g. after a restart).
+    """
+
+    def __init__(self, target: RemoteTarget, timeout_s: float) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise ConfigError(
+                f"remote_url is {target.masked!r} but the 'redis' package is not installed: "
+                f"pip install 'ecstore[redis]'") from None
+        self._redis = redis
+        self.description = target.masked
+        self._secrets = (target.password,)
+        common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                                  "username": target.username, "password": target.password}
+        if target.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            self.client: Any = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], ssl=target.tls,
+                retry=Retry(NoBackoff(), 1), **common, **_ssl_options(target.url))
+        else:
+            url = target.url
+            for alias, real in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
+                if url.lower().startswith(alias):
+                    url = real + url[len(alias):]
+            # from_url keeps TLS options given as query arguments (ssl_ca_certs=...).
+            self.client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **common)
+        self.is_cluster = target.cluster
+        self._delete_script = self.client.register_script(_DELETE_IF_UNCHANGED)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        r = self._redis
+        try:
+            return fn(*args, **kwargs)
+        except (r.ConnectionError, r.TimeoutError, r.exceptions.ClusterError, OSError) as e:
+            raise RemoteUnavailable(f"{self.description}: {redact(str(e), *self._secrets)}") from None
+        except r.RedisError as e:  # the server answered with an error
+            raise RemoteRefused(f"{self.description}: {redact(str(e), *self._secrets)}") from None
+        except Exception as e:  # noqa: BLE001  (cluster topology errors, malformed replies...)
+            raise RemoteUnavailable(f"{self.description}: {type(e).__name__}: "
+                                    f"{redact(str(e), *self._secrets)}") from None
+
+    def get(self, key: str) -> bytes | None:
+        value = self._call(self.client.get, KEY_PREFIX + key)
+        return None if value is None else bytes(value) if not isinstance(value, bytes) else value
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call(self.client.exists, KEY_PREFIX + key))
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        def run() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(KEY_PREFIX + k)
+            return [bool(x) for x in pipe.execute()]
+        return self._call(run) if keys else []
+
+    def set_many(self, items: Sequence[tuple[str, Sequence[Any]]], ttl_s: float) -> list[bool]:
+        px = int(ttl_s * 1000) if ttl_s > 0 else None
+        if not items:
+            return []
+        if not self.is_cluster:
+            return self._call(self._set_many_zero_copy, items, px)
+
+        def run() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for k, parts in items:
+                pipe.set(KEY_PREFIX + k, b"".join(parts), nx=True, px=px)
+            return [bool(x) for x in pipe.execute()]
+        return self._call(run)
+
+    def _set_many_zero_copy(self, items: Sequence[tuple[str, Sequence[Any]]], px: int | None) -> list[bool]:
+        """Pipelined SET NX on one pooled connection, each value's buffers
+        written to the socket as they are (no concatenated copy of a 100+ MB
+        value). One reconnect if the pooled connection was stale."""
+        pool = self.client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            try:
+                for key, parts in items:
+                    conn.send_packed_command(_pack_set(KEY_PREFIX + key, parts, px), check_health=False)
+                return [bool(conn.read_response()) for _ in items]
+            except self._redis.ConnectionError:
+                conn.disconnect()
+                if attempt:
+                    raise
+            except BaseException:
+                conn.disconnect()  # responses may be left unread: never reuse it
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    def delete(self, key: str) -> None:
+        self._call(self.client.delete, KEY_PREFIX + key)
+
+    def delete_if_unchanged(self, key: str, value: bytes) -> bool:
+        digest = hashlib.sha1(value).hexdigest()
+        return bool(self._call(self._delete_script, keys=[KEY_PREFIX + key], args=[len(value), digest]))
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception as e:  # noqa: BLE001  (closing a client of a dead server)
+            log.debug("ecstore: closing the remote client: %s", redact(str(e), *self._secrets))

@@ -1,0 +1,131 @@
+"""The remote value of one entry: the LMDB record and the safetensors blob.
+
+Layout (little-endian)::
+
+    b"ECRV" | u8 frame version | u32 record length | record | zero padding | blob
+
+The padding makes the blob start at a multiple of ALIGN bytes into the value,
+so the tensor data (8-byte aligned inside the blob) is aligned in a reply
+buffer too and a read can hand out a view of it instead of a copy.
+
+``record`` is :func:`ecstore.codec.pack_record` (identifier, dtype, shape,
+sizes, blob checksum: the same record LMDB keeps beside the blob) and
+``blob`` the same safetensors bytes LMDB stores. :func:`unpack` checks the
+framing and the record; :func:`decode_entry` checks the blob against the
+record and the identity the reader expects. Anything that does not check out
+is a miss: :class:`ForeignValue` (a well-formed value of another entry: keep
+it) or :class:`ecstore.codec.CorruptBlobError` (garbage: delete it).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codec
+from ..codec import CorruptBlobError, Record
+
+MAGIC = b"ECRV"
+VERSION = 1
+ALIGN = 64
+_HEAD = struct.Struct("<4sBI")
+
+
+class ForeignValue(Exception):
+    """A valid value that belongs to another identifier, model or dtype."""
+
+
+@dataclass(frozen=True)
+class RemoteEntry:
+    """A verified remote value: the tensor (fresh CPU memory) and its blob."""
+
+    tensor: torch.Tensor
+    blob: memoryview  # the safetensors blob, for promotion to LMDB as is
+    record: Record
+
+
+def pack(identifier: str, blob: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> list[Any]:
+    """The remote value of a blob, as buffers to send in order (no copy of the blob)."""
+    n = len(memoryview(blob).cast("B"))
+    now = time.time_ns()
+    rec = Record(identifier, str(dtype).removeprefix("torch."), tuple(shape),
+                 codec.tensor_nbytes_of(dtype, tuple(shape)), n, codec.checksum(blob), now, now, 0, 0)
+    packed = codec.pack_record(rec)
+    head = _HEAD.pack(MAGIC, VERSION, len(packed)) + packed
+    return [head + bytes(-len(head) % ALIGN), blob]
+
+
+def record_end(head: Any) -> int:
+    """Bytes of a value up to the end of its record (from its first 9+ bytes)."""
+    mv = memoryview(head).cast("B")
+    if len(mv) < _HEAD.size:
+        return _HEAD.size
+    return int(_HEAD.size + _HEAD.unpack_from(mv, 0)[2])
+
+
+def blob_start(head: Any) -> int:
+    """Offset of the blob in a value (the record's end, rounded up to ALIGN)."""
+    end = record_end(head)
+    return end + (-end % ALIGN)
+
+
+def unpack_record(head: Any) -> Record:
+    """The record of a value from its first :func:`record_end` bytes (or more)."""
+    mv = memoryview(head).cast("B")
+    if len(mv) < _HEAD.size:
+        raise CorruptBlobError("remote value shorter than its header")
+    magic, version, rlen = _HEAD.unpack_from(mv, 0)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptBlobError(f"not an ecstore remote value (magic {bytes(magic)!r}, version {version})")
+    if _HEAD.size + rlen > len(mv):
+        raise CorruptBlobError("record length out of range")
+    return codec.unpack_record(mv[_HEAD.size:_HEAD.size + rlen])
+
+
+def unpack(value: Any) -> tuple[Record, memoryview]:
+    """(record, blob view) of a remote value; CorruptBlobError if malformed."""
+    mv = memoryview(value).cast("B")
+    rec = unpack_record(mv)
+    blob = mv[blob_start(mv):]
+    if len(blob) != rec.blob_size:
+        raise CorruptBlobError("blob size does not match its record")
+    return rec, blob
+
+
+def decode_entry(value: Any, *, identifier: str, model: str, dtype_name: str) -> RemoteEntry:
+    """Verify a remote value for (identifier, model, dtype) and decode it.
+
+    Raises ForeignValue for another entry's value, CorruptBlobError for
+    garbage (bad framing, checksum, or a blob that disagrees with its record).
+    """
+    rec, blob = unpack(value)
+    if rec.version != codec.RECORD_VERSION:
+        raise ForeignValue(f"holds a record of version {rec.version} (no encoder identity)")
+    if rec.identifier != identifier or rec.dtype != dtype_name:
+        raise ForeignValue(f"holds identifier {rec.identifier!r} dtype {rec.dtype}")
+    # The one entry check LMDB reads use too (record, checksum, strict header).
+    hdr = codec.check_entry(rec, blob, identifier=identifier, dtype=dtype_name)
+    if hdr.model != model:
+        raise ForeignValue(f"holds an entry of model {hdr.model!r}")
+    return RemoteEntry(_view(blob, hdr), blob, rec)
+
+
+def _view(blob: memoryview, hdr: codec.BlobHeader) -> torch.Tensor:
+    """The verified tensor as a view of the reply's bytes (no copy) when its
+    data is aligned for its dtype, else a copy. The reply buffer is owned by
+    the view alone: nothing else sees a write to it (treat it as read-only,
+    like a memory-tier hit)."""
+    dtype = getattr(torch, hdr.dtype)
+    addr = np.frombuffer(blob, dtype=np.uint8, count=0, offset=hdr.data_offset).__array_interface__["data"][0]
+    if addr % dtype.itemsize:
+        return codec.decode(blob, expected_checksum=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
+        raw = torch.frombuffer(blob, dtype=torch.uint8, count=hdr.data_nbytes, offset=hdr.data_offset)
+    return raw.view(dtype).view(hdr.shape) if dtype != torch.uint8 else raw.view(hdr.shape)

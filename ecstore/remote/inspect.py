@@ -1,0 +1,218 @@
+"""Operator view of a remote tier: ``ecstore-dump list|stats|verify redis://...``.
+
+Library functions (no argparse) plus the three commands' formatting. Reads
+never change anything; ``verify --delete-bad`` is the one write (it removes
+values that fail verification, only if unchanged since they were read).
+
+The password comes from the URL, else ``LMCACHE_EC_REMOTE_PASSWORD``; it is
+never printed (URLs are shown masked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import codec
+from ..codec import CorruptBlobError
+from ..key import parse_key
+from . import frame
+from .backend import KEY_PREFIX, RedisBackend
+from .url import parse_remote_url, supported_scheme
+
+#: Bytes of each value read by list/stats (frame head + record; more is fetched if needed).
+HEAD_BYTES = 4096
+SCAN_BATCH = 256
+
+
+@dataclass(frozen=True)
+class RemoteEntryInfo:
+    """One remote value as ``list`` shows it (sizes in bytes, times in ns since the epoch)."""
+
+    key: str  # the EC key (without KEY_PREFIX)
+    model: str | None
+    identifier: str | None
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    value_bytes: int
+    created_ns: int | None
+    ttl_ms: int | None  # None: no expiry
+    error: str | None = None
+
+
+def is_remote(path: object) -> bool:
+    """Does a command-line PATH name a remote (redis://, unix://...)?"""
+    return supported_scheme(path)
+
+
+def connect(url: str, timeout_s: float = 10.0) -> RedisBackend:
+    target = parse_remote_url(url, "command line", password=os.environ.get("LMCACHE_EC_REMOTE_PASSWORD"))
+    return RedisBackend(target, timeout_s)
+
+
+def _info(raw_key: bytes, head: bytes, size: int, pttl: int) -> RemoteEntryInfo:
+    key = raw_key.decode("utf-8", "replace")[len(KEY_PREFIX):]
+    try:
+        model: str | None = parse_key(key).model
+    except Exception:  # noqa: BLE001  (a foreign key under our prefix: shown, not fatal)
+        model = None
+    ttl = None if pttl < 0 else pttl
+    try:
+        rec = frame.unpack_record(head)
+    except CorruptBlobError as e:
+        return RemoteEntryInfo(key, model, None, None, None, size, None, ttl, str(e))
+    return RemoteEntryInfo(key, model, rec.identifier, rec.dtype, rec.shape, size, rec.created_ns, ttl)
+
+
+def iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
+    """Every ecstore value on the server (SCAN; a few KiB read per value)."""
+    client = backend.client
+    batch: list[bytes] = []
+
+    def flush() -> Iterator[RemoteEntryInfo]:
+        pipe = client.pipeline(transaction=False)
+        for k in batch:
+            pipe.getrange(k, 0, HEAD_BYTES - 1)
+            pipe.strlen(k)
+            pipe.pttl(k)
+        res = pipe.execute()
+        for i, k in enumerate(batch):
+            head, size, pttl = res[3 * i: 3 * i + 3]
+            if size == 0:
+                continue  # evicted or deleted since the scan
+            if size > len(head) and frame.record_end(head) > len(head):
+                head = client.getrange(k, 0, frame.record_end(head) - 1)
+            yield _info(k, head, size, pttl)
+        batch.clear()
+
+    for k in client.scan_iter(match=KEY_PREFIX + "*", count=1000):
+        batch.append(k)
+        if len(batch) >= SCAN_BATCH:
+            yield from flush()
+    if batch:
+        yield from flush()
+
+
+def server_info(backend: RedisBackend) -> dict[str, Any]:
+    """Memory, eviction policy and eviction counters of the server (INFO)."""
+    info: dict[str, Any] = {}
+    raw = backend.client.info()
+    nodes = raw.values() if backend.is_cluster else [raw]  # a cluster answers per node
+    for node in nodes:
+        for field in ("redis_version", "maxmemory_policy"):
+            info.setdefault(field, node.get(field))
+        for field in ("used_memory", "maxmemory", "evicted_keys", "expired_keys", "keyspace_hits",
+                      "keyspace_misses"):
+            info[field] = info.get(field, 0) + int(node.get(field, 0) or 0)
+    return info
+
+
+@dataclass
+class VerifyResult:
+    checked: int = 0
+    bad: list[dict[str, str]] | None = None
+    deleted: int = 0
+    vanished: int = 0
+
+
+def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
+    """Read every value in full and check framing, record, checksum and header."""
+    result = VerifyResult(bad=[])
+    assert result.bad is not None
+    for k in backend.client.scan_iter(match=KEY_PREFIX + "*", count=1000):
+        key = k.decode("utf-8", "replace")[len(KEY_PREFIX):]
+        value = backend.get(key)
+        if value is None:
+            result.vanished += 1
+            continue
+        result.checked += 1
+        try:
+            rec, blob = frame.unpack(value)
+            t = codec.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
+            if str(t.dtype).removeprefix("torch.") != rec.dtype or tuple(t.shape) != rec.shape:
+                raise CorruptBlobError("blob header does not match its record")
+        except CorruptBlobError as e:
+            result.bad.append({"key": key, "error": str(e)})
+            if delete_bad and backend.delete_if_unchanged(key, value):
+                result.deleted += 1
+    return result
+
+
+# --------------------------------------------------------------------------- commands
+
+def run(command: str, args: argparse.Namespace) -> int:
+    """``ecstore-dump list|stats|verify <remote url>``; returns the exit status."""
+    # The formatting helpers (imported here: cli imports this module).
+    from .. import cli
+
+    backend = connect(args.path)
+    try:
+        if command == "list":
+            return _cmd_list(cli, backend, args)
+        if command == "stats":
+            return _cmd_stats(cli, backend, args)
+        return _cmd_verify(cli, backend, args)
+    finally:
+        backend.close()
+
+
+def _cmd_list(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
+    rows = [e for e in iter_entries(backend) if not args.model or e.model == args.model]
+    rows.sort(key=lambda e: e.key)
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    if args.json:
+        cli._json_out({"remote": backend.description, "entries": [asdict(e) for e in rows]})
+        return cli.EXIT_OK
+    now = time.time_ns()
+    cli._table(["KEY", "MM_IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "AGE", "TTL"], [
+        [e.key, e.identifier or f"(unreadable: {e.error})", "x".join(map(str, e.shape or ())), e.dtype or "-",
+         cli.human_size(e.value_bytes), "-" if e.created_ns is None else f"{(now - e.created_ns) / 1e9:.0f}s",
+         "none" if e.ttl_ms is None else f"{e.ttl_ms / 1000:.0f}s"] for e in rows], right={4})
+    cli._out(f"{len(rows)} entries, {cli.human_size(sum(e.value_bytes for e in rows))} at {backend.description}")
+    return cli.EXIT_OK
+
+
+def _cmd_stats(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    unreadable = 0
+    for e in iter_entries(backend):
+        if e.error is not None:
+            unreadable += 1
+            continue
+        g = groups.setdefault((e.model or "?", e.dtype or "?"),
+                              {"model": e.model, "dtype": e.dtype, "entries": 0, "bytes": 0})
+        g["entries"] += 1
+        g["bytes"] += e.value_bytes
+    info = server_info(backend)
+    if args.json:
+        cli._json_out({"remote": backend.description, "groups": list(groups.values()),
+                       "unreadable": unreadable, "server": info})
+        return cli.EXIT_OK
+    cli._table(["MODEL", "DTYPE", "ENTRIES", "BYTES"],
+               [[str(g["model"]), str(g["dtype"]), str(g["entries"]), cli.human_size(g["bytes"])]
+                for g in groups.values()], right={2, 3})
+    cap = info.get("maxmemory") or 0
+    cli._out(f"remote {backend.description}: redis {info.get('redis_version')}, used memory "
+             f"{cli.human_size(info.get('used_memory'))} of "
+             f"{cli.human_size(cap) if cap else 'no maxmemory'} (policy {info.get('maxmemory_policy')}), "
+             f"evicted keys {info.get('evicted_keys')}, unreadable values {unreadable}")
+    return cli.EXIT_OK
+
+
+def _cmd_verify(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
+    res = verify(backend, delete_bad=getattr(args, "delete_bad", False))
+    bad = res.bad or []
+    if args.json:
+        cli._json_out({"remote": backend.description, "checked": res.checked, "bad": bad,
+                       "deleted": res.deleted, "vanished": res.vanished})
+    else:
+        for b in bad:
+            cli._out(f"BAD {b['key']}: {b['error']}")
+        cli._out(f"checked {res.checked} values at {backend.description}: {len(bad)} bad"
+                 + (f", {res.deleted} deleted" if res.deleted else ""))
+    return cli.EXIT_BAD if bad else cli.EXIT_OK

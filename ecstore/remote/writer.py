@@ -1,0 +1,147 @@
+"""The remote tier's write-behind queue: one background thread, bounded by bytes.
+
+``submit`` blocks at most ``wait_s`` while ``max_bytes`` of tensors are
+already queued (back-pressure), then drops the write; it drops at once while
+``refusing()`` is true (the circuit is open). The thread takes batches of at
+most BATCH_ITEMS entries / BATCH_BYTES bytes and hands each to ``send`` (one
+pipelined round trip); ``send`` must not raise (anything it does raise is
+logged and the batch counted by ``on_dropped``).
+
+Threading: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ecstore")
+
+#: A write batch (one pipeline) holds at most this many entries / bytes.
+BATCH_ITEMS = 64
+BATCH_BYTES = 64 << 20
+
+
+@dataclass
+class PendingWrite:
+    """One queued entry: the tensor (contiguous CPU) and its blob (None: encode it)."""
+
+    identifier: str
+    tensor: torch.Tensor
+    blob: Any
+    nbytes: int
+
+
+Batch = list[tuple[str, PendingWrite]]
+
+
+class WriteQueue:
+    """Args:
+        send: writes one batch (writer thread).
+        refusing: True while writes should be dropped without queueing.
+        on_dropped: called with the number of writes dropped here.
+        max_bytes: tensor bytes queued before ``submit`` waits.
+        wait_s: the longest ``submit`` waits for room (seconds).
+    """
+
+    def __init__(self, send: Callable[[Batch], None], *, refusing: Callable[[], bool],
+                 on_dropped: Callable[[int], None], max_bytes: int, wait_s: float) -> None:
+        self._send = send
+        self._refusing = refusing
+        self._on_dropped = on_dropped
+        self.max_bytes = max(1, max_bytes)
+        self.wait_s = wait_s
+        self._cv = threading.Condition()
+        self._queue: OrderedDict[str, PendingWrite] = OrderedDict()
+        self._queued_bytes = 0
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="ecstore-remote-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, item: PendingWrite) -> bool:
+        """Queue ``item`` under ``key``; False if it was dropped."""
+        deadline = time.monotonic() + self.wait_s
+        with self._cv:
+            while self._queue and self._queued_bytes + item.nbytes > self.max_bytes:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping or self._refusing():
+                    self._on_dropped(1)
+                    return False
+                self._cv.wait(remaining)
+            if self._refusing() or self._stopping:
+                self._on_dropped(1)
+                return False
+            if key not in self._queue:
+                self._queue[key] = item
+                self._queued_bytes += item.nbytes
+                self._cv.notify_all()
+        return True
+
+    def cancel(self, key: str) -> None:
+        """Forget a queued (not yet taken) write of ``key``."""
+        with self._cv:
+            item = self._queue.pop(key, None)
+            if item is not None:
+                self._queued_bytes -= item.nbytes
+                self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every write queued before the call was sent or dropped."""
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait()
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread. Idempotent."""
+        if self._thread is not None:
+            with self._cv:
+                self._stopping = True
+                self._cv.notify_all()
+            self._thread.join()
+            self._thread = None
+
+    def _take_batch(self) -> Batch:
+        batch: Batch = []
+        size = 0
+        while self._queue and len(batch) < BATCH_ITEMS:
+            nxt = next(iter(self._queue.values()))
+            if batch and size + nxt.nbytes > BATCH_BYTES:
+                break
+            key, item = self._queue.popitem(last=False)
+            batch.append((key, item))
+            size += item.nbytes
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue and self._stopping:
+                    return
+                batch = self._take_batch()
+                self._busy = True
+            try:
+                self._send(batch)
+            except Exception as e:  # noqa: BLE001  (never let the writer die)
+                log.error("ecstore: remote write failed: %s", e)
+                self._on_dropped(len(batch))
+            finally:
+                with self._cv:
+                    self._queued_bytes -= sum(item.nbytes for _, item in batch)
+                    self._busy = False
+                    self._cv.notify_all()

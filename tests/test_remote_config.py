@@ -1,0 +1,147 @@
+"""remote_url and friends: URL forms, precedence, masking (no server needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ecstore.config import ECStoreConfig, describe_config, load_config
+from ecstore.errors import ConfigError
+from ecstore.remote.breaker import BreakerState, CircuitBreaker
+from ecstore.remote.url import mask_url, parse_remote_url
+
+SECRET = "hunter2-xyz"
+
+
+@pytest.mark.parametrize("url, cluster, hosts, db, tls, sock", [
+    ("redis://h:7000/3", False, (("h", 7000),), 3, False, None),
+    ("redis://h", False, (("h", 6379),), 0, False, None),
+    ("rediss://u:p@h:6380/1", False, (("h", 6380),), 1, True, None),
+    ("valkey://h:1", False, (("h", 1),), 0, False, None),
+    ("redis+cluster://a:1,b:2", True, (("a", 1), ("b", 2)), 0, False, None),
+    ("rediss+cluster://u:p@a:1", True, (("a", 1),), 0, True, None),
+    ("redis://a:1,b:2,c:3", True, (("a", 1), ("b", 2), ("c", 3)), 0, False, None),
+    ("redis://[::1]:7001/0", False, (("::1", 7001),), 0, False, None),
+    ("unix:///run/redis.sock?db=4", False, (), 4, False, "/run/redis.sock"),
+])
+def test_url_forms(url, cluster, hosts, db, tls, sock) -> None:
+    t = parse_remote_url(url)
+    assert (t.cluster, t.hosts, t.db, t.tls, t.socket_path) == (cluster, hosts, db, tls, sock)
+
+
+@pytest.mark.parametrize("url, why", [
+    ("lm://h:1", "unsupported scheme"),
+    ("h:6379", "no scheme"),
+    ("redis://", "host is missing"),
+    ("redis://h:port", "not a number"),
+    ("redis://h:70000", "out of range"),
+    ("redis+cluster://a:1,b:2/3", "only database 0"),
+    ("redis://h/x", "not a number"),
+    ("unix://", "socket path"),
+])
+def test_bad_urls_are_config_errors_naming_the_problem(url, why) -> None:
+    with pytest.raises(ConfigError, match=why):
+        ECStoreConfig(remote_url=url)
+
+
+def test_credentials_from_url_or_key_and_masked_everywhere() -> None:
+    t = parse_remote_url(f"redis://alice:{SECRET}@h:1/0")
+    assert (t.username, t.password) == ("alice", SECRET)
+    assert SECRET not in repr(t) and SECRET not in t.masked
+    assert parse_remote_url("redis://h:1", password=SECRET).password == SECRET
+    assert parse_remote_url(f"redis://:{SECRET}@h:1", password="other").password == SECRET  # URL wins
+    assert mask_url(f"rediss://u:{SECRET}@h:1/0") == "rediss://u:***@h:1/0"
+    assert mask_url(f"unix:///s.sock?db=0&password={SECRET}") == "unix:///s.sock?db=0&password=***"
+    assert mask_url(f"redis://:{SECRET}@a:1,b:2") == "redis://:***@a:1,b:2"
+    with pytest.raises(ConfigError) as info:
+        ECStoreConfig(remote_url=f"redis://:{SECRET}@h:notaport")
+    assert SECRET not in str(info.value) and "***" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"LMCACHE_EC_REMOTE_URL": f"lm://:{SECRET}@h:1"})
+    assert SECRET not in str(info.value)
+    cfg = ECStoreConfig(remote_url=f"redis://:{SECRET}@h:1", remote_password=SECRET)
+    assert SECRET not in repr(cfg)
+    shown = {k: v for k, v, _ in describe_config(cfg)}
+    assert shown["remote_url"] == "redis://:***@h:1" and shown["remote_password"] == "***"
+
+
+def test_precedence_is_that_of_every_ec_key(tmp_path: Path) -> None:
+    yaml = tmp_path / "lmcache.yaml"
+    yaml.write_text("remote_url: redis://kv-cache:6379/0\n"  # LMCache's KV-cache remote: not ours
+                    "ec_remote_url: redis://from-file:1/0\n"
+                    "ec_remote_timeout_seconds: 2\n")
+    cfg = load_config(yaml, env={})
+    assert cfg.remote_url == "redis://from-file:1/0" and cfg.remote_timeout_seconds == 2.0
+    assert cfg.source_of("remote_url") == f"{yaml}:2"
+    cfg = load_config(yaml, env={"LMCACHE_EC_REMOTE_URL": "redis://from-env:2/0"})
+    assert (cfg.remote_url, cfg.source_of("remote_url")) == ("redis://from-env:2/0", "env LMCACHE_EC_REMOTE_URL")
+    cfg = load_config(yaml, env={"LMCACHE_EC_REMOTE_URL": "redis://from-env:2/0"},
+                      overrides={"remote_url": "redis://override:3/0"})
+    assert cfg.remote_url == "redis://override:3/0"
+    cfg = load_config(yaml, env={}, overrides={"remote_url": None})
+    assert cfg.remote_url is None
+
+
+def test_base_remote_url_belongs_to_lmcache(tmp_path: Path) -> None:
+    yaml = tmp_path / "lmcache.yaml"
+    yaml.write_text("remote_url: lm://localhost:65432\n")
+    cfg = load_config(yaml, env={"LMCACHE_REMOTE_URL": "redis://kv:1/0"})
+    assert cfg.remote_url is None and cfg.source_of("remote_url") == "default"
+
+
+def test_timeout_must_be_positive_with_a_remote() -> None:
+    with pytest.raises(ConfigError, match="remote_timeout_seconds"):
+        ECStoreConfig(remote_url="redis://h:1", remote_timeout_seconds=0)
+    assert ECStoreConfig(remote_timeout_seconds=0).remote_url is None
+
+
+def test_breaker_opens_after_threshold_and_probes_once() -> None:
+    now = [0.0]
+    b = CircuitBreaker(threshold=2, base_backoff_s=1.0, max_backoff_s=3.0, clock=lambda: now[0])
+    assert b.allow() and b.record_failure() is None
+    t = b.record_failure()
+    assert t is not None and t.after is BreakerState.OPEN and t.backoff_s == 1.0
+    assert not b.allow() and b.refusing()
+    now[0] = 1.0
+    assert b.allow() and not b.allow()  # one probe only
+    assert b.record_failure().backoff_s == 2.0
+    now[0] = 3.0
+    assert b.allow()
+    assert b.record_failure().backoff_s == 3.0  # capped
+    now[0] = 6.0
+    assert b.allow()
+    assert b.record_success().after is BreakerState.CLOSED
+    assert b.allow() and b.allow()
+
+
+def test_breaker_replaces_a_probe_that_never_reported() -> None:
+    now = [0.0]
+    b = CircuitBreaker(threshold=1, base_backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0])
+    b.record_failure()
+    now[0] = 1.0
+    assert b.allow()  # a probe whose caller dies without reporting
+    now[0] = 4.5
+    assert not b.allow()
+    now[0] = 5.5
+    assert b.allow()  # not stuck half-open forever
+
+
+def test_missing_redis_package_is_a_clear_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import torch
+
+    from ecstore import ECStore
+
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if `pip install ecstore[redis]` was not run
+    with pytest.raises(ConfigError, match=r"pip install 'ecstore\[redis\]'") as info:
+        ECStore(ECStoreConfig(remote_url=f"redis://:{SECRET}@h:1"), model="m", dtype=torch.float32)
+    assert SECRET not in str(info.value)
+
+
+def test_tls_query_options_reach_the_cluster_client() -> None:
+    from ecstore.remote.backend import _ssl_options
+
+    url = "rediss+cluster://u:p@a:1,b:2?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=false&other=1"
+    assert _ssl_options(url) == {"ssl_ca_certs": "/etc/ca.pem", "ssl_check_hostname": False}

@@ -1,0 +1,116 @@
+"""Two "nodes" sharing a Redis, inside vLLM's real Scheduler.
+
+Engine A and engine B (each a real vLLM Scheduler plus the worker connector,
+see tests/test_connector_scheduler.py) have their own ``local_disk`` and the
+same ``remote_url``. What A's encoder computed, B loads from the remote
+without running its encoder; with the remote down B computes, and nothing
+fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import vllm_objects as vo
+from test_connector_scheduler import SHAPE, Engine, encoder_output
+from vllm.v1.engine import FinishReason
+
+from ecstore.connector import LoadSpec
+
+pytestmark = pytest.mark.vllm
+
+A, B = "a" * 64, "b" * 64  # shaped like vLLM content hashes (sha256 hex)
+
+
+@pytest.fixture(autouse=True)
+def _no_outside_config(no_lmcache_env):
+    """Only the test's ec_connector_extra_config configures the connector."""
+
+
+@pytest.fixture
+def engines():
+    made: list[Engine] = []
+
+    def make(cfg) -> Engine:
+        made.append(Engine(cfg))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+def node(tmp_path: Path, name: str, url: str) -> dict:
+    return {"local_disk": str(tmp_path / name), "max_local_disk_size": 0.01, "remote_url": url}
+
+
+def test_node_b_loads_what_node_a_computed(tiny_model_dir, tmp_path, redis_server, engines):
+    a = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
+    a.scheduler.add_request(vo.make_request("a1", [A]))
+    first = a.step()
+    assert first.scheduled_encoder_inputs == {"a1": [0]}  # computed on A
+    a.run()
+    a.worker.worker_side.store.flush()  # A's write-behind reached the remote
+    assert a.worker.worker_side.store.stats().remote_puts == 1
+
+    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
+    b.scheduler.add_request(vo.make_request("b1", [A]))
+    out = b.step()
+    assert out.scheduled_encoder_inputs == {}  # B never ran its encoder
+    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0)]
+    assert torch.equal(b.encoder_cache[A], encoder_output(A))  # bit-exact from A
+    b.run()
+    assert b.finished == {"b1": FinishReason.LENGTH}
+    tot = b.totals()
+    assert (tot["hits"], tot["remote_lookup_hits"], tot["remote_hits"], tot["loads"]) == (1, 1, 1, 1)
+    assert tot.get("load_failures", 0) == 0
+    store = b.worker.worker_side.store
+    store.flush()
+    assert store.disk.contains(store.key(A), store.stored_name(A))  # promoted to B's LMDB
+
+
+def test_remote_down_node_b_computes_and_nothing_fails(tiny_model_dir, tmp_path, redis_server, engines):
+    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
+    redis_server.kill()
+    b.scheduler.add_request(vo.make_request("b1", [A]))
+    b.scheduler.add_request(vo.make_request("b2", [B]))
+    out = b.step()
+    assert out.scheduled_encoder_inputs == {"b1": [0], "b2": [0]}  # misses: computed
+    b.run()
+    assert b.finished == {"b1": FinishReason.LENGTH, "b2": FinishReason.LENGTH}
+    tot = b.totals()
+    assert tot["remote_errors"] >= 1 and tot.get("load_failures", 0) == 0
+    # The local tiers still work: a restart of B loads A from its LMDB.
+    b.worker.worker_side.store.flush()
+    b.close()
+    b2 = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
+    b2.scheduler.add_request(vo.make_request("b3", [A]))
+    out = b2.step()
+    assert out.scheduled_encoder_inputs == {}
+    assert torch.equal(b2.encoder_cache[A], encoder_output(A))
+    b2.run()
+    assert b2.finished == {"b3": FinishReason.LENGTH}
+
+
+def test_password_of_the_remote_never_reaches_the_logs(tiny_model_dir, tmp_path, engines, caplog):
+    from ecstore.testing.redis_server import RedisServer
+
+    secret = "Pw-of-node-B-42"
+    server = RedisServer(tmp_path / "redis", password=secret)
+    server.workdir.mkdir()
+    server.start()
+    try:
+        b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", server.url)))
+        b.scheduler.add_request(vo.make_request("b1", [A]))
+        b.run()
+        b.worker.worker_side.store.flush()
+        assert b.worker.worker_side.store.stats().remote_puts == 1  # authenticated
+        server.kill()
+        b.scheduler.add_request(vo.make_request("b2", [B]))
+        b.run()  # remote errors get logged, masked
+        assert "remote=redis://:***@127.0.0.1" in caplog.text
+        assert secret not in caplog.text
+    finally:
+        server.kill()

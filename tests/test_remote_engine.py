@@ -1,0 +1,93 @@
+"""Two real vLLM engines on two "nodes" (different local_disk) sharing one Redis.
+
+Engine A (producer) computes the encoder outputs of two images and writes
+them through to the remote; engine B (another local_disk, a fresh process)
+loads them from the remote and never runs its encoder. The embeddings that
+reach B's language model (recorded by wrapping ``embed_input_ids``) are
+bit-identical to the tensors A stored, and equal to those of a run without
+the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from ecstore import codec
+from ecstore.remote import frame
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "helpers" / "embeds_engine_run.py"
+IMAGES = [0, 1]
+
+
+def run(model_dir: Path, out_dir: Path, name: str, extra: dict | None, role: str = "ec_both",
+        timeout: float = 420) -> dict:
+    out = out_dir / f"{name}.json"
+    cmd = [sys.executable, str(HELPER), "--model", str(model_dir), "--out", str(out), "--role", role,
+           "--images", ",".join(map(str, IMAGES))]
+    cmd += ["--no-connector"] if extra is None else ["--extra", json.dumps(extra)]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LMCACHE_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
+                                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOG_STATS_INTERVAL"))}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        console, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        console, _ = proc.communicate()
+        pytest.fail(f"engine run {name!r} timed out after {timeout}s:\n{console[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"engine run {name!r} failed (rc={proc.returncode}):\n{console[-6000:]}"
+    assert "Traceback" not in console, console[-6000:]
+    res = json.loads(out.read_text())
+    res["console"] = console
+    return res
+
+
+def test_engine_b_on_another_node_loads_engine_a_outputs_from_redis(tiny_model_dir, tmp_path, redis_server):
+    def node(name: str) -> dict:
+        return {"local_disk": str(tmp_path / name), "max_local_disk_size": 0.01,
+                "remote_url": redis_server.url}
+
+    a = run(tiny_model_dir, tmp_path, "a", node("a"), role="ec_producer")
+    assert a["errors"] == {}
+    keys = redis_server.client().keys("ecstore:1:*")
+    assert len(keys) == len(IMAGES)  # written through by A
+
+    b = run(tiny_model_dir, tmp_path, "b", node("b"))
+    m = b["ec_metrics"]
+    assert b["errors"] == {}
+    assert (m.get("hits"), m.get("loads"), m.get("misses", 0), m.get("saves", 0)) == (2, 2, 0, 0)
+    assert m.get("remote_hits") == 2 and m.get("load_failures", 0) == 0
+
+    # What B's language model got is bit-identical to what A stored in Redis...
+    stored = set()
+    for key in keys:
+        rec, blob = frame.unpack(redis_server.client().get(key))
+        t = codec.decode(blob, expected_checksum=rec.checksum)
+        stored.add(xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().tobytes()))
+    got = {seed: b["embeds"][seed] for seed in map(str, IMAGES)}
+    assert all(len(v) == 1 and v[0]["shape"] == [32, 128] for v in got.values())
+    assert {v[0]["xxh3"] for v in got.values()} == stored and len(stored) == 2
+    # ... and what the encoder computes without any connector.
+    control = run(tiny_model_dir, tmp_path, "control", None)
+    for seed in map(str, IMAGES):
+        (eb,), (ec,) = got[seed], control["embeds"][seed]
+        assert ec["shape"] == eb["shape"] and ec["dtype"] == eb["dtype"] == "float32"
+        assert ec["sum"] == pytest.approx(eb["sum"], rel=1e-5, abs=1e-4)
