@@ -13,6 +13,7 @@ The vLLM connector lives in :mod:`ecstore.connector` (imports vLLM lazily).
 from .config import ConfigWarning, ECStoreConfig, describe_config, load_config
 from .errors import (
     ConfigError,
+    CorruptEntryError,
     ECStoreError,
     ForkedStoreError,
     InvalidEntryError,
@@ -43,4 +44,5 @@ __all__ = [
     "StoreFullError",
     "StoreOpenError",
     "ForkedStoreError",
+    "CorruptEntryError",
 ]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import ECStoreError, InvalidEntryError
+from .errors import CorruptEntryError, ECStoreError, InvalidEntryError
 from .identity import split_stored
 from .key import parse_key
 
@@ -163,8 +163,8 @@ class BlobHeader:
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
 
-class CorruptBlobError(Exception):
-    """A blob failed its checksum or header check (internal; becomes a miss)."""
+#: The former name of :class:`~ecstore.errors.CorruptEntryError` (kept for callers).
+CorruptBlobError = CorruptEntryError
 
 
 #: Largest accepted header (bytes) and dimension count / size of a tensor in

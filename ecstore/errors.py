@@ -42,6 +42,15 @@ class StoreFullError(ECStoreError):
     with nothing left to evict). Earlier entries are intact."""
 
 
+class CorruptEntryError(ECStoreError):
+    """A stored entry (its record, its blob, or a remote value) failed the
+    entry check: checksum, header, or disagreement with its key or record.
+
+    Reads never raise it: a corrupt entry is a miss (and is dropped). It is
+    raised by the checking functions themselves (``ecstore.codec.check_entry``,
+    ``unpack_record``...) for callers and tools that inspect entries."""
+
+
 class ForkedStoreError(ECStoreError):
     """A store handle opened in one process was used in a forked child.
 

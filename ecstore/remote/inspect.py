@@ -35,13 +35,14 @@ class RemoteEntryInfo:
 
     key: str  # the EC key (without KEY_PREFIX)
     model: str | None
-    identifier: str | None
+    identifier: str | None  # vLLM's item identifier (without the namespace)
     dtype: str | None
     shape: tuple[int, ...] | None
     value_bytes: int
     created_ns: int | None
     ttl_ms: int | None  # None: no expiry
     error: str | None = None
+    namespace: str | None = None  # the encoder identity (None: a value written without one)
 
 
 def is_remote(path: object) -> bool:
@@ -65,7 +66,8 @@ def _info(raw_key: bytes, head: bytes, size: int, pttl: int) -> RemoteEntryInfo:
         rec = frame.unpack_record(head)
     except CorruptBlobError as e:
         return RemoteEntryInfo(key, model, None, None, None, size, None, ttl, str(e))
-    return RemoteEntryInfo(key, model, rec.identifier, rec.dtype, rec.shape, size, rec.created_ns, ttl)
+    return RemoteEntryInfo(key, model, rec.mm_identifier, rec.dtype, rec.shape, size, rec.created_ns, ttl,
+                           namespace=rec.namespace)
 
 
 def iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
@@ -132,9 +134,7 @@ def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
         result.checked += 1
         try:
             rec, blob = frame.unpack(value)
-            t = codec.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
-            if str(t.dtype).removeprefix("torch.") != rec.dtype or tuple(t.shape) != rec.shape:
-                raise CorruptBlobError("blob header does not match its record")
+            codec.check_entry(rec, blob, key=key)  # the entry check every read runs
         except CorruptBlobError as e:
             result.bad.append({"key": key, "error": str(e)})
             if delete_bad and backend.delete_if_unchanged(key, value):
@@ -169,10 +169,10 @@ def _cmd_list(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
         cli._json_out({"remote": backend.description, "entries": [asdict(e) for e in rows]})
         return cli.EXIT_OK
     now = time.time_ns()
-    cli._table(["KEY", "MM_IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "AGE", "TTL"], [
-        [e.key, e.identifier or f"(unreadable: {e.error})", "x".join(map(str, e.shape or ())), e.dtype or "-",
+    cli._table(["KEY", "NAMESPACE", "MM_IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "AGE", "TTL"], [
+        [e.key, (e.namespace or "-")[:8], e.identifier or f"(unreadable: {e.error})", "x".join(map(str, e.shape or ())), e.dtype or "-",
          cli.human_size(e.value_bytes), "-" if e.created_ns is None else f"{(now - e.created_ns) / 1e9:.0f}s",
-         "none" if e.ttl_ms is None else f"{e.ttl_ms / 1000:.0f}s"] for e in rows], right={4})
+         "none" if e.ttl_ms is None else f"{e.ttl_ms / 1000:.0f}s"] for e in rows], right={5})
     cli._out(f"{len(rows)} entries, {cli.human_size(sum(e.value_bytes for e in rows))} at {backend.description}")
     return cli.EXIT_OK
 
