@@ -170,7 +170,8 @@ def _cmd_list(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
         return cli.EXIT_OK
     now = time.time_ns()
     cli._table(["KEY", "NAMESPACE", "MM_IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "AGE", "TTL"], [
-        [e.key, (e.namespace or "-")[:8], e.identifier or f"(unreadable: {e.error})", "x".join(map(str, e.shape or ())), e.dtype or "-",
+        [e.key, (e.namespace or "-")[:8], e.identifier or f"(unreadable: {e.error})",
+         "x".join(map(str, e.shape or ())), e.dtype or "-",
          cli.human_size(e.value_bytes), "-" if e.created_ns is None else f"{(now - e.created_ns) / 1e9:.0f}s",
          "none" if e.ttl_ms is None else f"{e.ttl_ms / 1000:.0f}s"] for e in rows], right={5})
     cli._out(f"{len(rows)} entries, {cli.human_size(sum(e.value_bytes for e in rows))} at {backend.description}")
