@@ -36,7 +36,10 @@ Behaviour
 * purge deletes through a writable :class:`~ecstore.lmdb_tier.LMDBTier`, one
   short write transaction per entry (accounting stays exact and a running
   vLLM is never blocked for long); entries under a live lease are skipped.
-* compact needs exclusive use of the store: see :func:`cmd_compact`.
+* compact needs exclusive use of the store: see :mod:`ecstore.maintenance.compact`.
+* The work (verify, page statistics, purge, compact) is done by the library
+  :mod:`ecstore.maintenance`, which returns typed results; this module only
+  parses arguments, formats tables/JSON and picks exit codes.
 * Progress bars go to stderr, and only when stderr is a terminal.
 
 Exit status: 0 success; 1 ``verify`` found bad entries; 2 error (usage, not
@@ -50,33 +53,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import errno
-import fcntl
 import json
 import math
 import os
 import re
 import shlex
-import shutil
-import stat
-import struct
 import sys
-import tempfile
-import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import AbstractSet, Any, Iterable, Iterator, Sequence
 
 import lmdb
 
-from . import codec, namespaces, schema
-from .codec import CorruptBlobError, Record
+from . import codec, maintenance, namespaces, schema
+from .codec import CorruptBlobError
 from .config import ECStoreConfig, load_config, normalize_local_disk
 from .errors import ConfigError, ECStoreError
 from .files import PRIVATE_FILE_MODE, write_private_file
 from .key import parse_key
-from .lmdb_tier import LMDBTier, _SharedEnv
+from .lmdb_tier import LMDBTier
+from .maintenance import Row, entry_problem, find_entries, key_bytes, read_entry, scan
 
 PROG = "ecstore-dump"
 
@@ -85,11 +82,6 @@ EXIT_BAD = 1
 EXIT_ERROR = 2
 EXIT_BUSY = 3
 
-#: Records read per read transaction while scanning (short transactions).
-SCAN_BATCH = 2048
-#: LMDB's data-file magic (MDB_meta.mm_magic, after the 16-byte page header).
-_LMDB_MAGIC = 0xBEEFC0DE
-_COMPACT_PREFIX = ".ecstore-compact-"
 
 
 class CLIError(Exception):
@@ -121,18 +113,6 @@ def _escape_char(c: str) -> str:
     if 0xDC80 <= ord(c) <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
         return f"\\x{ord(c) - 0xDC00:02x}"
     return c.encode("unicode_escape").decode("ascii")
-
-
-def key_bytes(key: str) -> bytes:
-    """A key as stored: UTF-8, with bytes that were not UTF-8 (read from the
-    store or from argv as surrogate escapes) restored exactly."""
-    return key.encode("utf-8", "surrogateescape")
-
-
-def key_text(raw: bytes) -> str:
-    """A stored key as text; bytes that are not UTF-8 become surrogate
-    escapes, so :func:`key_bytes` gives the very same key back."""
-    return bytes(raw).decode("utf-8", "surrogateescape")
 
 
 def _is_utf8(key: str) -> bool:
@@ -367,42 +347,11 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(path, cfg, cap, src, mode)
 
 
-def _precheck_store(path: str) -> None:
-    """Refuse, without touching anything, what is clearly not a store.
-
-    Opening LMDB creates ``lock.mdb``; checking the data file's magic first
-    means a random directory or file is left exactly as it was.
-    """
-    if not os.path.exists(path):
-        raise CLIError(f"{path}: no such directory")
-    if not os.path.isdir(path):
-        raise CLIError(f"{path} is not a directory (expected an ecstore local_disk directory)")
-    data = os.path.join(path, "data.mdb")
-    if not os.path.isfile(data):
-        raise CLIError(f"{path} is not an ecstore store (no data.mdb)")
-    try:
-        with open(data, "rb") as fh:
-            head = fh.read(24)
-    except OSError as e:
-        raise CLIError(f"cannot read {data}: {e.strerror or e}") from None
-    if len(head) < 24 or struct.unpack_from("=I", head, 16)[0] != _LMDB_MAGIC:
-        raise CLIError(f"{path} is not an ecstore store (data.mdb is not an LMDB file)")
-
-
 @contextlib.contextmanager
 def open_readonly(target: Target) -> Iterator[LMDBTier]:
-    """The store opened read-only (no write lock, no migration, no LRU change).
-
-    ``schema_target=1`` lets tooling read a store of any supported schema
-    without upgrading it; a newer schema raises SchemaError.
-    """
-    _precheck_store(target.path)
-    tier = LMDBTier(target.path, target.cap_bytes or 0, readonly=True, create=False, schema_target=1,
-                    file_mode=target.file_mode)
-    try:
+    """The store of ``target`` opened read-only: :func:`ecstore.maintenance.open_readonly`."""
+    with maintenance.open_readonly(target.path, target.cap_bytes, target.file_mode) as tier:
         yield tier
-    finally:
-        tier.close()
 
 
 # --------------------------------------------------------------------------
@@ -410,41 +359,27 @@ def open_readonly(target: Target) -> Iterator[LMDBTier]:
 # --------------------------------------------------------------------------
 
 
-@dataclass
-class Row:
-    """One entry: its key and record (None if the record is unreadable)."""
-
-    key: str
-    rec: Record | None
-    error: str | None = None
-
-    @property
-    def model(self) -> str:
-        try:
-            return parse_key(self.key).model
-        except ECStoreError:
-            return "?"
-
-    def as_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"key": _json_key(self.key), "model": self.model}
-        if not _is_utf8(self.key):
-            d["key_hex"] = key_bytes(self.key).hex()
-        try:
-            d["chunk_hash"] = parse_key(self.key).chunk_hash
-        except ECStoreError:
-            d["chunk_hash"] = None
-        r = self.rec
-        if r is None:
-            d["error"] = self.error or "unreadable record"
-            return d
-        d.update(
-            identifier=r.mm_identifier, namespace=r.namespace, shape=list(r.shape), dtype=r.dtype,
-            bytes=r.blob_size,
-            tensor_bytes=r.nbytes, created=iso(r.created_ns), created_ns=r.created_ns,
-            last_access=iso(r.last_access_ns), last_access_ns=r.last_access_ns, hits=r.hits,
-            lru_seq=r.lru_seq, checksum=f"{r.checksum:016x}",
-        )
+def _row_json(row: Row) -> dict[str, Any]:
+    """One entry as JSON (``list --json``, ``show --json``)."""
+    d: dict[str, Any] = {"key": _json_key(row.key), "model": row.model}
+    if not _is_utf8(row.key):
+        d["key_hex"] = key_bytes(row.key).hex()
+    try:
+        d["chunk_hash"] = parse_key(row.key).chunk_hash
+    except ECStoreError:
+        d["chunk_hash"] = None
+    r = row.rec
+    if r is None:
+        d["error"] = row.error or "unreadable record"
         return d
+    d.update(
+        identifier=r.mm_identifier, namespace=r.namespace, shape=list(r.shape), dtype=r.dtype,
+        bytes=r.blob_size,
+        tensor_bytes=r.nbytes, created=iso(r.created_ns), created_ns=r.created_ns,
+        last_access=iso(r.last_access_ns), last_access_ns=r.last_access_ns, hits=r.hits,
+        lru_seq=r.lru_seq, checksum=f"{r.checksum:016x}",
+    )
+    return d
 
 
 def _json_key(key: str) -> str:
@@ -452,132 +387,6 @@ def _json_key(key: str) -> str:
     (``key_hex`` then carries the exact bytes)."""
     return key if _is_utf8(key) else "".join(
         _escape_char(c) if 0xDC80 <= ord(c) <= 0xDCFF else c for c in key)
-
-
-def _row(k: bytes, raw: Any) -> Row:
-    key = key_text(k)
-    try:
-        return Row(key, codec.unpack_record(raw))
-    except CorruptBlobError as e:
-        return Row(key, None, f"unreadable record: {e}")
-
-
-def scan(tier: LMDBTier, progress: Progress | None = None) -> Iterator[Row]:
-    """Every entry in key order, read SCAN_BATCH records per read transaction.
-
-    Short transactions never pin old pages for long while vLLM writes; the
-    price is that a scan of a busy store is not one atomic snapshot.
-    """
-    last: bytes | None = None
-    while True:
-        chunk: list[tuple[bytes, bytes]] = []
-        with tier.snapshot() as (txn, dbs), txn.cursor(db=dbs["entries"]) as cur:
-            ok = cur.set_range(last) if last is not None else cur.first()
-            while ok and len(chunk) < SCAN_BATCH:
-                k = bytes(cur.key())
-                if k != last:
-                    chunk.append((k, bytes(cur.value())))
-                ok = cur.next()
-        if not chunk:
-            return
-        last = chunk[-1][0]
-        for k, raw in chunk:
-            if progress is not None:
-                progress.advance()
-            yield _row(k, raw)
-
-
-def check_blob(key: str, rec: Record | None, blob: Any) -> str | None:
-    """None if the entry is sound, else a one-line reason.
-
-    The checks of a read (``codec.decode``: checksum against the record,
-    safetensors header, identifier) plus size, dtype/shape and key agreement,
-    without copying the tensor out.
-    """
-    if rec is None:
-        return "unreadable entry record"
-    if blob is None:
-        return "record without blob"
-    actual = codec.checksum(blob)
-    if actual != rec.checksum:
-        return f"checksum mismatch (record {rec.checksum:016x}, blob {actual:016x})"
-    if len(blob) != rec.blob_size:
-        return f"blob is {len(blob)} bytes, its record says {rec.blob_size}"
-    try:
-        hdr = codec.parse_header(blob)
-        layout = _header_layout_problem(hdr, len(blob))
-    except CorruptBlobError as e:
-        return f"bad safetensors header: {e}"
-    except Exception as e:  # noqa: BLE001 - a hostile header: wrong JSON types, huge numbers
-        return f"bad safetensors header: {type(e).__name__}: {_one_line(str(e))[:200]}"
-    if layout:
-        return f"bad safetensors header: {layout}"
-    if hdr.identifier != rec.identifier:
-        return "identifier in the blob header does not match the record"
-    if hdr.dtype != rec.dtype or hdr.shape != tuple(rec.shape):
-        return (f"blob header says {hdr.dtype} {list(hdr.shape)}, record says "
-                f"{rec.dtype} {list(rec.shape)}")
-    try:
-        k = parse_key(key)
-    except ECStoreError:
-        return "key is not an EC key"
-    if k.model != hdr.model or k.dtype != rec.dtype:
-        return "model/dtype in the key do not match the entry"
-    return None
-
-
-def _header_layout_problem(hdr: codec.BlobHeader, blob_len: int) -> str | None:
-    """What is wrong with the layout of a parsed header that ecstore itself
-    would never write (one tensor whose data starts right after the header
-    and fills the rest of the blob), or None."""
-    info = hdr.raw.get(codec.TENSOR_NAME)
-    if not isinstance(info, dict):
-        return f"tensor {codec.TENSOR_NAME!r} is not described by a mapping"
-    offsets = info.get("data_offsets")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or offsets[0] != 0
-            or offsets[1] != hdr.data_nbytes or hdr.data_offset + hdr.data_nbytes != blob_len):
-        return f"data_offsets {_one_line(str(offsets))[:80]} do not span exactly the data after the header"
-    if any(not isinstance(x, int) or x < 0 for x in hdr.shape):
-        return f"shape {list(hdr.shape)} has negative dimensions"
-    for name in ("identifier", "model", "dtype"):
-        if not isinstance(getattr(hdr, name), str):
-            return f"__metadata__.{name} is not a string"
-    return None
-
-
-def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record | None, bytes | None, bool]:
-    """(record, blob copy, present) of ``key`` from one read transaction."""
-    k = key_bytes(key)
-    with tier.snapshot() as (txn, dbs):
-        raw = txn.get(k, db=dbs["entries"])
-        if raw is None:
-            return None, None, False
-        blob = txn.get(k, db=dbs["blobs"]) if with_blob else None
-        blob = None if blob is None else bytes(blob)
-        try:
-            return codec.unpack_record(raw), blob, True
-        except CorruptBlobError:
-            return None, blob, True
-
-
-def find_entries(tier: LMDBTier, text: str, model: str | None = None) -> tuple[list[Row], str]:
-    """Entries named by a full key, else by mm identifier; (rows, how).
-
-    A string that is an existing key selects that entry. Otherwise every
-    entry whose stored identifier equals ``text`` matches (records are
-    scanned: no assumption about which hash made the key). ``model``
-    narrows either way.
-    """
-    rec, _, present = read_entry(tier, text, with_blob=False)
-    if present:
-        row = Row(text, rec, None if rec is not None else "unreadable record")
-        if model is None or row.model == model:
-            return [row], "key"
-        return [], "key"
-    rows = [r for r in scan(tier)
-            if r.rec is not None and text in (r.rec.identifier, r.rec.mm_identifier)
-            and (model is None or r.model == model)]
-    return rows, "identifier"
 
 
 def _need_entries(tier: LMDBTier, target: Target, text: str, model: str | None) -> tuple[list[Row], str]:
@@ -636,7 +445,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             "schema_version": version,
             "sort": args.sort,
             "model": args.model,
-            "entries": [r.as_json() for r in shown],
+            "entries": [_row_json(r) for r in shown],
             "shown": {"entries": len(shown), "bytes": shown_bytes},
             "totals": {"entries": total_entries, "bytes": total_bytes, **target.cap_json(total_bytes)},
         })
@@ -684,11 +493,11 @@ def _split_positionals(args: argparse.Namespace, names: Sequence[str], usage: st
 
 def _entry_detail(tier: LMDBTier, row: Row) -> dict[str, Any]:
     rec, blob, present = read_entry(tier, row.key)
-    d = Row(row.key, rec, row.error).as_json()
+    d = _row_json(Row(row.key, rec, row.error))
     if not present:
         d["check"] = "removed while reading"
         return d
-    d["check"] = check_blob(row.key, rec, blob) or "ok"
+    d["check"] = entry_problem(row.key, rec, blob) or "ok"
     d["blob_bytes"] = None if blob is None else len(blob)
     d["header"] = None
     if blob is not None:
@@ -767,100 +576,17 @@ def cmd_show(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------
 
 
-def _readers(env: lmdb.Environment) -> list[dict[str, Any]]:
-    """Active reader slots from LMDB's reader table (pid, thread, txnid)."""
-    out = []
-    me = os.getpid()
-    for line in env.readers().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) != 3 or not parts[0].isdigit():
-            continue
-        pid = int(parts[0])
-        try:
-            os.kill(pid, 0)
-            alive = True
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            alive = True
-        out.append({"pid": pid, "thread": parts[1], "txnid": None if parts[2] == "-" else int(parts[2]),
-                    "alive": alive, "this_process": pid == me})
-    return out
-
-
-def _lmdb_stats(tier: LMDBTier) -> dict[str, Any]:
-    """Page accounting of the LMDB file, from what LMDB exposes.
-
-    * tree pages: branch + leaf + overflow pages of the main tree and every
-      sub-database, plus the 2 meta pages (env.stat / txn.stat);
-    * free pages = (last_pgno + 1) - tree pages: pages below the high-water
-      mark that hold no live data: LMDB's free list (reused by later writes)
-      and the free list's own pages, which LMDB does not report separately;
-    * tail pages = file pages - (last_pgno + 1): file beyond the high-water mark;
-    * reclaimable by compact ~ (file pages - tree pages) * page size.
-    """
-    main_db = tier.env.open_db(None)
-    with tier.snapshot() as (txn, dbs):
-        stats = {"main": txn.stat(main_db)}
-        for name, db in dbs.items():
-            if db is not None:
-                stats[name] = txn.stat(db)
-        raw_total = txn.get(b"total_bytes", db=dbs["meta"])
-        accounted = struct.unpack("<Q", raw_total)[0] if raw_total is not None else None
-    info = tier.env_info()
-    psize = info["psize"]
-    used_pages = info["last_pgno"] + 1
-    file_pages = info["file_size"] // psize
-    tree_pages = 2 + sum(t["branch_pages"] + t["leaf_pages"] + t["overflow_pages"] for t in stats.values())
-    trees = {name: dict(t) for name, t in stats.items()}
-    free_pages = max(0, used_pages - tree_pages)
-    tail_pages = max(0, file_pages - used_pages)
-    return {
-        "page_size": psize,
-        "map_size": info["map_size"],
-        "file_size": info["file_size"],
-        "file_pages": file_pages,
-        "last_pgno": info["last_pgno"],
-        "last_txnid": info["last_txnid"],
-        "tree_pages": tree_pages,
-        "free_pages": free_pages,
-        "free_bytes": free_pages * psize,
-        "tail_pages": tail_pages,
-        "reclaimable_bytes": max(0, file_pages - tree_pages) * psize,
-        "trees": trees,
-        "accounted_bytes": accounted,
-        "max_readers": info["max_readers"],
-        "reader_slots_high_water": info["num_readers"],
-    }
-
-
 def cmd_stats(args: argparse.Namespace) -> int:
     if _remote_path(args):
         return _remote_command("stats", args)
     target = resolve_target(args)
     with open_readonly(target) as tier:
-        with Progress("reading entries", tier.entry_count()) as prog:
-            rows = list(scan(tier, prog))
-        lm = _lmdb_stats(tier)
-        readers = _readers(tier.env)
-        by_namespace = namespaces.summarize((r.rec for r in rows), tier.namespace_descriptions())
-        version = tier.schema_version
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    unreadable = 0
-    for r in rows:
-        if r.rec is None:
-            unreadable += 1
-            continue
-        g = groups.setdefault((r.model, r.rec.dtype), {"model": r.model, "dtype": r.rec.dtype, "entries": 0,
-                                                       "bytes": 0, "tensor_bytes": 0, "hits": 0})
-        g["entries"] += 1
-        g["bytes"] += r.rec.blob_size
-        g["tensor_bytes"] += r.rec.nbytes
-        g["hits"] += r.rec.hits
-    by = sorted(groups.values(), key=lambda g: (g["model"], g["dtype"]))
-    total = sum(g["bytes"] for g in by)
-    recs = [r.rec for r in rows if r.rec is not None]
-    accounted = lm.pop("accounted_bytes")
+        st = maintenance.store_stats(tier, Progress)
+    rows, by, by_namespace, version = st.rows, st.by_model, st.by_namespace, st.schema_version
+    unreadable, recs, total = st.unreadable, st.records, st.bytes
+    lm = st.pages.as_json()
+    accounted = st.pages.accounted_bytes
+    readers = [asdict(r) for r in st.readers]
     res = {
         "store": target.path,
         "schema_version": version,
@@ -869,12 +595,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "unreadable_records": unreadable,
         "bytes": total,
         "accounted_bytes": accounted,
-        "tensor_bytes": sum(g["tensor_bytes"] for g in by),
-        "hits": sum(g["hits"] for g in by),
+        "tensor_bytes": sum(g.tensor_bytes for g in by),
+        "hits": sum(g.hits for g in by),
         **target.cap_json(total),
         "oldest_created": iso(min((r.created_ns for r in recs), default=None)),
         "newest_access": iso(max((r.last_access_ns for r in recs), default=None)),
-        "by_model": by,
+        "by_model": [asdict(g) for g in by],
         "by_namespace": [n.as_json() for n in by_namespace],
         "lmdb": lm,
         "readers": readers,
@@ -893,8 +619,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _out(f"newest access:  {res['newest_access']}")
     _out()
     _table(["MODEL", "DTYPE", "ENTRIES", "SIZE", "BYTES", "HITS"],
-           [[_printable(g["model"]), g["dtype"], str(g["entries"]), human_size(g["bytes"]), str(g["bytes"]),
-             str(g["hits"])] for g in by], right={2, 3, 4, 5})
+           [[_printable(g.model), g.dtype, str(g.entries), human_size(g.bytes), str(g.bytes),
+             str(g.hits)] for g in by], right={2, 3, 4, 5})
     _out()
     _table(["NAMESPACE", "ENTRIES", "SIZE", "HITS", "IDENTITY"],
            [[n.namespace or namespaces.LEGACY, str(n.entries), human_size(n.bytes), str(n.hits),
@@ -944,7 +670,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         rec, blob, present = read_entry(tier, key)
     if not present:
         raise CLIError(f"entry {key} was removed while reading it")
-    problem = check_blob(key, rec, blob)
+    problem = entry_problem(key, rec, blob)
     if problem:
         raise CLIError(f"entry {_printable(key)} is corrupt ({problem}); not exported. "
                        f"Remove it with: {PROG} purge {_shell_arg(target.path)} --key {_shell_arg(key)}")
@@ -967,36 +693,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if _remote_path(args):
         return _remote_command("verify", args)
     target = resolve_target(args)
-    bad: list[dict[str, Any]] = []
-    problems: list[str] = []
-    checked = vanished = 0
     with open_readonly(target) as tier:
-        with tier.snapshot() as (txn, dbs):
-            counts = {name: txn.stat(db)["entries"] for name, db in dbs.items() if db is not None and name != "meta"}
-        if counts["blobs"] != counts["entries"]:
-            problems.append(f"{counts['blobs']} blobs but {counts['entries']} entry records")
-        if "lru" in counts and counts["lru"] != counts["entries"]:
-            problems.append(f"{counts['lru']} LRU index rows but {counts['entries']} entry records")
-        keys = [r.key for r in scan(tier)]
-        with Progress("verifying", len(keys)) as prog:
-            for key in keys:
-                k = key_bytes(key)
-                with tier.snapshot() as (txn, dbs):  # one short transaction per entry
-                    raw = txn.get(k, db=dbs["entries"])
-                    if raw is None:
-                        vanished += 1  # evicted or deleted since the key list was read
-                        prog.advance()
-                        continue
-                    try:
-                        rec: Record | None = codec.unpack_record(raw)
-                    except CorruptBlobError:
-                        rec = None
-                    problem = check_blob(key, rec, txn.get(k, db=dbs["blobs"]))
-                checked += 1
-                if problem:
-                    bad.append({"key": _json_key(key), "identifier": rec.mm_identifier if rec else None,
-                                "error": problem})
-                prog.advance()
+        res = maintenance.verify(tier, Progress)
+    checked, vanished, problems = res.checked, res.vanished, res.problems
+    bad: list[dict[str, Any]] = [{"key": _json_key(b.key), "identifier": b.identifier, "error": b.error}
+                                 for b in res.bad]
     ok = checked - len(bad)
     if args.json:
         _json_out({"store": target.path, "checked": checked, "ok": ok, "bad": bad, "vanished": vanished,
@@ -1053,22 +754,6 @@ def parse_older_than(text: str, now_ns: int) -> int:
     return (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000
 
 
-def _purge_capacity(target: Target, tier_total: int) -> int:
-    """A cap for the writable handle that can never trigger eviction on open.
-
-    LMDBTier evicts at open when the store holds more than the cap; a purge
-    must remove exactly what was asked. The total is bounded by the data file
-    (which a concurrent writer may still grow a little), so use twice the file
-    plus 1 GiB, or the configured cap if larger. Only the virtual map size
-    depends on it.
-    """
-    try:
-        fsize = os.path.getsize(os.path.join(target.path, "data.mdb"))
-    except OSError:
-        fsize = 0
-    return max(target.cap_bytes or 0, 2 * max(fsize, tier_total) + (1 << 30))
-
-
 def cmd_purge(args: argparse.Namespace) -> int:
     if args.all and (args.model or args.older_than or args.key or args.namespace):
         raise CLIError("--all cannot be combined with --model, --older-than, --key or --namespace")
@@ -1086,19 +771,19 @@ def cmd_purge(args: argparse.Namespace) -> int:
     with open_readonly(target) as tier:
         version = tier.schema_version
         total_now = tier.total_bytes()
-        keyset: set[str] | None = None
+        keyset: frozenset[str] | None = None
         if args.key:
-            keyset = set()
+            found: set[str] = set()
             for q in args.key:
                 rows, _ = _need_entries(tier, target, q, None)
-                keyset.update(r.key for r in rows)
-        with Progress("selecting", tier.entry_count()) as prog:
-            victims = [r for r in scan(tier, prog) if _purge_match(r, args, cutoff, keyset)]
-        if args.namespace:
-            try:
-                namespaces.resolve(args.namespace, (r.rec.namespace for r in victims if r.rec))
-            except ECStoreError as e:
-                raise CLIError(str(e)) from None
+                found.update(r.key for r in rows)
+            keyset = frozenset(found)
+        criteria = maintenance.PurgeCriteria(all_entries=args.all, keys=keyset, model=args.model,
+                                             cutoff_ns=cutoff, namespace=args.namespace)
+        try:
+            victims = maintenance.select_victims(tier, criteria, Progress)
+        except ECStoreError as e:
+            raise CLIError(str(e)) from None
     nbytes = sum(r.rec.blob_size for r in victims if r.rec)
     if args.dry_run:
         for r in victims:
@@ -1109,51 +794,16 @@ def cmd_purge(args: argparse.Namespace) -> int:
     if not victims:
         _out(f"nothing to remove from {target.path}")
         return EXIT_OK
-    removed = skipped = 0
-    freed = 0
-    tier = LMDBTier(target.path, _purge_capacity(target, total_now), readonly=False, create=False,
-                    schema_target=version, file_mode=target.file_mode)
-    try:
-        leased = tier.leased_keys()
-        with Progress("purging", len(victims)) as prog:
-            for r in victims:
-                prog.advance()
-                if key_bytes(r.key) in leased:
-                    skipped += 1
-                    continue
-                if cutoff is not None:  # re-check: it may have been read since selection
-                    cur = tier.record(r.key)
-                    if cur is not None and cur.last_access_ns >= cutoff:
-                        continue
-                gone = tier.remove(r.key)
-                if gone is not None:
-                    removed += 1
-                    freed += gone
-                    if args.verbose:
-                        _out(f"removed  {_printable(r.key)}")
-        tier.sync()
-        fsize = tier.env_info()["file_size"]
-    finally:
-        tier.close()
-    _out(f"removed {_entries(removed)} ({human_size(freed)}) from {target.path}"
-         + (f"; skipped {skipped} leased by a running loader (retry later)" if skipped else ""))
-    _out(f"data.mdb stays {human_size(fsize)} (LMDB reuses the freed pages); "
+    res = maintenance.purge(
+        target.path, victims, schema_version=version, cutoff_ns=cutoff, file_mode=target.file_mode,
+        capacity=maintenance.purge_capacity(target.path, target.cap_bytes, total_now),
+        on_removed=(lambda key: _out(f"removed  {_printable(key)}")) if args.verbose else None,
+        progress=Progress)
+    _out(f"removed {_entries(res.removed)} ({human_size(res.freed)}) from {target.path}"
+         + (f"; skipped {res.skipped} leased by a running loader (retry later)" if res.skipped else ""))
+    _out(f"data.mdb stays {human_size(res.file_size)} (LMDB reuses the freed pages); "
          f"run '{PROG} compact' with vLLM stopped to shrink it")
     return EXIT_OK
-
-
-def _purge_match(r: Row, args: argparse.Namespace, cutoff: int | None, keyset: set[str] | None) -> bool:
-    if args.all:
-        return True
-    if keyset is not None and r.key not in keyset:
-        return False
-    if args.model is not None and r.model != args.model:
-        return False
-    if cutoff is not None and (r.rec is None or r.rec.last_access_ns >= cutoff):
-        return False
-    if args.namespace and not namespaces.matches(r.rec, args.namespace):
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------
@@ -1161,196 +811,17 @@ def _purge_match(r: Row, args: argparse.Namespace, cutoff: int | None, keyset: s
 # --------------------------------------------------------------------------
 
 
-def _try_exclusive(fd: int) -> bool:
-    """Try to take LMDB's environment lock (byte 0 of lock.mdb) exclusively.
-
-    Every process with the environment open holds a shared fcntl lock on
-    that byte (LMDB's ``mdb_env_excl_lock``), so this fails exactly when
-    another process has the store open, read-only or not, in any container
-    on this kernel. POSIX locks never conflict within one process, so this
-    also upgrades this process's own shared lock.
-    """
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-        return True
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
-def _proc_users(path: str) -> list[tuple[int, str]]:
-    """(pid, command) of other processes that have data.mdb or lock.mdb of
-    ``path`` open or mapped, from /proc (Linux; processes of other users or
-    PID namespaces may be invisible: the fcntl check covers those)."""
-    files = set()
-    for name in ("data.mdb", "lock.mdb"):
-        with contextlib.suppress(OSError):
-            files.add(os.path.realpath(os.path.join(path, name)))
-    if not files or not os.path.isdir("/proc"):
-        return []
-    me = os.getpid()
-    users = []
-    for pid_s in os.listdir("/proc"):
-        if not pid_s.isdigit() or int(pid_s) == me:
-            continue
-        hit = False
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid_s}/maps", "rb") as fh:
-                for line in fh:
-                    parts = line.split(None, 5)
-                    if len(parts) == 6 and os.fsdecode(parts[5].strip().removesuffix(b" (deleted)")) in files:
-                        hit = True
-                        break
-        if not hit:
-            with contextlib.suppress(OSError):
-                for fd in os.listdir(f"/proc/{pid_s}/fd"):
-                    with contextlib.suppress(OSError):
-                        if os.readlink(f"/proc/{pid_s}/fd/{fd}") in files:
-                            hit = True
-                            break
-        if hit:
-            cmd = ""
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid_s}/cmdline", "rb") as fh:
-                    cmd = " ".join(fh.read().replace(b"\0", b" ").decode("utf-8", "replace").split())[:80]
-            users.append((int(pid_s), cmd))
-    return sorted(users)
-
-
-def _busy(path: str, users: list[tuple[int, str]]) -> CLIError:
-    who = "; ".join(f"pid {p} ({c})" if c else f"pid {p}" for p, c in users) or "a process not visible here"
-    return CLIError(f"store {path} is open in another process ({who}); stop it (e.g. vLLM) and retry. "
-                    f"Nothing was changed", EXIT_BUSY)
-
-
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _copy_with_progress(tier: LMDBTier, tmp: str, new: str) -> None:
-    """``env.copy(tmp, compact=True)``; on a terminal, a bar of bytes written
-    against the live pages to copy (the copy runs in a thread; py-lmdb
-    releases the GIL while LMDB copies)."""
-    if not _isatty(sys.stderr):
-        tier.env.copy(tmp, compact=True)
-        return
-    total_mib = max(1, _lmdb_stats(tier)["tree_pages"] * tier.env_info()["psize"] >> 20)
-    prog = Progress("compacting (MiB)", total_mib)
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            tier.env.copy(tmp, compact=True)
-        except BaseException as e:  # re-raised in the caller's thread
-            failure.append(e)
-
-    worker = threading.Thread(target=run, name="ecstore-compact")
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.1)
-            with contextlib.suppress(OSError):
-                prog.done = min(total_mib, os.path.getsize(new) >> 20)
-            prog.advance(0)
-    finally:
-        worker.join()
-        prog.close()
-    if failure:
-        raise failure[0]
-
-
-def _db_summary(env: lmdb.Environment) -> tuple[int, int | None, bytes | None]:
-    """(entries, total_bytes, schema_version) of an environment."""
-    entries = env.open_db(b"entries", create=False)
-    meta = env.open_db(b"meta", create=False)
-    with env.begin() as txn:
-        raw = txn.get(b"total_bytes", db=meta)
-        return (txn.stat(entries)["entries"], None if raw is None else struct.unpack("<Q", raw)[0],
-                txn.get(b"schema_version", db=meta))
-
-
 def cmd_compact(args: argparse.Namespace) -> int:
-    """Rewrite data.mdb compactly (LMDB files never shrink by themselves).
-
-    In-use detection: LMDB gives every process that has the environment open
-    a shared fcntl lock on byte 0 of lock.mdb. We try to take that byte
-    exclusively (refusing if that fails) and also look in /proc for other
-    processes mapping/holding data.mdb or lock.mdb (to name them, and as a
-    second check). Then we open the store, upgrade our lock to exclusive again
-    (closing the window in which someone may have opened it), copy it with
-    ``env.copy(compact=True)`` into a temporary directory beside it, check
-    the copy, and atomically replace data.mdb. While we hold the exclusive
-    lock, a process starting to open the store waits inside LMDB; because its
-    view of lock.mdb would describe the old file, we invalidate lock.mdb's
-    header (4 bytes) before replacing data.mdb: such a waiter then fails to
-    open cleanly (MDB_INVALID) instead of mixing states, and the next opener
-    reinitialises lock.mdb. leases.mdb is left alone.
-
-    Limits: needs POSIX fcntl locks (local filesystems; LMDB itself needs
-    them); the /proc scan is Linux-only and best-effort.
-    """
+    """Rewrite data.mdb compactly: :func:`ecstore.maintenance.compact`
+    (its module docstring describes the lock protocol). Exit 3 when another
+    process, or this one, has the store open."""
     target = resolve_target(args)
-    with open_readonly(target):  # validates: a store, schema we support
-        pass
-    path = target.path
-    if os.path.realpath(path) in _SharedEnv._open:
-        raise CLIError(f"store {path} is open in this process; close it before compacting", EXIT_BUSY)
-    data = os.path.join(path, "data.mdb")
-    lock_path = os.path.join(path, "lock.mdb")
     try:
-        fd = os.open(lock_path, os.O_RDWR)
-    except OSError as e:
-        raise CLIError(f"cannot open {lock_path}: {e.strerror or e}") from None
-    try:
-        users = _proc_users(path)
-        if not _try_exclusive(fd) or users:
-            raise _busy(path, users)
-        before = os.path.getsize(data)
-        # LMDB's open in this process takes the same lock byte (no conflict
-        # with ours) and downgrades it to shared; fd stays open until the
-        # environment is closed, since closing any descriptor of lock.mdb
-        # drops this process's locks on it.
-        tier = LMDBTier(path, 0, readonly=True, create=False, schema_target=1)
-        try:
-            users = _proc_users(path)
-            if not _try_exclusive(fd) or users:
-                raise _busy(path, users)
-            orig = _db_summary(tier.env)
-            for leftover in os.listdir(path):  # from an interrupted compact
-                if leftover.startswith(_COMPACT_PREFIX):
-                    shutil.rmtree(os.path.join(path, leftover), ignore_errors=True)
-            tmp = tempfile.mkdtemp(prefix=_COMPACT_PREFIX, dir=path)
-            try:
-                new = os.path.join(tmp, "data.mdb")
-                _copy_with_progress(tier, tmp, new)
-                _fsync_path(new)
-                copy_env = lmdb.open(tmp, readonly=True, lock=False, subdir=True, max_dbs=8)
-                try:
-                    copied = _db_summary(copy_env)
-                finally:
-                    copy_env.close()
-                if copied != orig:
-                    raise CLIError(f"compacted copy does not match the store ({copied} vs {orig}); "
-                                   f"nothing was changed")
-                # LMDB creates the copy with 0666 & ~umask: keep the store's mode.
-                os.chmod(new, stat.S_IMODE(os.stat(data).st_mode))
-                os.pwrite(fd, b"\0\0\0\0", 0)  # invalidate lock.mdb's header (see docstring)
-                os.replace(new, data)
-                _fsync_path(path, directory=True)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            tier.close()
-    finally:
-        os.close(fd)
-    after = os.path.getsize(data)
-    _out(f"compacted {path}: data.mdb {human_size(before)} -> {human_size(after)} "
-         f"({before} -> {after} bytes, {_entries(orig[0])})")
+        res = maintenance.compact(target.path, Progress if _isatty(sys.stderr) else None)
+    except maintenance.StoreBusyError as e:
+        raise CLIError(str(e), EXIT_BUSY) from None
+    _out(f"compacted {res.path}: data.mdb {human_size(res.before)} -> {human_size(res.after)} "
+         f"({res.before} -> {res.after} bytes, {_entries(res.entries)})")
     return EXIT_OK
 
 

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from ecstore import ECStore, ECStoreConfig
-from ecstore import cli
+from ecstore import cli, maintenance
 from ecstore.lmdb_tier import LMDBTier, _SharedEnv
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -678,13 +678,13 @@ def test_compact_refused_while_open_elsewhere_then_shrinks(store: Path) -> None:
     finally:
         _release(holder)
     assert sha(data) == sha0 and data.stat().st_size == size0
-    assert not [p for p in store.iterdir() if p.name.startswith(cli._COMPACT_PREFIX)]
+    assert not [p for p in store.iterdir() if p.name.startswith(maintenance.COMPACT_PREFIX)]
 
     r = dump("compact", store)
     assert r.rc == 0 and r.err == "" and r.out.startswith(f"compacted {store}")
     assert data.stat().st_size < size0 * 0.8
     assert records(store) == recs0
-    assert not [p for p in store.iterdir() if p.name.startswith(cli._COMPACT_PREFIX)]
+    assert not [p for p in store.iterdir() if p.name.startswith(maintenance.COMPACT_PREFIX)]
     assert run("verify", store).rc == 0
     # The store stays fully usable: reads bit-exact, writes, reopen.
     with ECStore(disk_cfg(store), model=M2, dtype=torch.float16) as s:
@@ -866,4 +866,4 @@ def test_schema_1_store_is_read_without_migrating(tmp_path: Path) -> None:
 def test_struct_layout_assumption_matches_lmdb(template: Template) -> None:
     """_precheck_store reads LMDB's magic at byte 16 of data.mdb."""
     head = (template.path / "data.mdb").read_bytes()[:24]
-    assert struct.unpack_from("=I", head, 16)[0] == cli._LMDB_MAGIC
+    assert struct.unpack_from("=I", head, 16)[0] == maintenance.LMDB_MAGIC

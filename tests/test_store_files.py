@@ -255,7 +255,7 @@ def test_a_process_that_created_the_store_keeps_lmdbs_lock(tmp_path: Path) -> No
     closing any descriptor of it drops the fcntl lock LMDB holds, and
     another process would then take the store for unused (compact) or
     re-initialise the lock file under a live writer."""
-    from ecstore.cli import _try_exclusive
+    from ecstore.maintenance import try_exclusive as _try_exclusive
 
     store = tmp_path / "store"
     holder = subprocess.Popen([sys.executable, str(HELPERS / "cli_holder.py"), str(store), "rw"],

@@ -1,0 +1,37 @@
+"""Store maintenance as a library: the work behind ``ecstore-dump``.
+
+Everything here works on a real store directory through
+:class:`~ecstore.lmdb_tier.LMDBTier`'s own methods and returns typed records
+(dataclasses); the CLI (:mod:`ecstore.cli`) only parses arguments, formats
+these records as tables or JSON and picks exit codes.
+
+* :mod:`.entries`  opening a store read-only, scanning and finding entries,
+  and the per-entry check (a thin wrapper over :func:`ecstore.codec.check_entry`,
+  the one entry check shared with ``get``);
+* :mod:`.inspect`  verify, page statistics, reader slots, per-model totals;
+* :mod:`.purge`    selecting and removing entries (by key, model, namespace,
+  last-access cutoff, or all);
+* :mod:`.compact`  rewriting ``data.mdb`` compactly under LMDB's lock protocol.
+
+Errors are :class:`~ecstore.errors.ECStoreError` subclasses.
+"""
+
+from __future__ import annotations
+
+from .compact import COMPACT_PREFIX, CompactResult, StoreBusyError, compact, try_exclusive
+from .entries import (LMDB_MAGIC, SCAN_BATCH, Row, entry_problem, find_entries, key_bytes, key_text,
+                      open_readonly, precheck_store, read_entry, scan)
+from .inspect import (BadEntry, ModelTotals, PageStats, ReaderSlot, StoreStats, VerifyResult, page_stats,
+                      reader_slots, store_stats, verify)
+from .progress import NO_PROGRESS, ProgressFactory, Ticker
+from .purge import PurgeCriteria, PurgeResult, purge, purge_capacity, select_victims
+
+__all__ = [
+    "COMPACT_PREFIX", "CompactResult", "StoreBusyError", "compact", "try_exclusive",
+    "LMDB_MAGIC", "SCAN_BATCH", "Row", "entry_problem", "find_entries", "key_bytes", "key_text",
+    "open_readonly", "precheck_store", "read_entry", "scan",
+    "BadEntry", "ModelTotals", "PageStats", "ReaderSlot", "StoreStats", "VerifyResult", "page_stats",
+    "reader_slots", "store_stats", "verify",
+    "NO_PROGRESS", "ProgressFactory", "Ticker",
+    "PurgeCriteria", "PurgeResult", "purge", "purge_capacity", "select_victims",
+]
