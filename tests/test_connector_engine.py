@@ -15,11 +15,8 @@ Six engine processes in all; they share one store where that is the point
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.engine_proc import engine_env
+from helpers.engine_proc import run_engine as run_engine_process
 from ecstore import ECStore, ECStoreConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -67,27 +66,7 @@ def run_engine(model_dir: Path, out_dir: Path, name: str, *, extra: dict, images
         cmd.append("--multiprocess")
     if encoder_cache_budget:
         cmd += ["--encoder-cache-budget", str(encoder_cache_budget)]
-    # vLLM's default logging; nothing from the caller's ecstore/LMCache setup.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LMCACHE_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
-                                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOG_STATS_INTERVAL"))}
-    env["VLLM_LOG_STATS_INTERVAL"] = "0.001"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        console, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        console, _ = proc.communicate()
-        pytest.fail(f"engine run {name!r} timed out after {timeout}s:\n{console[-6000:]}")
-    finally:
-        try:  # leave nothing behind (engine-core / worker children)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, f"engine run {name!r} failed (rc={proc.returncode}):\n{console[-6000:]}"
-    assert "Traceback" not in console, console[-6000:]
+    console = run_engine_process(cmd, name, REPO, engine_env(log_stats=True), timeout)
     res = json.loads(out.read_text())
     return EngineRun(console, res["tokens"], res["ec_metrics"], res["ec_metrics_lines"], res["errors"])
 

@@ -24,11 +24,8 @@ and one store serve the whole sequence; nine engine runs in all:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ import lmdb
 import pytest
 import torch
 
+from helpers.engine_proc import engine_env, run_engine
 from ecstore import ECStore, ECStoreConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -73,26 +71,7 @@ def run(model: Path, out_dir: Path, name: str, images: list[int], *, extra: dict
            "--embeds", "--engine-kw", json.dumps(engine_kw or {}),
            "--uuids", json.dumps({str(k): v for k, v in (uuids or {}).items()})]
     cmd += ["--no-connector"] if extra is None else ["--extra", json.dumps(extra)]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LMCACHE_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
-                                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOG_STATS_INTERVAL"))}
-    env["VLLM_LOG_STATS_INTERVAL"] = "0.001"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        console, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        console, _ = proc.communicate()
-        pytest.fail(f"engine run {name!r} timed out after {timeout}s:\n{console[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, f"engine run {name!r} failed (rc={proc.returncode}):\n{console[-6000:]}"
-    assert "Traceback" not in console, console[-6000:]
+    console = run_engine(cmd, name, REPO, engine_env(log_stats=True), timeout)
     res = json.loads(out.read_text())
     embeds = {k: torch.tensor(v) for k, v in res["embeds"].items()}
     return Run(console, res["tokens"], res["ec_metrics"], res["errors"], embeds)

@@ -11,9 +11,6 @@ the connector.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import pytest
 import torch
 import xxhash
 
+from helpers.engine_proc import engine_env, run_engine
 from ecstore import codec
 from ecstore.remote import frame
 
@@ -37,24 +35,7 @@ def run(model_dir: Path, out_dir: Path, name: str, extra: dict | None, role: str
     cmd = [sys.executable, str(HELPER), "--model", str(model_dir), "--out", str(out), "--role", role,
            "--images", ",".join(map(str, IMAGES))]
     cmd += ["--no-connector"] if extra is None else ["--extra", json.dumps(extra)]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LMCACHE_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
-                                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOG_STATS_INTERVAL"))}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        console, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        console, _ = proc.communicate()
-        pytest.fail(f"engine run {name!r} timed out after {timeout}s:\n{console[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, f"engine run {name!r} failed (rc={proc.returncode}):\n{console[-6000:]}"
-    assert "Traceback" not in console, console[-6000:]
+    console = run_engine(cmd, name, REPO, engine_env(log_stats=False), timeout)
     res = json.loads(out.read_text())
     res["console"] = console
     return res

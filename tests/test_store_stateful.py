@@ -7,6 +7,9 @@ a put of a new identifier evicts least recently used entries until it fits,
 a get hit makes an entry most recently used, and a put of a present
 identifier changes nothing.
 
+A ``corrupt`` rule damages an entry's record or blob on disk: the next
+read must be a miss that drops it, and the store must go on exactly.
+
 The store writes to LMDB in the background, so between flushes an entry the
 model has evicted may still be readable (the put that evicts it is queued).
 The model keeps such entries as "ghosts" until the next flush: reading one
@@ -29,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from ecstore import ECStore, ECStoreConfig, codec
 from conftest import gib
+from ecstore.testing import faults as fc
 from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -157,6 +161,27 @@ class StoreMachine(RuleBasedStateMachine):
         self.last.pop(ident, None)
         assert self.store.get(ident) is None
         assert not self.store.contains(ident)
+
+    @rule(ident=st.sampled_from(IDS), part=st.sampled_from(["record", "blob"]))
+    def corrupt(self, ident: str, part: str) -> None:
+        """Damage an entry on disk (a bad block, a foreign writer): the next
+        read is a miss that drops it, with exact accounting, and every later
+        put, eviction and reopen goes on (defect: one unreadable record used
+        to stop eviction for good)."""
+        self.store.flush()
+        self.ghosts.clear()
+        if ident not in self.lru:
+            return
+        s = self.store
+        if s.memory is not None:
+            s.memory.delete(s.key(ident))  # as if the memory tier had evicted it
+        fc.corrupt_entry(s.disk, s.key(ident), part)
+        event(f"corrupt {part}")
+        assert s.get(ident) is None
+        assert not s.contains(ident)
+        del self.lru[ident]
+        self.last.pop(ident, None)
+        self.check_exact()
 
     @rule()
     def flush(self) -> None:

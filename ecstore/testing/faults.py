@@ -14,6 +14,9 @@ scripts (tools/stress_crash.py, tools/stress_concurrency.py).
 * :func:`run_forked` -- run one function in such a worker with a timeout:
   a crash (SIGBUS, SIGSEGV) or a hang is reported instead of taking the
   caller down.
+* :func:`corrupt_entry` -- the back door of the state machines and fault
+  tests: damage one stored entry's record or blob in place, the way a bad
+  disk block or a writer outside ecstore would.
 
 Importable as ``ecstore.testing.faults``.
 """
@@ -45,6 +48,27 @@ ROW_BYTES = COLS * 2
 # --------------------------------------------------------------------------
 # Content
 # --------------------------------------------------------------------------
+
+def corrupt_entry(tier: LMDBTier, key: str, part: str) -> None:
+    """Damage the entry under ``key`` in place, in one write transaction:
+    ``part="record"`` makes its record unreadable (an unknown record version,
+    as after a flipped first byte), ``part="blob"`` flips the last byte of its
+    blob (the checksum no longer matches). ``total_bytes`` and the LRU row are
+    left as they were. AssertionError if there is no such entry."""
+    if part not in ("record", "blob"):
+        raise ValueError(f"part must be 'record' or 'blob', got {part!r}")
+    k = key.encode()
+    with tier._write_txn() as txn:
+        db = tier._entries if part == "record" else tier._blobs
+        raw = txn.get(k, db=db)
+        assert raw is not None, f"no {part} under {key!r}"
+        data = bytearray(raw)
+        if part == "record":
+            data[0] = 0x09
+        else:
+            data[-1] ^= 0xFF
+        txn.put(k, bytes(data), db=db)
+
 
 def identifier(idx: int) -> str:
     return f"crash-entry-{idx:09d}"
