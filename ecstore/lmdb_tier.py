@@ -13,7 +13,11 @@ accounting can never drift from the entries.
 Leases (pins against eviction while a loader is about to read an entry) live
 in a second, tiny LMDB file, ``leases.mdb``, opened without fsync: they are
 ephemeral, and keeping them apart means a scheduler taking a lease never
-waits behind a writer committing a 100 MB blob.
+waits behind a writer committing a 100 MB blob. The lease table and its
+eviction-marker protocol are :mod:`ecstore.leases`; the per-process
+environment registry, map sizing and the data-file checks are
+:mod:`ecstore.lmdb_env`. This module keeps :class:`LMDBTier` (reads, writes,
+eviction) and re-exports the names other modules import from it.
 
 Design notes
 ------------
@@ -49,7 +53,6 @@ import logging
 import os
 import shutil
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Literal, overload
@@ -60,50 +63,40 @@ import torch
 from . import codec, schema
 from .codec import CorruptBlobError, Record
 from .errors import ECStoreError, SchemaError, StoreFullError, StoreOpenError, check_same_process
-from .store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
-                          fix_created_modes, missing_files, readonly_needs_nolock)
+from .leases import LeaseTable
+from .store_files import FilePolicy
+
+# Moved to lmdb_env / leases; re-exported here for the modules and tests that
+# import them from this one (``import X as X`` marks an explicit re-export).
+from .leases import _LEASE as _LEASE
+from .leases import _TOMB as _TOMB
+from .leases import LEASE_PRUNE_MIN as LEASE_PRUNE_MIN
+from .leases import TOMBSTONE_MAX_AGE_NS as TOMBSTONE_MAX_AGE_NS
+from .leases import _pid_alive as _pid_alive
+from .lmdb_env import _FOREIGN_OK as _FOREIGN_OK
+from .lmdb_env import MAP_HEADROOM_BYTES as MAP_HEADROOM_BYTES
+from .lmdb_env import MAP_HEADROOM_FACTOR as MAP_HEADROOM_FACTOR
+from .lmdb_env import MAX_MAP_RESIZED_RETRIES as MAX_MAP_RESIZED_RETRIES
+from .lmdb_env import MiB as MiB
+from .lmdb_env import _check_data_file as _check_data_file
+from .lmdb_env import _open_env as _open_env
+from .lmdb_env import _open_leases as _open_leases
+from .lmdb_env import _reader_txnids as _reader_txnids
+from .lmdb_env import _SharedEnv as _SharedEnv
+from .lmdb_env import _TxnGate as _TxnGate
+from .lmdb_env import map_size_for as map_size_for
 
 log = logging.getLogger("ecstore")
 
-MiB = 1 << 20
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
-_LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
-#: Lease-file keys under this prefix are eviction tombstones (see _evict_in).
-_TOMB = b"\x00evicting\x00"
-TOMBSTONE_MAX_AGE_NS = 60 * 10**9
-#: lease() prunes dead and expired leases once the lease table holds more
-#: keys than this (and then at twice the live count): leases that are never
-#: released cannot grow the file or the cost of a pin without bound.
-LEASE_PRUNE_MIN = 1024
 
-MAP_HEADROOM_FACTOR = 1.25
-MAP_HEADROOM_BYTES = 1 * MiB  # floor for small caps (B-tree and meta pages)
 #: How long a write whose map is full waits, at most, for read transactions
 #: of other processes to release old snapshots (seconds; see write_batch).
 MAPFULL_PATIENCE_S = 60.0
 #: Retries of a write whose map stays full with nothing left to evict and no
 #: reader of an older snapshot to wait for.
 MAPFULL_STUCK_RETRIES = 3
-
-
-def map_size_for(capacity_bytes: int) -> int:
-    """LMDB map size (bytes) for a disk cap: bounds the data file size."""
-    size = max(int(capacity_bytes * MAP_HEADROOM_FACTOR), capacity_bytes + MAP_HEADROOM_BYTES)
-    page = 4096
-    return (size + page - 1) // page * page
-
-
-def _reader_txnids(table: str) -> list[int]:
-    """Snapshot (transaction id) of each active read transaction in LMDB's
-    reader table (``Environment.readers()``: ``pid thread txnid`` rows; idle
-    slots are not listed, or show ``-``)."""
-    ids = []
-    for line in table.splitlines()[1:]:
-        parts = line.split()
-        if len(parts) == 3 and parts[2].isdigit():
-            ids.append(int(parts[2]))
-    return ids
 
 
 def _meta_value(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> bytes | memoryview:
@@ -122,16 +115,6 @@ def _u64(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> int:
     sub-database ``db``, read in ``txn``; StoreOpenError if it is missing."""
     value: int = _U64.unpack(_meta_value(txn, name, db, path))[0]
     return value
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -156,294 +139,6 @@ class PutRequest:
         assert self.blob is not None, "PutRequest.blob is set by write_batch before it is used"
         return self.blob
 
-
-#: How often a transaction is retried after adopting a map another process
-#: grew (each retry needs that process to grow the map again meanwhile).
-MAX_MAP_RESIZED_RETRIES = 16
-
-
-class _TxnGate:
-    """Transactions of one environment in this process versus a map resize.
-
-    Another process may grow the LMDB map past this process's: beginning a
-    transaction then fails with ``MDB_MAP_RESIZED``, and LMDB's remedy,
-    ``mdb_env_set_mapsize(0)``, remaps the file, which is only safe while no
-    transaction of this process is open (their pages would be unmapped under
-    them). Every transaction enters the gate (shared); a resize waits until
-    none is open and holds new ones back meanwhile (exclusive). A thread
-    that itself holds a transaction of the environment cannot wait for that:
-    it gets StoreOpenError (an ECStoreError) instead and may retry once its
-    transaction ended. Thread-safe; costs one uncontended lock per begin and
-    end.
-    """
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._active = 0
-        self._resizing = False
-        self._mine = threading.local()
-
-    def enter(self) -> None:
-        with self._cv:
-            while self._resizing:
-                self._cv.wait()
-            self._active += 1
-        self._mine.depth = getattr(self._mine, "depth", 0) + 1
-
-    def leave(self) -> None:
-        # max(): a transaction of an abandoned generator may be finalized by
-        # the garbage collector in another thread.
-        self._mine.depth = max(0, getattr(self._mine, "depth", 0) - 1)
-        with self._cv:
-            self._active -= 1
-            if self._active == 0:
-                self._cv.notify_all()
-
-    def adopt_new_size(self, env: lmdb.Environment, path: str) -> None:
-        """``env.set_mapsize(0)`` (adopt the size another process set) once no
-        transaction of this process is open."""
-        if getattr(self._mine, "depth", 0) > 0:
-            raise StoreOpenError(
-                f"the LMDB map of {path} was grown by another process while this thread holds a "
-                f"transaction of it; retry the call")
-        with self._cv:
-            if self._resizing:  # another thread is adopting it: wait for that, then retry
-                while self._resizing:
-                    self._cv.wait()
-                return
-            self._resizing = True
-            try:
-                while self._active:
-                    self._cv.wait()
-                env.set_mapsize(0)
-            finally:
-                self._resizing = False
-                self._cv.notify_all()
-
-
-class _SharedEnv:
-    """One lmdb.Environment per directory per process, reference counted."""
-
-    _lock = threading.Lock()
-    _open: dict[str, "_SharedEnv"] = {}
-    #: Directories whose environment this process inherited across fork()
-    #: (path -> pid of the process that opened it).
-    _inherited: dict[str, int] = {}
-
-    def __init__(self, path: str, env: lmdb.Environment, leases: lmdb.Environment | None, readonly: bool,
-                 policy: FilePolicy | None = None):
-        self.path = path
-        self.policy = policy or FilePolicy()
-        self.env = env
-        self.leases = leases
-        self.readonly = readonly
-        self.refs = 0
-        self.pid = os.getpid()
-        self.write_lock = threading.Lock()  # LMDB allows one write txn per env
-        self.gate = _TxnGate()
-        #: Lease-table size above which lease() prunes dead and expired leases.
-        self.lease_prune_at = LEASE_PRUNE_MIN
-
-    @contextlib.contextmanager
-    def txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
-        """A transaction of the data environment: committed when the block
-        ends normally, aborted on an exception. The one way ecstore begins
-        one: when another process grew the map (``MDB_MAP_RESIZED``), adopts
-        the new size (see :class:`_TxnGate`) and retries. Write transactions
-        must be begun under ``write_lock``."""
-        for _ in range(MAX_MAP_RESIZED_RETRIES):
-            self.gate.enter()
-            try:
-                txn: lmdb.Transaction = (self.env.begin(write=write, buffers=True) if buffers
-                                         else self.env.begin(write=write))
-            except lmdb.MapResizedError:
-                self.gate.leave()
-                self.gate.adopt_new_size(self.env, self.path)
-                continue
-            except BaseException:
-                self.gate.leave()
-                raise
-            break
-        else:
-            raise StoreOpenError(f"the LMDB map of {self.path} keeps growing under this process; retry")
-        try:
-            with txn:
-                yield txn
-        finally:
-            self.gate.leave()
-
-    @classmethod
-    def acquire(cls, path: str, map_size: int, readonly: bool, create: bool,
-                policy: FilePolicy | None = None, explicit_mode: bool = True) -> "_SharedEnv":
-        real = os.path.realpath(path)
-        with cls._lock:
-            shared = cls._open.get(real)
-            if shared is not None and shared.pid != os.getpid():
-                cls._open.pop(real)  # inherited across fork: never touch it here
-                cls._inherited[real] = shared.pid
-                shared = None
-            if shared is not None:
-                if shared.readonly and not readonly:
-                    raise StoreOpenError(
-                        f"{path} is already open read-only in this process; close that handle first"
-                    )
-                shared.refs += 1
-                return shared
-            try:
-                opened = _open_env(real, map_size, readonly, create, policy or FilePolicy(), explicit_mode)
-            except StoreOpenError as e:
-                parent = cls._inherited.get(real)
-                if parent is None:
-                    raise
-                # py-lmdb refuses a second environment on the same files in one
-                # process, and closing the inherited one could hang (a write
-                # transaction of a parent thread that does not exist here).
-                raise StoreOpenError(
-                    f"{path} was open in process {parent} when it forked this process ({os.getpid()}); "
-                    f"it cannot be opened again in the forked child ({e}). Open the store in a process "
-                    f"started with 'spawn' or 'forkserver', or open it in the parent only after forking"
-                ) from None
-            shared = cls(real, *opened, readonly=readonly, policy=policy)
-            shared.refs = 1
-            cls._open[real] = shared
-            return shared
-
-    def open_leases(self) -> None:
-        """Open leases.mdb (read-write environments only), once."""
-        with self._lock:
-            if self.leases is None and not self.readonly:
-                self.leases = _open_leases(self.path, self.policy)
-
-    def release(self) -> None:
-        with self._lock:
-            self.refs -= 1
-            if self.refs > 0:
-                return
-            if self._open.get(self.path) is self:
-                del self._open[self.path]
-        if self.pid == os.getpid():
-            self.env.close()
-            if self.leases is not None:
-                self.leases.close()
-
-
-#: Names a directory may hold besides a store's files and still get a new
-#: store created in it (dot-files such as ``.nfs*`` are ignored too).
-_FOREIGN_OK = {"lock.mdb", "leases.mdb", "leases.mdb-lock", "lost+found"}
-_META = struct.Struct("<II")  # mm_magic, mm_version at offset 16 of a meta page
-_LMDB_MAGIC = 0xBEEFC0DE
-
-
-def _check_data_file(data: str) -> None:
-    """Refuse a data.mdb shorter than its own meta pages say it is.
-
-    LMDB trusts the last-page number in the meta page and maps the file: a
-    truncated file (copy interrupted, disk trouble) would kill the process
-    with SIGBUS on the first read past the end. Reads both meta pages
-    (64-bit layout: page header 16 bytes, then magic, version, address,
-    map size, two 48-byte DB records -- the first's ``md_pad`` is the page
-    size -- then ``mm_last_pg``); anything not an LMDB file is left to LMDB.
-    """
-    try:
-        with open(data, "rb") as fh:
-            head = fh.read(256)
-            size = os.fstat(fh.fileno()).st_size
-            if len(head) < 152:
-                return
-            magic, _ = _META.unpack_from(head, 16)
-            if magic != _LMDB_MAGIC:
-                return  # LMDB reports MDB_INVALID
-            psize = struct.unpack_from("<I", head, 40)[0]
-            if not 512 <= psize <= 1 << 16:
-                return
-            fh.seek(psize)
-            second = fh.read(152)
-    except OSError:
-        return  # let LMDB report it
-    pages = [struct.unpack_from("<Q", head, 136)[0]]
-    if len(second) == 152 and _META.unpack_from(second, 16)[0] == _LMDB_MAGIC:
-        pages.append(struct.unpack_from("<Q", second, 136)[0])
-    need = (max(pages) + 1) * psize
-    if need > size:
-        raise StoreOpenError(
-            f"{data} is truncated: its LMDB meta page needs {need} bytes, the file has {size}; "
-            f"the store is damaged (move it away, or restore a copy)")
-
-
-def _open_env(path: str, map_size: int, readonly: bool, create: bool, policy: FilePolicy,
-              explicit_mode: bool = True) -> tuple[lmdb.Environment, lmdb.Environment | None]:
-    data = os.path.join(path, "data.mdb")
-    # Before LMDB touches anything: no symlinked or odd store files (LMDB
-    # follows links and blocks on FIFOs); read-write: ssh-StrictModes-like
-    # owner/mode checks (see store_files and docs/security.md).
-    if readonly:
-        check_file_types(path)
-    else:
-        check_writable_location(path, policy, explicit_mode=explicit_mode)  # types too
-    if not os.path.exists(data):
-        if not create or readonly:
-            if not os.path.exists(path):
-                raise StoreOpenError(f"{path}: no such directory")
-            raise StoreOpenError(f"{path} is not an ecstore store (no data.mdb)")
-        if os.path.isdir(path):
-            try:
-                others = sorted(n for n in os.listdir(path) if n not in _FOREIGN_OK and not n.startswith("."))
-            except OSError as e:
-                raise StoreOpenError(f"cannot read store directory {path}: {e.strerror}") from None
-            if others:
-                shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-                raise StoreOpenError(
-                    f"{path} is not an ecstore store (no data.mdb) and is not empty ({shown}); "
-                    f"point local_disk at a new or empty directory")
-        try:
-            create_store_dir(path, policy)
-        except OSError as e:
-            raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
-    elif os.path.isdir(data):
-        raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")
-    elif os.path.getsize(data) > 0:
-        _check_data_file(data)
-        # A map no larger than the file leaves no page for a write: not even
-        # the eviction that brings a store reopened with a smaller cap under it.
-        map_size = max(map_size, os.path.getsize(data) + MAP_HEADROOM_BYTES)
-    # A reader without write access to lock.mdb (another user) reads without
-    # LMDB's reader table: it cannot register there; see docs/security.md.
-    lock = not (readonly and readonly_needs_nolock(path))
-    created = [] if readonly else missing_files(path, ("data.mdb", "lock.mdb"))
-    try:
-        env = lmdb.open(
-            path, map_size=map_size, subdir=True, max_dbs=8, readonly=readonly, lock=lock,
-            sync=True, metasync=False, max_readers=256, meminit=False, create=create and not readonly,
-            mode=policy.file_mode,
-        )
-    except lmdb.Error as e:
-        raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
-    fix_created_modes(path, created, policy)
-    # leases.mdb is opened by LMDBTier once the file proved to be an ecstore
-    # store (_SharedEnv.open_leases): a foreign LMDB directory gets no new files.
-    return env, None
-
-
-def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
-    lpath = os.path.join(path, "leases.mdb")
-    for attempt in (1, 2):
-        created = missing_files(path, ("leases.mdb", "leases.mdb-lock"))
-        try:
-            env = lmdb.open(lpath, subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
-                            metasync=False, lock=True, max_readers=256, mode=policy.file_mode)
-            fix_created_modes(path, created, policy)
-            return env
-        except lmdb.Error:
-            if attempt == 2:
-                raise
-            # Leases are ephemeral: a damaged lease file is simply recreated.
-            log.warning("ecstore: lease file %s unreadable; recreating it", lpath)
-            for p in (lpath, lpath + "-lock"):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-    raise AssertionError("unreachable")
 
 
 def _lmdb_errors_as_store_errors(method: Any) -> Any:
@@ -521,7 +216,6 @@ class LMDBTier:
             raise
         self.evictions = 0
         self.corrupt_dropped = 0
-        self._tombstones: list[bytes] = []
         if not readonly:
             self._initial_eviction()
 
@@ -750,143 +444,58 @@ class LMDBTier:
             yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru}
 
     # ----------------------------------------------------------------- leases
+    @property
+    def _leases(self) -> LeaseTable | None:
+        """The lease table (:mod:`ecstore.leases`); None on read-only handles."""
+        return self._shared.lease_table
+
     @_lmdb_errors_as_store_errors
     def lease(self, keys: list[str], ttl_s: float, pid: int | None = None) -> None:
         """Pin ``keys`` against eviction for ``ttl_s`` seconds (or until
         released, or until process ``pid`` dies)."""
-        if self._shared.leases is None or not keys:
+        leases = self._leases
+        if leases is None or not keys:
             return
         self._check()
-        pid = os.getpid() if pid is None else pid
-        now = time.time_ns()
-        expiry = now + int(ttl_s * 1e9)
-        with self._shared.leases.begin(write=True) as txn:
-            for key in keys:
-                k = self._k(key)
-                cur = txn.get(k)
-                # Expired leases of this key go (a pin costs what is live).
-                kept = b"" if cur is None else b"".join(
-                    bytes(cur[i:i + _LEASE.size]) for i in range(0, len(cur) - _LEASE.size + 1, _LEASE.size)
-                    if _LEASE.unpack_from(cur, i)[1] > now)
-                txn.put(k, kept + _LEASE.pack(pid, expiry))
-            if txn.stat()["entries"] > self._shared.lease_prune_at:
-                live = self._prune_leases(txn, now)
-                self._shared.lease_prune_at = max(LEASE_PRUNE_MIN, 2 * live)
-
-    def _prune_leases(self, txn: lmdb.Transaction, now: int) -> int:
-        """Drop expired leases and leases of dead processes inside the lease
-        write transaction ``txn``; returns the keys left (tombstones too)."""
-        alive: dict[int, bool] = {}
-        dead: list[bytes] = []
-        rewrite: list[tuple[bytes, bytes]] = []
-        left = 0
-        for k, v in txn.cursor():
-            if bytes(k).startswith(_TOMB):
-                left += 1
-                continue
-            items = [_LEASE.unpack_from(v, i) for i in range(0, len(v) - _LEASE.size + 1, _LEASE.size)]
-            for p, _ in items:
-                if p not in alive:
-                    alive[p] = _pid_alive(p)
-            keep = [(p, e) for p, e in items if e > now and alive[p]]
-            if not keep:
-                dead.append(bytes(k))
-            else:
-                left += 1
-                if len(keep) != len(items):
-                    rewrite.append((bytes(k), b"".join(_LEASE.pack(p, e) for p, e in keep)))
-        for k in dead:
-            txn.delete(k)
-        for k, v in rewrite:
-            txn.put(k, v)
-        return left
+        leases.lease([self._k(key) for key in keys], ttl_s, os.getpid() if pid is None else pid)
 
     @_lmdb_errors_as_store_errors
     def release(self, keys: list[str], pid: int | None = None) -> None:
         """Drop one lease of ``pid`` on each of ``keys``."""
-        if self._shared.leases is None or not keys:
+        leases = self._leases
+        if leases is None or not keys:
             return
         self._check()
-        pid = os.getpid() if pid is None else pid
-        with self._shared.leases.begin(write=True) as txn:
-            for key in keys:
-                k = self._k(key)
-                cur = txn.get(k)
-                if cur is None:
-                    continue
-                items = [_LEASE.unpack_from(cur, i) for i in range(0, len(cur), _LEASE.size)]
-                for i, (p, _) in enumerate(items):
-                    if p == pid:
-                        del items[i]
-                        break
-                if items:
-                    txn.put(k, b"".join(_LEASE.pack(*it) for it in items))
-                else:
-                    txn.delete(k)
+        leases.release([self._k(key) for key in keys], os.getpid() if pid is None else pid)
 
     @_lmdb_errors_as_store_errors
     def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
         """Lease ``key`` and report whether it holds ``identifier``, such that
         a True answer guarantees no process evicts the entry before the lease
-        ends.
-
-        Leases and entries live in two LMDB files, so this needs a protocol
-        with the evictor (``_evict_in``): the evictor (1) picks victims that
-        are not leased, (2) writes tombstones for them to the lease file,
-        (3) drops any victim that got leased meanwhile, (4) commits the
-        deletion, (5) clears the tombstones. Here we (a) lease, (b) check for
-        a tombstone, (c) check the entry. If (a) precedes (3) the evictor sees
-        the lease and spares the entry; otherwise (2) precedes (b) and we see
-        the tombstone, unless it was already cleared, in which case (4)
-        precedes (c) and the entry is visibly gone.
+        ends: steps (a) lease, (b) tombstone check, (c) entry check of the
+        eviction-marker protocol written down in :mod:`ecstore.leases`.
         """
         if not self.contains(key, identifier):
             # A miss needs no pin: answering "no" is always safe, and the
             # scheduler asks about every uncached item at every step, so the
             # common miss costs one read instead of two lease-file commits.
             return False
-        if self._shared.leases is None:
+        leases = self._leases
+        if leases is None:
             return True
         self.lease([key], ttl_s)
-        k = self._k(key)
-        with self._shared.leases.begin() as txn:
-            tomb = txn.get(_TOMB + k)
-        if (tomb is not None and self._tombstone_live(tomb)) or not self.contains(key, identifier):
+        if leases.evicting(self._k(key)) or not self.contains(key, identifier):
             self.release([key])
             return False
         return True
 
-    @staticmethod
-    def _tombstone_live(raw: bytes) -> bool:
-        pid, t_ns = _LEASE.unpack(raw)
-        return time.time_ns() - t_ns < TOMBSTONE_MAX_AGE_NS and _pid_alive(pid)
-
     @_lmdb_errors_as_store_errors
     def leased_keys(self) -> set[bytes]:
         """Keys with at least one live lease (unexpired, owner alive)."""
-        if self._shared.leases is None:
+        leases = self._leases
+        if leases is None:
             return set()
-        now = time.time_ns()
-        live: set[bytes] = set()
-        dead: list[bytes] = []
-        alive_cache: dict[int, bool] = {}
-        with self._shared.leases.begin() as txn:
-            for k, v in txn.cursor():
-                if k.startswith(_TOMB):
-                    continue
-                ok = False
-                for i in range(0, len(v), _LEASE.size):
-                    pid, exp = _LEASE.unpack_from(v, i)
-                    if exp > now:
-                        if pid not in alive_cache:
-                            alive_cache[pid] = _pid_alive(pid)
-                        ok = ok or alive_cache[pid]
-                (live.add if ok else dead.append)(bytes(k))
-        if dead:
-            with self._shared.leases.begin(write=True) as txn:
-                for k in dead:
-                    txn.delete(k)
-        return live
+        return leases.leased_keys()
 
     # ----------------------------------------------------------------- writes
     def _remove(self, txn: lmdb.Transaction, k: bytes, rec: Record | None) -> int:
@@ -976,7 +585,7 @@ class LMDBTier:
         Skips leased entries and ``protect``; damaged entries (unreadable
         records) met on the way are removed too. Victims that get leased
         between their choice and their marking (the tombstone protocol, see
-        :meth:`pin_if_present`) are spared and replaced by the next least
+        :mod:`ecstore.leases`) are spared and replaced by the next least
         recently used entries. Returns bytes freed (less than ``need`` only
         when everything left is pinned). Never raises for a damaged entry.
         """
@@ -1003,13 +612,10 @@ class LMDBTier:
             for k in damaged:
                 freed += self._remove(txn, k, None)
                 self.corrupt_dropped += 1
-            if victims and self._shared.leases is not None:
-                # Tombstone protocol, steps (2) and (3): see pin_if_present.
-                stamp = _LEASE.pack(os.getpid(), time.time_ns())
-                with self._shared.leases.begin(write=True) as ltxn:
-                    for k, _ in victims:
-                        ltxn.put(_TOMB + k, stamp)
-                self._tombstones.extend(k for k, _ in victims)
+            leases = self._leases
+            if victims and leases is not None:
+                # Tombstone protocol, steps (2) and (3): see ecstore.leases.
+                leases.mark_evicting([k for k, _ in victims])
                 pinned_now = self.leased_keys()
                 skip |= pinned_now
                 victims = [(k, size) for k, size in victims if k not in pinned_now]
@@ -1020,12 +626,9 @@ class LMDBTier:
 
     def _clear_tombstones(self) -> None:
         """Step (5) of the tombstone protocol: after the eviction committed."""
-        if not self._tombstones or self._shared.leases is None:
-            return
-        with self._shared.leases.begin(write=True) as ltxn:
-            for k in self._tombstones:
-                ltxn.delete(_TOMB + k)
-        self._tombstones = []
+        leases = self._leases
+        if leases is not None:
+            leases.clear_tombstones()
 
     def _evict_to(self, target_bytes: int, extra: int = 0) -> int:
         with self._write_txn() as txn:

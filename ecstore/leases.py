@@ -1,0 +1,204 @@
+"""The lease table: pins against eviction, and the eviction-marker protocol.
+
+A loader that is about to read an entry pins it with a *lease* so that no
+process evicts it meanwhile. Leases live in a second, tiny LMDB file next to
+the store, ``leases.mdb``, opened without fsync: they are ephemeral (a
+damaged lease file is simply recreated), and keeping them apart means a
+scheduler taking a lease never waits behind a writer committing a 100 MB
+blob.
+
+Format. The key of a lease row is the entry key (the same bytes as in the
+store's ``entries`` sub-database); its value is a sequence of
+``(pid u32, expiry u64 ns since the epoch)`` records (``_LEASE``, little
+endian), one per lease taken. A lease counts while it has not expired and
+its process is alive (``os.kill(pid, 0)``); dead and expired ones are
+dropped on the way (:meth:`LeaseTable.leased_keys`,
+:meth:`LeaseTable.lease`), and the whole table is pruned once it holds more
+than ``LEASE_PRUNE_MIN`` keys (then at twice the live count), so leases that
+are never released cannot grow the file or the cost of a pin without bound.
+
+Eviction markers (tombstones). Rows whose key starts with ``_TOMB`` mark
+entries an evictor is about to delete; the value is ``(pid, time_ns)`` of
+the evictor. A tombstone is live while it is younger than
+``TOMBSTONE_MAX_AGE_NS`` and its process is alive (a crashed evictor's
+markers expire on their own). Leases and entries live in two LMDB files, so
+"a True answer of ``pin_if_present`` guarantees no process evicts the entry
+before the lease ends" needs this protocol:
+
+* the evictor (``LMDBTier._evict_in``, inside its data write transaction)
+  (1) picks victims that are not leased, (2) writes tombstones for them
+  (:meth:`LeaseTable.mark_evicting`), (3) drops any victim that got leased
+  meanwhile (a second :meth:`LeaseTable.leased_keys`), (4) commits the
+  deletion, (5) clears the tombstones (:meth:`LeaseTable.clear_tombstones`,
+  after the commit or abort of the data transaction);
+* the pinner (``LMDBTier.pin_if_present``) (a) leases, (b) checks for a live
+  tombstone (:meth:`LeaseTable.evicting`), (c) checks the entry.
+
+If (a) precedes (3) the evictor sees the lease and spares the entry;
+otherwise (2) precedes (b) and the pinner sees the tombstone, unless it was
+already cleared, in which case (4) precedes (c) and the entry is visibly
+gone. Either way the pinner never answers True for an entry being evicted.
+
+Threads and processes: every method runs in its own lease-file transaction
+(LMDB serialises writers across processes). One :class:`LeaseTable` exists
+per lease environment per process (``_SharedEnv.lease_table``); its
+pending-tombstone list is only touched under the data environment's write
+lock (eviction happens in data write transactions), and its prune threshold
+is a plain int (a racing update only moves when the next prune happens).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import lmdb
+
+_LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
+#: Lease-file keys under this prefix are eviction tombstones (see the module docstring).
+_TOMB = b"\x00evicting\x00"
+TOMBSTONE_MAX_AGE_NS = 60 * 10**9
+#: lease() prunes dead and expired leases once the lease table holds more
+#: keys than this (and then at twice the live count): leases that are never
+#: released cannot grow the file or the cost of a pin without bound.
+LEASE_PRUNE_MIN = 1024
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LeaseTable:
+    """The lease rows and eviction tombstones of one ``leases.mdb``
+    environment (``env``); keys are entry keys as bytes. See the module
+    docstring for the format and the protocol."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self.env = env
+        #: Lease-table size above which lease() prunes dead and expired leases.
+        self.prune_at = LEASE_PRUNE_MIN
+        #: Keys this process marked (mark_evicting) and has not cleared yet.
+        self._tombstones: list[bytes] = []
+
+    def lease(self, keys: list[bytes], ttl_s: float, pid: int) -> None:
+        """Pin ``keys`` for ``ttl_s`` seconds (or until released, or until
+        process ``pid`` dies)."""
+        now = time.time_ns()
+        expiry = now + int(ttl_s * 1e9)
+        with self.env.begin(write=True) as txn:
+            for k in keys:
+                cur = txn.get(k)
+                # Expired leases of this key go (a pin costs what is live).
+                kept = b"" if cur is None else b"".join(
+                    bytes(cur[i:i + _LEASE.size]) for i in range(0, len(cur) - _LEASE.size + 1, _LEASE.size)
+                    if _LEASE.unpack_from(cur, i)[1] > now)
+                txn.put(k, kept + _LEASE.pack(pid, expiry))
+            if txn.stat()["entries"] > self.prune_at:
+                live = self._prune(txn, now)
+                self.prune_at = max(LEASE_PRUNE_MIN, 2 * live)
+
+    def _prune(self, txn: lmdb.Transaction, now: int) -> int:
+        """Drop expired leases and leases of dead processes inside the lease
+        write transaction ``txn``; returns the keys left (tombstones too)."""
+        alive: dict[int, bool] = {}
+        dead: list[bytes] = []
+        rewrite: list[tuple[bytes, bytes]] = []
+        left = 0
+        for k, v in txn.cursor():
+            if bytes(k).startswith(_TOMB):
+                left += 1
+                continue
+            items = [_LEASE.unpack_from(v, i) for i in range(0, len(v) - _LEASE.size + 1, _LEASE.size)]
+            for p, _ in items:
+                if p not in alive:
+                    alive[p] = _pid_alive(p)
+            keep = [(p, e) for p, e in items if e > now and alive[p]]
+            if not keep:
+                dead.append(bytes(k))
+            else:
+                left += 1
+                if len(keep) != len(items):
+                    rewrite.append((bytes(k), b"".join(_LEASE.pack(p, e) for p, e in keep)))
+        for k in dead:
+            txn.delete(k)
+        for k, v in rewrite:
+            txn.put(k, v)
+        return left
+
+    def release(self, keys: list[bytes], pid: int) -> None:
+        """Drop one lease of ``pid`` on each of ``keys``."""
+        with self.env.begin(write=True) as txn:
+            for k in keys:
+                cur = txn.get(k)
+                if cur is None:
+                    continue
+                items = [_LEASE.unpack_from(cur, i) for i in range(0, len(cur), _LEASE.size)]
+                for i, (p, _) in enumerate(items):
+                    if p == pid:
+                        del items[i]
+                        break
+                if items:
+                    txn.put(k, b"".join(_LEASE.pack(*it) for it in items))
+                else:
+                    txn.delete(k)
+
+    def evicting(self, k: bytes) -> bool:
+        """Step (b) of the protocol: whether ``k`` carries a live tombstone."""
+        with self.env.begin() as txn:
+            tomb = txn.get(_TOMB + k)
+        return tomb is not None and self._tombstone_live(tomb)
+
+    @staticmethod
+    def _tombstone_live(raw: bytes) -> bool:
+        pid, t_ns = _LEASE.unpack(raw)
+        return time.time_ns() - t_ns < TOMBSTONE_MAX_AGE_NS and _pid_alive(pid)
+
+    def leased_keys(self) -> set[bytes]:
+        """Keys with at least one live lease (unexpired, owner alive); rows
+        with none left are deleted."""
+        now = time.time_ns()
+        live: set[bytes] = set()
+        dead: list[bytes] = []
+        alive_cache: dict[int, bool] = {}
+        with self.env.begin() as txn:
+            for k, v in txn.cursor():
+                if k.startswith(_TOMB):
+                    continue
+                ok = False
+                for i in range(0, len(v), _LEASE.size):
+                    pid, exp = _LEASE.unpack_from(v, i)
+                    if exp > now:
+                        if pid not in alive_cache:
+                            alive_cache[pid] = _pid_alive(pid)
+                        ok = ok or alive_cache[pid]
+                (live.add if ok else dead.append)(bytes(k))
+        if dead:
+            with self.env.begin(write=True) as txn:
+                for k in dead:
+                    txn.delete(k)
+        return live
+
+    def mark_evicting(self, keys: list[bytes]) -> None:
+        """Step (2) of the protocol: tombstones for ``keys``, stamped with
+        this process and now; remembered until :meth:`clear_tombstones`."""
+        stamp = _LEASE.pack(os.getpid(), time.time_ns())
+        with self.env.begin(write=True) as ltxn:
+            for k in keys:
+                ltxn.put(_TOMB + k, stamp)
+        self._tombstones.extend(keys)
+
+    def clear_tombstones(self) -> None:
+        """Step (5) of the protocol: after the eviction committed (or aborted)."""
+        if not self._tombstones:
+            return
+        with self.env.begin(write=True) as ltxn:
+            for k in self._tombstones:
+                ltxn.delete(_TOMB + k)
+        self._tombstones = []

@@ -1,0 +1,352 @@
+"""The per-process LMDB environment registry and the checks a store's files
+pass before LMDB maps them.
+
+* :class:`_SharedEnv`: one ``lmdb.Environment`` per store directory per
+  process, reference counted and shared by every :class:`~ecstore.lmdb_tier.LMDBTier`
+  handle of that directory (LMDB forbids opening the same file twice in a
+  process), with the process's write lock and the lease environment
+  (``leases.mdb``, see :mod:`ecstore.leases`). It remembers environments
+  inherited across ``fork()`` so a forked child gets a clear StoreOpenError.
+* :class:`_TxnGate`: transactions of this process versus adopting a map
+  another process grew (``MDB_MAP_RESIZED``); :meth:`_SharedEnv.txn` is the
+  one way ecstore begins a data transaction.
+* :func:`_open_env` / :func:`_check_data_file` / :func:`_open_leases`: the
+  file checks (types, owner and mode, truncation) and the ``lmdb.open`` calls.
+* :func:`map_size_for` and the map headroom constants: the map size bounds
+  the data file (see the design notes of :mod:`ecstore.lmdb_tier`).
+
+Thread-safe: the registry is guarded by a class lock; see each class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import threading
+from typing import Iterator
+
+import lmdb
+
+from .errors import StoreOpenError
+from .leases import LeaseTable
+from .store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
+                          fix_created_modes, missing_files, readonly_needs_nolock)
+
+log = logging.getLogger("ecstore")
+
+MiB = 1 << 20
+
+MAP_HEADROOM_FACTOR = 1.25
+MAP_HEADROOM_BYTES = 1 * MiB  # floor for small caps (B-tree and meta pages)
+
+
+def map_size_for(capacity_bytes: int) -> int:
+    """LMDB map size (bytes) for a disk cap: bounds the data file size."""
+    size = max(int(capacity_bytes * MAP_HEADROOM_FACTOR), capacity_bytes + MAP_HEADROOM_BYTES)
+    page = 4096
+    return (size + page - 1) // page * page
+
+
+def _reader_txnids(table: str) -> list[int]:
+    """Snapshot (transaction id) of each active read transaction in LMDB's
+    reader table (``Environment.readers()``: ``pid thread txnid`` rows; idle
+    slots are not listed, or show ``-``)."""
+    ids = []
+    for line in table.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) == 3 and parts[2].isdigit():
+            ids.append(int(parts[2]))
+    return ids
+
+
+#: How often a transaction is retried after adopting a map another process
+#: grew (each retry needs that process to grow the map again meanwhile).
+MAX_MAP_RESIZED_RETRIES = 16
+
+
+class _TxnGate:
+    """Transactions of one environment in this process versus a map resize.
+
+    Another process may grow the LMDB map past this process's: beginning a
+    transaction then fails with ``MDB_MAP_RESIZED``, and LMDB's remedy,
+    ``mdb_env_set_mapsize(0)``, remaps the file, which is only safe while no
+    transaction of this process is open (their pages would be unmapped under
+    them). Every transaction enters the gate (shared); a resize waits until
+    none is open and holds new ones back meanwhile (exclusive). A thread
+    that itself holds a transaction of the environment cannot wait for that:
+    it gets StoreOpenError (an ECStoreError) instead and may retry once its
+    transaction ended. Thread-safe; costs one uncontended lock per begin and
+    end.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._resizing = False
+        self._mine = threading.local()
+
+    def enter(self) -> None:
+        with self._cv:
+            while self._resizing:
+                self._cv.wait()
+            self._active += 1
+        self._mine.depth = getattr(self._mine, "depth", 0) + 1
+
+    def leave(self) -> None:
+        # max(): a transaction of an abandoned generator may be finalized by
+        # the garbage collector in another thread.
+        self._mine.depth = max(0, getattr(self._mine, "depth", 0) - 1)
+        with self._cv:
+            self._active -= 1
+            if self._active == 0:
+                self._cv.notify_all()
+
+    def adopt_new_size(self, env: lmdb.Environment, path: str) -> None:
+        """``env.set_mapsize(0)`` (adopt the size another process set) once no
+        transaction of this process is open."""
+        if getattr(self._mine, "depth", 0) > 0:
+            raise StoreOpenError(
+                f"the LMDB map of {path} was grown by another process while this thread holds a "
+                f"transaction of it; retry the call")
+        with self._cv:
+            if self._resizing:  # another thread is adopting it: wait for that, then retry
+                while self._resizing:
+                    self._cv.wait()
+                return
+            self._resizing = True
+            try:
+                while self._active:
+                    self._cv.wait()
+                env.set_mapsize(0)
+            finally:
+                self._resizing = False
+                self._cv.notify_all()
+
+
+class _SharedEnv:
+    """One lmdb.Environment per directory per process, reference counted."""
+
+    _lock = threading.Lock()
+    _open: dict[str, "_SharedEnv"] = {}
+    #: Directories whose environment this process inherited across fork()
+    #: (path -> pid of the process that opened it).
+    _inherited: dict[str, int] = {}
+
+    def __init__(self, path: str, env: lmdb.Environment, leases: lmdb.Environment | None, readonly: bool,
+                 policy: FilePolicy | None = None):
+        self.path = path
+        self.policy = policy or FilePolicy()
+        self.env = env
+        self.leases = leases
+        self.readonly = readonly
+        self.refs = 0
+        self.pid = os.getpid()
+        self.write_lock = threading.Lock()  # LMDB allows one write txn per env
+        self.gate = _TxnGate()
+        #: The lease table on ``leases`` (set with it; see :mod:`ecstore.leases`).
+        self.lease_table: LeaseTable | None = None if leases is None else LeaseTable(leases)
+
+    @contextlib.contextmanager
+    def txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction of the data environment: committed when the block
+        ends normally, aborted on an exception. The one way ecstore begins
+        one: when another process grew the map (``MDB_MAP_RESIZED``), adopts
+        the new size (see :class:`_TxnGate`) and retries. Write transactions
+        must be begun under ``write_lock``."""
+        for _ in range(MAX_MAP_RESIZED_RETRIES):
+            self.gate.enter()
+            try:
+                txn: lmdb.Transaction = (self.env.begin(write=write, buffers=True) if buffers
+                                         else self.env.begin(write=write))
+            except lmdb.MapResizedError:
+                self.gate.leave()
+                self.gate.adopt_new_size(self.env, self.path)
+                continue
+            except BaseException:
+                self.gate.leave()
+                raise
+            break
+        else:
+            raise StoreOpenError(f"the LMDB map of {self.path} keeps growing under this process; retry")
+        try:
+            with txn:
+                yield txn
+        finally:
+            self.gate.leave()
+
+    @classmethod
+    def acquire(cls, path: str, map_size: int, readonly: bool, create: bool,
+                policy: FilePolicy | None = None, explicit_mode: bool = True) -> "_SharedEnv":
+        real = os.path.realpath(path)
+        with cls._lock:
+            shared = cls._open.get(real)
+            if shared is not None and shared.pid != os.getpid():
+                cls._open.pop(real)  # inherited across fork: never touch it here
+                cls._inherited[real] = shared.pid
+                shared = None
+            if shared is not None:
+                if shared.readonly and not readonly:
+                    raise StoreOpenError(
+                        f"{path} is already open read-only in this process; close that handle first"
+                    )
+                shared.refs += 1
+                return shared
+            try:
+                opened = _open_env(real, map_size, readonly, create, policy or FilePolicy(), explicit_mode)
+            except StoreOpenError as e:
+                parent = cls._inherited.get(real)
+                if parent is None:
+                    raise
+                # py-lmdb refuses a second environment on the same files in one
+                # process, and closing the inherited one could hang (a write
+                # transaction of a parent thread that does not exist here).
+                raise StoreOpenError(
+                    f"{path} was open in process {parent} when it forked this process ({os.getpid()}); "
+                    f"it cannot be opened again in the forked child ({e}). Open the store in a process "
+                    f"started with 'spawn' or 'forkserver', or open it in the parent only after forking"
+                ) from None
+            shared = cls(real, *opened, readonly=readonly, policy=policy)
+            shared.refs = 1
+            cls._open[real] = shared
+            return shared
+
+    def open_leases(self) -> None:
+        """Open leases.mdb (read-write environments only), once."""
+        with self._lock:
+            if self.leases is None and not self.readonly:
+                self.leases = _open_leases(self.path, self.policy)
+                self.lease_table = LeaseTable(self.leases)
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            if self._open.get(self.path) is self:
+                del self._open[self.path]
+        if self.pid == os.getpid():
+            self.env.close()
+            if self.leases is not None:
+                self.leases.close()
+
+
+#: Names a directory may hold besides a store's files and still get a new
+#: store created in it (dot-files such as ``.nfs*`` are ignored too).
+_FOREIGN_OK = {"lock.mdb", "leases.mdb", "leases.mdb-lock", "lost+found"}
+_META = struct.Struct("<II")  # mm_magic, mm_version at offset 16 of a meta page
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def _check_data_file(data: str) -> None:
+    """Refuse a data.mdb shorter than its own meta pages say it is.
+
+    LMDB trusts the last-page number in the meta page and maps the file: a
+    truncated file (copy interrupted, disk trouble) would kill the process
+    with SIGBUS on the first read past the end. Reads both meta pages
+    (64-bit layout: page header 16 bytes, then magic, version, address,
+    map size, two 48-byte DB records -- the first's ``md_pad`` is the page
+    size -- then ``mm_last_pg``); anything not an LMDB file is left to LMDB.
+    """
+    try:
+        with open(data, "rb") as fh:
+            head = fh.read(256)
+            size = os.fstat(fh.fileno()).st_size
+            if len(head) < 152:
+                return
+            magic, _ = _META.unpack_from(head, 16)
+            if magic != _LMDB_MAGIC:
+                return  # LMDB reports MDB_INVALID
+            psize = struct.unpack_from("<I", head, 40)[0]
+            if not 512 <= psize <= 1 << 16:
+                return
+            fh.seek(psize)
+            second = fh.read(152)
+    except OSError:
+        return  # let LMDB report it
+    pages = [struct.unpack_from("<Q", head, 136)[0]]
+    if len(second) == 152 and _META.unpack_from(second, 16)[0] == _LMDB_MAGIC:
+        pages.append(struct.unpack_from("<Q", second, 136)[0])
+    need = (max(pages) + 1) * psize
+    if need > size:
+        raise StoreOpenError(
+            f"{data} is truncated: its LMDB meta page needs {need} bytes, the file has {size}; "
+            f"the store is damaged (move it away, or restore a copy)")
+
+
+def _open_env(path: str, map_size: int, readonly: bool, create: bool, policy: FilePolicy,
+              explicit_mode: bool = True) -> tuple[lmdb.Environment, lmdb.Environment | None]:
+    data = os.path.join(path, "data.mdb")
+    # Before LMDB touches anything: no symlinked or odd store files (LMDB
+    # follows links and blocks on FIFOs); read-write: ssh-StrictModes-like
+    # owner/mode checks (see store_files and docs/security.md).
+    if readonly:
+        check_file_types(path)
+    else:
+        check_writable_location(path, policy, explicit_mode=explicit_mode)  # types too
+    if not os.path.exists(data):
+        if not create or readonly:
+            if not os.path.exists(path):
+                raise StoreOpenError(f"{path}: no such directory")
+            raise StoreOpenError(f"{path} is not an ecstore store (no data.mdb)")
+        if os.path.isdir(path):
+            try:
+                others = sorted(n for n in os.listdir(path) if n not in _FOREIGN_OK and not n.startswith("."))
+            except OSError as e:
+                raise StoreOpenError(f"cannot read store directory {path}: {e.strerror}") from None
+            if others:
+                shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+                raise StoreOpenError(
+                    f"{path} is not an ecstore store (no data.mdb) and is not empty ({shown}); "
+                    f"point local_disk at a new or empty directory")
+        try:
+            create_store_dir(path, policy)
+        except OSError as e:
+            raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
+    elif os.path.isdir(data):
+        raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")
+    elif os.path.getsize(data) > 0:
+        _check_data_file(data)
+        # A map no larger than the file leaves no page for a write: not even
+        # the eviction that brings a store reopened with a smaller cap under it.
+        map_size = max(map_size, os.path.getsize(data) + MAP_HEADROOM_BYTES)
+    # A reader without write access to lock.mdb (another user) reads without
+    # LMDB's reader table: it cannot register there; see docs/security.md.
+    lock = not (readonly and readonly_needs_nolock(path))
+    created = [] if readonly else missing_files(path, ("data.mdb", "lock.mdb"))
+    try:
+        env = lmdb.open(
+            path, map_size=map_size, subdir=True, max_dbs=8, readonly=readonly, lock=lock,
+            sync=True, metasync=False, max_readers=256, meminit=False, create=create and not readonly,
+            mode=policy.file_mode,
+        )
+    except lmdb.Error as e:
+        raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
+    fix_created_modes(path, created, policy)
+    # leases.mdb is opened by LMDBTier once the file proved to be an ecstore
+    # store (_SharedEnv.open_leases): a foreign LMDB directory gets no new files.
+    return env, None
+
+
+def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
+    lpath = os.path.join(path, "leases.mdb")
+    for attempt in (1, 2):
+        created = missing_files(path, ("leases.mdb", "leases.mdb-lock"))
+        try:
+            env = lmdb.open(lpath, subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
+                            metasync=False, lock=True, max_readers=256, mode=policy.file_mode)
+            fix_created_modes(path, created, policy)
+            return env
+        except lmdb.Error:
+            if attempt == 2:
+                raise
+            # Leases are ephemeral: a damaged lease file is simply recreated.
+            log.warning("ecstore: lease file %s unreadable; recreating it", lpath)
+            for p in (lpath, lpath + "-lock"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+    raise AssertionError("unreachable")
+
