@@ -66,7 +66,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import AbstractSet, Any, Iterable, Iterator, Sequence
 
 import lmdb
 
@@ -211,7 +211,7 @@ def iso(ns: int | None) -> str | None:
     return t.isoformat(timespec="microseconds")
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: set[int] = frozenset()) -> None:
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: AbstractSet[int] = frozenset()) -> None:
     rows = [list(r) for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
@@ -801,17 +801,18 @@ def _lmdb_stats(tier: LMDBTier) -> dict[str, Any]:
     """
     main_db = tier.env.open_db(None)
     with tier.snapshot() as (txn, dbs):
-        trees = {"main": dict(txn.stat(main_db))}
+        stats = {"main": txn.stat(main_db)}
         for name, db in dbs.items():
             if db is not None:
-                trees[name] = dict(txn.stat(db))
+                stats[name] = txn.stat(db)
         raw_total = txn.get(b"total_bytes", db=dbs["meta"])
         accounted = struct.unpack("<Q", raw_total)[0] if raw_total is not None else None
     info = tier.env_info()
     psize = info["psize"]
     used_pages = info["last_pgno"] + 1
     file_pages = info["file_size"] // psize
-    tree_pages = 2 + sum(t["branch_pages"] + t["leaf_pages"] + t["overflow_pages"] for t in trees.values())
+    tree_pages = 2 + sum(t["branch_pages"] + t["leaf_pages"] + t["overflow_pages"] for t in stats.values())
+    trees = {name: dict(t) for name, t in stats.items()}
     free_pages = max(0, used_pages - tree_pages)
     tail_pages = max(0, file_pages - used_pages)
     return {
@@ -1238,7 +1239,8 @@ def _copy_with_progress(tier: LMDBTier, tmp: str, new: str) -> None:
     if not _isatty(sys.stderr):
         tier.env.copy(tmp, compact=True)
         return
-    prog = Progress("compacting (MiB)", max(1, _lmdb_stats(tier)["tree_pages"] * tier.env_info()["psize"] >> 20))
+    total_mib = max(1, _lmdb_stats(tier)["tree_pages"] * tier.env_info()["psize"] >> 20)
+    prog = Progress("compacting (MiB)", total_mib)
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -1253,7 +1255,7 @@ def _copy_with_progress(tier: LMDBTier, tmp: str, new: str) -> None:
         while worker.is_alive():
             worker.join(0.1)
             with contextlib.suppress(OSError):
-                prog.done = min(prog.total, os.path.getsize(new) >> 20)
+                prog.done = min(total_mib, os.path.getsize(new) >> 20)
             prog.advance(0)
     finally:
         worker.join()

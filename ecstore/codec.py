@@ -129,7 +129,9 @@ def encode(tensor: torch.Tensor, *, identifier: str, model: str, header: bytes |
     hbytes = header_bytes(tensor, identifier, model) if header is None else header
     off = 8 + len(hbytes)
     blob = torch.empty(off + nbytes, dtype=torch.uint8).numpy()
-    struct.pack_into("<Q", blob, 0, len(hbytes))
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it has the
+    # buffer protocol on 3.11 too.
+    struct.pack_into("<Q", blob, 0, len(hbytes))  # type: ignore[arg-type]
     blob[8:off] = np.frombuffer(hbytes, dtype=np.uint8)
     if nbytes:
         # torch's copy releases the GIL (numpy's does not): the background

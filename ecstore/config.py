@@ -652,7 +652,7 @@ def _read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[A
                 out.append((key, value_node, key_node.start_mark.line + 1))
             return out
 
-        entries = []
+        entries: list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]] = []
         for key, value_node, line in pairs(root):
             if key == EC_SECTION and isinstance(value_node, yaml.MappingNode):
                 nested = [(k, loader.construct_object(v, deep=True), ln) for k, v, ln in pairs(value_node)]
@@ -831,8 +831,8 @@ def load_config(
     # base values only when they are the effective ones.
     for level in _LEVELS:
         if level not in _SHARED_LEVELS:
-            for key, setting in layers[level].items():
-                _parse(key, setting)
+            for key, own in layers[level].items():
+                _parse(key, own)
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

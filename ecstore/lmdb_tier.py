@@ -52,7 +52,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator
+from typing import Any, Generator, Iterator, Literal, overload
 
 import lmdb
 import torch
@@ -106,6 +106,24 @@ def _reader_txnids(table: str) -> list[int]:
     return ids
 
 
+def _meta_value(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> bytes | memoryview:
+    """The ``meta`` record ``name`` (in sub-database ``db``) read in ``txn``;
+    StoreOpenError if it is missing (a damaged store: :func:`schema.check_meta`
+    verified it at open, so only a store damaged since then gets here)."""
+    raw = txn.get(name, db=db)
+    if raw is None:
+        raise StoreOpenError(f"store at {path} is damaged: its meta record {name.decode()} is missing; "
+                             f"move the store away or restore a copy")
+    return raw
+
+
+def _u64(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> int:
+    """The u64 counter ``name`` (``total_bytes``, ``next_seq``) of the ``meta``
+    sub-database ``db``, read in ``txn``; StoreOpenError if it is missing."""
+    value: int = _U64.unpack(_meta_value(txn, name, db, path))[0]
+    return value
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -130,6 +148,13 @@ class PutRequest:
     #: Position of this put among the puts and touches of a batch (see
     #: :meth:`LMDBTier.write_batch`); None: in list order, before all touches.
     order: int | None = None
+
+    @property
+    def encoded(self) -> codec.Blob:
+        """``blob``, once :meth:`LMDBTier.write_batch` has set it (it encodes
+        every request without one before anything else)."""
+        assert self.blob is not None, "PutRequest.blob is set by write_batch before it is used"
+        return self.blob
 
 
 #: How often a transaction is retried after adopting a map another process
@@ -549,12 +574,22 @@ class LMDBTier:
         if self._closed:
             raise StoreOpenError(f"store at {self.path} is closed")
 
+    @overload
+    def _begin(self, write: bool = False,
+               buffers: Literal[False] = False) -> contextlib.AbstractContextManager[lmdb.Transaction[bytes]]: ...
+
+    @overload
+    def _begin(self, write: bool = False, *,
+               buffers: Literal[True]) -> contextlib.AbstractContextManager[lmdb.Transaction[memoryview]]: ...
+
     def _begin(self, write: bool = False, buffers: bool = False) -> contextlib.AbstractContextManager[lmdb.Transaction]:
-        """``with self._begin() as txn``: see :meth:`_SharedEnv.txn`."""
+        """``with self._begin() as txn``: see :meth:`_SharedEnv.txn`. Values
+        read in the transaction are ``bytes``, or ``memoryview`` with
+        ``buffers=True`` (valid only inside the ``with`` block)."""
         return self._shared.txn(write=write, buffers=buffers)
 
     @contextlib.contextmanager
-    def _write_txn(self) -> Iterator[lmdb.Transaction]:
+    def _write_txn(self) -> Iterator[lmdb.Transaction[bytes]]:
         """A write transaction under this process's write lock; eviction
         tombstones it left are cleared once it has committed or aborted."""
         with self._shared.write_lock:
@@ -878,7 +913,7 @@ class LMDBTier:
             else:
                 self._delete_lru_rows_of(txn, k)
         if size:
-            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            total = _u64(txn, b"total_bytes", self._meta, self.path)
             txn.put(b"total_bytes", _U64.pack(max(0, total - size)), db=self._meta)
         return size
 
@@ -900,9 +935,9 @@ class LMDBTier:
         if self._lru is None:  # schema 1 (tooling only): order by the records
             order: list[tuple[int, bytes, int, bool]] = []
             with txn.cursor(db=self._entries) as cur:
-                for k, raw in cur:
+                for k, packed in cur:
                     try:
-                        rec = codec.unpack_record(raw)
+                        rec = codec.unpack_record(packed)
                         order.append((rec.lru_seq, bytes(k), rec.blob_size, False))
                     except CorruptBlobError:
                         blob = txn.get(k, db=self._blobs)
@@ -994,7 +1029,7 @@ class LMDBTier:
 
     def _evict_to(self, target_bytes: int, extra: int = 0) -> int:
         with self._write_txn() as txn:
-            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            total = _u64(txn, b"total_bytes", self._meta, self.path)
             need = max(extra, total - target_bytes)
             return self._evict_in(txn, need, set()) if need > 0 else 0
 
@@ -1041,7 +1076,7 @@ class LMDBTier:
                 if self.env.reader_check() > 0:
                     continue  # a dead process's reader pinned old pages: free now, retry first
                 # Fragmentation: free more pages in a committed transaction, retry.
-                extra = max(extra * 2, sum(len(p.blob) for p in todo) + 4 * MiB)
+                extra = max(extra * 2, sum(len(p.encoded) for p in todo) + 4 * MiB)
                 freed = self._evict_to(self.capacity_bytes, extra)
                 # LMDB keeps the previous snapshot intact (recovery may fall
                 # back to it), so pages freed by a commit are reused only
@@ -1064,7 +1099,7 @@ class LMDBTier:
                 self._commit_nothing()
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
-                hint = self._space_hint(sum(len(p.blob) for p in todo))
+                hint = self._space_hint(sum(len(p.encoded) for p in todo))
                 err = StoreFullError(f"write to {self.path} failed: {e}{hint}")
                 if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
                     err = StoreFullError(f"disk full while writing to {self.path}: {e}{hint}")
@@ -1101,7 +1136,7 @@ class LMDBTier:
         become reusable."""
         try:
             with self._write_txn() as txn:
-                txn.put(b"next_seq", txn.get(b"next_seq", db=self._meta), db=self._meta)
+                txn.put(b"next_seq", _meta_value(txn, b"next_seq", self._meta, self.path), db=self._meta)
         except lmdb.MapFullError:
             pass
 
@@ -1142,7 +1177,10 @@ class LMDBTier:
         if not ordered:
             return ([("put", i) for i in range(len(todo))]
                     + [("touch", key, t[0], t[1], t[2]) for key, t in touches.items()])
-        ops: list[tuple[int, tuple]] = [(p.order, ("put", i)) for i, p in enumerate(todo)]
+        ops: list[tuple[int, tuple]] = []
+        for i, p in enumerate(todo):
+            assert p.order is not None  # every put has one: `ordered`
+            ops.append((p.order, ("put", i)))
         for key, (identifier, hits, last_ns, orders, *_) in touches.items():
             orders = sorted(orders)
             for o in orders[:-1]:
@@ -1154,8 +1192,8 @@ class LMDBTier:
     def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
         now = time.time_ns()
         with self._write_txn() as txn:
-            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
-            seq = _U64.unpack(txn.get(b"next_seq", db=self._meta))[0]
+            total = _u64(txn, b"total_bytes", self._meta, self.path)
+            seq = _u64(txn, b"next_seq", self._meta, self.path)
             results: list[str] = ["pending"] * len(todo)
             for op in self._in_call_order(todo, touches):
                 if op[0] == "touch":
@@ -1174,7 +1212,7 @@ class LMDBTier:
                     txn.put(k, codec.pack_record(rec.touched(last_ns, seq, hits)), db=self._entries)
                     seq += 1
                     continue
-                i = op[1]
+                i: int = op[1]
                 p = todo[i]
                 k = self._k(p.key)
                 raw = txn.get(k, db=self._entries)
@@ -1183,13 +1221,14 @@ class LMDBTier:
                     txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
                     self._remove(txn, k, None)
                     self.corrupt_dropped += 1
-                    total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+                    total = _u64(txn, b"total_bytes", self._meta, self.path)
                     raw = None
                 if raw is not None:
                     same = codec.record_identifier(raw, self.record_version) == p.identifier
                     results[i] = "present" if same else "collision"
                     continue
-                size = len(p.blob)
+                blob = p.encoded
+                size = len(blob)
                 if total + size > self.capacity_bytes:
                     # _remove updates total_bytes in meta: bring it up to date
                     # with the entries written so far in this transaction.
@@ -1198,14 +1237,16 @@ class LMDBTier:
                     # any other: the batch behaves as the same puts committed
                     # one by one.
                     self._evict_in(txn, total + size - self.capacity_bytes, set())
-                    total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+                    total = _u64(txn, b"total_bytes", self._meta, self.path)
                     if total + size > self.capacity_bytes:
                         results[i] = "full"
                         continue
                 rec = Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."), tuple(p.tensor.shape),
-                             codec.tensor_nbytes(p.tensor), size, codec.checksum(p.blob), now, now, 0, seq,
+                             codec.tensor_nbytes(p.tensor), size, codec.checksum(blob), now, now, 0, seq,
                              self.record_version)
-                txn.put(k, p.blob, db=self._blobs)
+                # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it has
+                # the buffer protocol on 3.11 too (py-lmdb stores it without a copy).
+                txn.put(k, blob, db=self._blobs)  # type: ignore[arg-type]
                 txn.put(k, codec.pack_record(rec), db=self._entries)
                 if self._lru is not None:
                     txn.put(_SEQ.pack(seq), k, db=self._lru, append=True)
@@ -1217,7 +1258,7 @@ class LMDBTier:
         for p, r in zip(todo, results):
             if r == "full":
                 p.result, p.error = "failed", StoreFullError(
-                    f"no room for {len(p.blob)} bytes: the rest of the store is pinned by leases")
+                    f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
             else:
                 p.result = r
 

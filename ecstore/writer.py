@@ -96,8 +96,8 @@ class Writer(threading.Thread):
     """
 
     def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
-                 namespace: tuple[str, str] | None = None) -> None:
-        """``namespace``: (namespace, canonical identity JSON) recorded in the
+                 namespace: tuple[str, bytes] | None = None) -> None:
+        """``namespace``: (namespace, canonical identity JSON bytes) recorded in the
         store's namespaces table with the first batch, so that tools can say
         what a namespace stands for."""
         super().__init__(name="ecstore-writer", daemon=True)
@@ -275,13 +275,14 @@ class Writer(threading.Thread):
 
     def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> None:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``."""
-        if batch and self.namespace is not None:
+        namespace = self.namespace
+        if batch and namespace is not None:
             try:
-                self.disk.register_namespace(*self.namespace)
+                self.disk.register_namespace(*namespace)
                 self.namespace = None
             except ECStoreError as e:
                 log.warning("ecstore: could not record the encoder identity of namespace %s: %s",
-                            self.namespace[0], e)
+                            namespace[0], e)
         reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
                 for key, it in batch]
         try:

@@ -24,6 +24,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ..config import ECStoreConfig, load_config
+from ..errors import ConfigError
 from ..remote.url import mask_url
 from .logs import ensure_console_logging
 from .metadata import ECStoreConnectorMetadata
@@ -33,16 +34,26 @@ from .vllm_identity import encoder_identity, per_process_naming, per_process_war
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ECTransferConfig, VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("ecstore")
 
 
+def _ec_transfer_config(vllm_config: "VllmConfig") -> "ECTransferConfig":
+    """The engine's ``ec_transfer_config``; ConfigError if it has none (vLLM
+    builds an EC connector only from one, so only a hand-made config lacks it)."""
+    ec = vllm_config.ec_transfer_config
+    if ec is None:
+        raise ConfigError("the vLLM config has no ec_transfer_config: the ecstore connector is configured "
+                          "through it (--ec-transfer-config '{\"ec_connector\": \"ECStoreConnector\", ...}')")
+    return ec
+
+
 def config_from_vllm(vllm_config: "VllmConfig") -> ECStoreConfig:
     """The effective ecstore config for a vLLM engine."""
-    extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config or {})
+    extra = dict(_ec_transfer_config(vllm_config).ec_connector_extra_config or {})
     path = extra.pop("config_file", None)
     return load_config(path, overrides=extra)
 
@@ -78,7 +89,7 @@ class ECStoreConnector(ECConnectorBase):
             self.worker_side = WorkerSide(vllm_config, self.config, **kw)
         log.info("ecstore connector: role=%s ec_role=%s model=%s dtype=%s namespace=%s (weights: %s) "
                  "local_disk=%s (%.3g GiB) local_cpu=%s (%.3g GiB) remote=%s", role.name,
-                 vllm_config.ec_transfer_config.ec_role, model, str(dtype).removeprefix("torch."),
+                 _ec_transfer_config(vllm_config).ec_role, model, str(dtype).removeprefix("torch."),
                  self.identity.namespace, self.identity.weights.method,
                  self.config.local_disk, self.config.max_local_disk_size, self.config.local_cpu,
                  self.config.max_local_cpu_size,

@@ -112,7 +112,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
     the directory read-only (sharing this process's environment, if any).
     """
     own = tier is None
-    if own:
+    if tier is None:
         tier = LMDBTier(str(path), cap or 1, readonly=True, create=False)
     a = Audit()
     try:
@@ -181,7 +181,7 @@ def run_verify_cli(path: str | os.PathLike, timeout: float = 300) -> subprocess.
 _PRELOAD = ["torch", "numpy", "lmdb", "ecstore", "ecstore.cli", "ecstore.testing.faults"]
 
 
-def mp_context() -> multiprocessing.context.BaseContext:
+def mp_context() -> multiprocessing.context.ForkServerContext:
     """The forkserver context (server started on first use, then reused)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)

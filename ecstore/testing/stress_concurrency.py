@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from ecstore import ECStore, ECStoreConfig
-from ecstore.lmdb_tier import _U64, LMDBTier
+from ecstore.lmdb_tier import LMDBTier, _u64
 from ecstore.testing import faults as fc
 
 KiB = 1 << 10
@@ -188,6 +188,7 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
             if store.pin_if_present(ident(i), ttl_s=600):
                 counts["pinned"] += 1
                 # The lease must keep the entry on disk whatever the others evict.
+                assert store.disk is not None  # _config sets local_disk
                 t = store.disk.get(store.key(ident(i)), store.stored_name(ident(i)))
                 assert t is not None, f"worker {w}: pinned entry {i} vanished from disk"
                 check_hit(i, t)
@@ -195,6 +196,7 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
         elif op == "shrink":
             counts["shrink"] += 1
             with ECStore(_config(spec, cap // 2), model="other/model@tp", dtype=torch.float16) as small:
+                assert small.disk is not None  # _config sets local_disk
                 counts["shrink_evicted"] += small.disk.evictions  # others keep writing: no bound to check here
     flush()
     st = store.stats()
@@ -215,7 +217,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
         barrier.wait(timeout=300)
         while not stop.is_set():
             with tier.snapshot() as (txn, dbs):
-                total = _U64.unpack(txn.get(b"total_bytes", db=dbs["meta"]))[0]
+                total = _u64(txn, b"total_bytes", dbs["meta"], spec["dir"])
                 recs = []
                 with txn.cursor(db=dbs["entries"]) as cur:
                     for k, raw in cur:
@@ -256,7 +258,7 @@ def run(procs: int = 4, ops: int = 150, seed: int = 0, mode: str = "evict", root
         log: Callable[[str], None] | None = print) -> dict[str, Any]:
     assert mode in ("roomy", "evict")
     own_root = root is None
-    root = Path(tempfile.mkdtemp(prefix="ecstore-conc-")) if own_root else Path(root)
+    root = Path(tempfile.mkdtemp(prefix="ecstore-conc-")) if root is None else Path(root)
     d = root / f"store-{mode}"
     if cap is None:
         cap = 1 * GiB if mode == "roomy" else 1 * MiB

@@ -60,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 
 import torch
@@ -90,7 +90,7 @@ def writer(conn: Any, spec: dict[str, Any]) -> None:
         (ecstore logs "EC put: stored ..." after the commit)."""
 
         def emit(self, record: logging.LogRecord) -> None:
-            if str(record.msg).startswith("EC put: stored") and record.args:
+            if str(record.msg).startswith("EC put: stored") and isinstance(record.args, tuple) and record.args:
                 say(f"C {_parse_idx(str(record.args[-1]))}")
 
     try:
@@ -225,12 +225,13 @@ def _kill_round(ctx: Any, st: StoreState, rng: random.Random, writers: int, max_
         p.start()
         send.close()
         procs[recv] = (lane, p, rng.randint(1, max_msgs))
-    counts = {"reports": 0, "puts": 0, "flushes": 0}
+    counts: dict[str, Any] = {"reports": 0, "puts": 0, "flushes": 0}
     seen_msgs = {conn: 0 for conn in procs}
     errors = []
     live = list(procs)
     while live:
-        for conn in multiprocessing.connection.wait(live):
+        # wait() hands back some of the objects it was given: here, Connections.
+        for conn in cast(list[multiprocessing.connection.Connection], multiprocessing.connection.wait(live)):
             lane, p, n_kill = procs[conn]
             try:
                 m = conn.recv_bytes().decode()
@@ -284,7 +285,7 @@ def run(kills: int = 20, seed: int = 0, root: str | os.PathLike | None = None, *
     removed."""
     assert 1 <= writers <= 9
     own_root = root is None
-    root = Path(tempfile.mkdtemp(prefix="ecstore-crash-")) if own_root else Path(root)
+    root = Path(tempfile.mkdtemp(prefix="ecstore-crash-")) if root is None else Path(root)
     rng = random.Random(seed)
     stores = [
         StoreState("evicting", str(root / "evicting"), evict_cap, min_bytes, evict_max_bytes, seed * 2 + 1, False),

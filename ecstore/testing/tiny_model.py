@@ -423,7 +423,9 @@ def _build_into(tmp: Path, *, heavy: bool, seed: int) -> list[str]:
             model.query_tokens.normal_(mean=0.0, std=config.initializer_range)
     finally:
         torch.random.set_rng_state(rng_state)
-    model = model.to(torch.float32).eval()
+    # transformers declares PreTrainedModel.to with @wraps(torch.nn.Module.to): mypy then
+    # takes the unbound signature (self first) for the bound method.
+    model = model.to(torch.float32).eval()  # type: ignore[arg-type]
     model.save_pretrained(str(tmp), safe_serialization=True)
 
     processor = _build_processor(spec, tokenizer)
