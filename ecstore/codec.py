@@ -40,6 +40,7 @@ import xxhash
 from .errors import CorruptEntryError, ECStoreError, InvalidEntryError
 from .identity import split_stored
 from .key import parse_key
+from .pool import POOL
 
 FORMAT = "ecstore/1"
 TENSOR_NAME = "ec"
@@ -313,11 +314,13 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
 
 def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
     """The tensor of a blob whose header ``hdr`` passed :func:`parse_header`,
-    copied into fresh CPU memory (never aliases ``blob``)."""
+    copied (one copy) into CPU memory nothing else references (never aliases
+    ``blob``): reused, already-faulted memory from :data:`ecstore.pool.POOL`
+    when a slab is free, which saves the page faults of fresh memory."""
     dt = storable_dtype(hdr.dtype)
     if dt is None:
         raise CorruptBlobError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
-    out = torch.empty(hdr.shape, dtype=dt)
+    out = POOL.empty(hdr.shape, dt)
     if tensor_nbytes(out) != hdr.data_nbytes or hdr.data_offset + hdr.data_nbytes != len(memoryview(blob).cast("B")):
         raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
     if hdr.data_nbytes:

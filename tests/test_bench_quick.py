@@ -9,6 +9,7 @@ are shared and noisy; the numbers themselves are for people to read.
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -114,3 +115,30 @@ def test_every_target_is_evaluated(quick_run: tuple[Path, str]) -> None:
         assert _finite(t["measured"]), t
         assert _finite(t["ratio"]), t
         assert isinstance(t["met"], bool), t
+
+
+def test_runs_without_matplotlib(tmp_path: Path) -> None:
+    """Without matplotlib the harness still finishes, writes bench.json and
+    bench.md, exits 0 and says how to get the chart (issue 13)."""
+    pytest.importorskip("diskcache")
+    blocker = tmp_path / "block"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text(
+        "raise ImportError('matplotlib blocked by test_runs_without_matplotlib')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker)] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--sections", "floor", "--reps", "1",
+         "--out", str(out), "--workdir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=env,
+    )
+    log = proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    for name in ("bench.json", "bench.md"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, (name, log)
+    assert not (out / "bench.png").exists(), log
+    assert "pip install matplotlib" in proc.stdout, log
+    res = json.loads((out / "bench.json").read_text())
+    assert res["meta"]["errors"] == [], res["meta"]["errors"]
+    assert {r["section"] for r in res["rows"]} == {"floor"}

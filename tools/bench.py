@@ -8,7 +8,8 @@ on the same machine in the same run.
 
 Outputs in ``--out`` (default ``bench-results/``): ``bench.json`` (every
 measurement: median, p10/p90, p99, min/max, n, raw samples when few),
-``bench.md`` (tables + targets met/not met), ``bench.png`` (plot) and
+``bench.md`` (tables + targets met/not met), ``bench.png`` (plot; only when
+matplotlib is installed, the run succeeds without it) and
 ``ecstore.log`` (ecstore's own INFO log lines during the run).
 
 Workloads: ``[n, 3584]`` bfloat16 entries of 1 MB (n=140), 34.3 MB (n=4785)
@@ -973,6 +974,32 @@ def versions() -> str:
     return ", ".join(out)
 
 
+def write_chart(res: dict, path: Path, errors: list[str]) -> bool:
+    """Draw ``bench.png`` at ``path``; return whether it was written.
+
+    matplotlib is optional (``pip install matplotlib``, or the ``bench``
+    extra): without it the run still writes bench.json and bench.md and
+    succeeds, and this says how to draw the chart later (``--from-json``).
+    Any other plotting failure is appended to ``errors`` (the run then exits 1).
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        log(f"bench.png not written: matplotlib is not available ({e}). To get the chart: "
+            f"pip install matplotlib  (or pip install 'ecstore[bench]'), then "
+            f"python tools/bench.py --from-json {path.parent / 'bench.json'} --out {path.parent}")
+        return False
+    try:
+        report.plot(res, str(path))
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        errors.append(f"plot: {type(e).__name__}: {e}")
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1011,9 +1038,10 @@ def main(argv: list[str] | None = None) -> int:
         res["targets"] = report.evaluate_targets(res)
         (out / "bench.json").write_text(json.dumps(res, indent=1, default=str))
         (out / "bench.md").write_text(report.markdown(res))
-        report.plot(res, str(out / "bench.png"))
-        log(f"rewrote {out}/bench.json, bench.md, bench.png from {args.from_json}")
-        return 0
+        plot_errors: list[str] = []
+        charted = write_chart(res, out / "bench.png", plot_errors)
+        log(f"rewrote {out}/bench.json, bench.md{', bench.png' if charted else ''} from {args.from_json}")
+        return 1 if plot_errors else 0
 
     # ecstore logs one INFO line per stored entry: keep them (their cost is part
     # of the path measured) but in a file, not on the console.
@@ -1077,14 +1105,8 @@ def main(argv: list[str] | None = None) -> int:
     res["targets"] = report.evaluate_targets(res)
     (out / "bench.json").write_text(json.dumps(res, indent=1, default=str))
     (out / "bench.md").write_text(report.markdown(res))
-    try:
-        report.plot(res, str(out / "bench.png"))
-    except Exception as e:
-        import traceback
-
-        traceback.print_exc()
-        errors.append(f"plot: {e}")
-    log(f"wrote {out}/bench.json, bench.md, bench.png in {res['meta']['duration_s']:.0f} s; "
+    charted = write_chart(res, out / "bench.png", errors)
+    log(f"wrote {out}/bench.json, bench.md{', bench.png' if charted else ''} in {res['meta']['duration_s']:.0f} s; "
         f"load average {report.fmt_load(load_after)}")
     for t in res["targets"]:
         met = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")

@@ -1,0 +1,120 @@
+"""Reused, already-faulted CPU memory for the tensors ecstore copies out.
+
+On the VMs ecstore is benchmarked on, the first write to freshly allocated
+memory costs ~3-6x a memcpy of the same bytes (one page fault per 4 KiB
+page): an LMDB-tier hit copied into ``torch.empty`` memory took ~4.5x
+memcpy, into memory written before ~1x (``docs/benchmarks.md``).
+
+:class:`BufferPool` hands out tensors whose memory is a view of a buffer
+(a "slab") kept from earlier use. A slab goes back to the pool only when the
+last reference to the tensor handed out, to any view of it and to its
+storage is gone (``torch.frombuffer`` holds the buffer until its storage is
+freed; a ``weakref.finalize`` on the buffer then returns the slab), so
+nothing a caller still holds is ever overwritten: a tensor from the pool is
+exactly as private as one from ``torch.empty``. At most ``idle_bytes`` of
+slabs are kept while unused; the rest is freed.
+
+Slabs come in size classes of four per power of two (a tensor uses at most
+25 % less than its slab); requests under ``min_bytes`` use ``torch.empty``.
+Tensors from the pool are not resizable (``resize_`` to a larger size
+raises). Thread-safe; the finalizer may run on any thread. After ``fork``
+the child starts with an empty pool.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+MiB = 1 << 20
+
+#: Unused slabs kept for reuse, bytes (per process). Two slabs of the largest
+#: benchmarked entry (130.8 MB, class 128 MiB).
+DEFAULT_IDLE_BYTES = 256 * MiB
+#: Requests below this many bytes come from ``torch.empty``.
+DEFAULT_MIN_BYTES = 64 * 1024
+
+
+def size_class(nbytes: int) -> int:
+    """The slab size for a request of ``nbytes`` (> 0): the smallest
+    ``m * 2**k`` (m in 4..8) that holds it."""
+    if nbytes <= 4:
+        return 4
+    k = max(0, (nbytes - 1).bit_length() - 3)
+    m = -(-nbytes // (1 << k))  # ceil: 4 < m <= 8
+    return m << k
+
+
+class BufferPool:
+    """Size-classed free lists of already-written CPU buffers; see the module
+    docstring for the lifetime guarantee. Thread-safe."""
+
+    def __init__(self, idle_bytes: int = DEFAULT_IDLE_BYTES, min_bytes: int = DEFAULT_MIN_BYTES) -> None:
+        self.idle_cap = idle_bytes
+        self.min_bytes = min_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.RLock()  # a finalizer may run inside our own critical section (GC)
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._idle = 0
+        self.reused = 0  # requests served from a kept slab
+        self.fresh = 0  # requests that allocated a new slab
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of slabs kept unused right now."""
+        return self._idle
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``
+        that nothing else references (like ``torch.empty``), its memory reused
+        from the pool when a slab of its class is free."""
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if nbytes < self.min_bytes:
+            return torch.empty(shape, dtype=dtype)
+        cls = size_class(nbytes)
+        slab = None
+        with self._lock:
+            free = self._free.get(cls)
+            if free:
+                slab = free.pop()
+                self._idle -= cls
+                self.reused += 1
+            else:
+                self.fresh += 1
+        if slab is None:
+            slab = torch.empty(cls, dtype=torch.uint8).numpy()
+        view = slab[:nbytes]
+        fin = weakref.finalize(view, self._give_back, slab, os.getpid())
+        fin.atexit = False
+        raw = torch.frombuffer(view, dtype=torch.uint8)  # holds `view` until its storage is freed
+        out = raw.view(dtype) if dtype != torch.uint8 else raw
+        return out.view(shape)
+
+    def _give_back(self, slab: np.ndarray, pid: int) -> None:
+        if pid != os.getpid():
+            return  # a view inherited over fork: the child's pool does not own it
+        cls = len(slab)
+        with self._lock:
+            if self._idle + cls <= self.idle_cap:
+                self._free.setdefault(cls, []).append(slab)
+                self._idle += cls
+
+    def clear(self) -> None:
+        """Free every kept slab (tensors handed out are unaffected)."""
+        with self._lock:
+            self._free.clear()
+            self._idle = 0
+
+
+#: The process's pool: LMDB-tier hits are copied into it (``codec.copy_out``).
+POOL = BufferPool()
+os.register_at_fork(after_in_child=POOL._reset)

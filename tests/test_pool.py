@@ -1,0 +1,94 @@
+"""ecstore.pool: LMDB-tier hits are copied into reused, already-faulted
+memory (issue 13), and a tensor handed out is never overwritten while
+anything still references it (the tensor, a view of it, or its storage).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ecstore import ECStore, ECStoreConfig
+from ecstore.pool import POOL, BufferPool, size_class
+from conftest import gib
+from helpers.tensors import assert_same, make_tensor
+
+MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+ROWS, COLS = 64, 1024  # 128 KiB of bfloat16: above the pool's minimum, so hits come from the pool
+
+
+def _disk_only(path) -> ECStore:
+    cfg = ECStoreConfig(local_disk=str(path), max_local_disk_size=gib(64 << 20), local_cpu=False,
+                        max_local_cpu_size=0.0)
+    return ECStore(cfg, model=MODEL, dtype=torch.bfloat16)
+
+
+def test_lmdb_hits_stay_private_while_referenced(tmp_path) -> None:
+    a, b = make_tensor(1, ROWS, COLS), make_tensor(2, ROWS, COLS)
+    with _disk_only(tmp_path / "s") as st:
+        st.put("a" * 64, a)
+        st.put("b" * 64, b)
+        st.flush()
+        held = st.get("a" * 64)
+        view = st.get("a" * 64)[1:]  # only a view of this hit survives
+        storage_only = st.get("a" * 64)
+        storage = storage_only.untyped_storage()
+        ptr = storage_only.data_ptr()
+        del storage_only
+        reused_before = POOL.reused
+        for _ in range(8):  # later hits, scribbled on and dropped: their memory is recycled
+            t = st.get("b" * 64)
+            assert_same(t, b)
+            t.fill_(7)
+            u = st.get("a" * 64)
+            assert_same(u, a)
+            u.fill_(-3)
+            del t, u
+        assert POOL.reused > reused_before  # the dropped hits' memory was reused
+        assert_same(held, a)
+        assert_same(view, a[1:])
+        assert ptr == storage.data_ptr()
+        assert_same(torch.empty(0, dtype=torch.bfloat16).set_(storage, 0, (ROWS, COLS)), a)
+
+
+def test_memory_comes_back_only_after_the_last_reference() -> None:
+    pool = BufferPool(idle_bytes=8 << 20, min_bytes=1024)
+    t = pool.empty((256, 1024), torch.bfloat16)
+    assert t.shape == (256, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    ptr = t.data_ptr()
+    v = t[10:20]
+    del t
+    other = pool.empty((256, 1024), torch.bfloat16)  # v still holds the first slab
+    assert other.data_ptr() != ptr and pool.reused == 0
+    del v
+    again = pool.empty((256, 1024), torch.bfloat16)
+    assert again.data_ptr() == ptr and pool.reused == 1
+    del other, again
+    gc.collect()
+    assert pool.idle_bytes == 2 * size_class(256 * 1024 * 2)
+
+
+def test_idle_memory_is_bounded() -> None:
+    cls = size_class(1 << 20)
+    pool = BufferPool(idle_bytes=cls, min_bytes=1024)
+    ts = [pool.empty((1 << 20,), torch.uint8) for _ in range(3)]
+    del ts
+    assert pool.idle_bytes == cls  # one slab kept, two freed
+    pool.clear()
+    assert pool.idle_bytes == 0
+
+
+def test_small_requests_bypass_the_pool() -> None:
+    pool = BufferPool(idle_bytes=1 << 20, min_bytes=4096)
+    t = pool.empty((8, 8), torch.float32)
+    assert t.untyped_storage().resizable()  # plain torch.empty memory
+    del t
+    assert pool.idle_bytes == 0 and pool.fresh == 0
+
+
+def test_size_classes_hold_the_request_with_at_most_a_quarter_spare() -> None:
+    for n in list(range(1, 5000)) + [1_003_520, 34_296_320, 130_801_664, (1 << 27) + 1]:
+        c = size_class(n)
+        assert n <= c, n
+        assert n <= 4 or c * 4 <= n * 5 + 4 * 8, (n, c)
