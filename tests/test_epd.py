@@ -357,3 +357,19 @@ def test_shared_counters_leave_no_file(tmp_path):
     again.close(remove=True)
     assert not path.exists()
     writer.close()
+
+
+def test_encode_only_producer_reports_its_remote_writes(tiny_model_dir, disk_extra, redis_server):
+    """The remote counters of an encode-only producer reach its stats like the
+    others (through the shared record: vLLM drops its worker metadata). They
+    used to be added after the step's counters were published, and lost."""
+    eng = EncoderEngine(vo.vllm_config(tiny_model_dir, "ec_producer",
+                                       {**disk_extra, "remote_url": redis_server.url}))
+    try:
+        eng.scheduler.add_request(vo.make_request("r1", [A]))
+        assert eng.step() == ["r1"]  # the step end waited for the remote write too
+        eng.step()  # the next stats interval collects the record
+        assert eng.ec_stats.get("saves") == 1
+        assert eng.ec_stats.get("remote_bytes_written", 0) > 0
+    finally:
+        eng.close()

@@ -277,10 +277,10 @@ class WorkerSide:
             if evictions > self._disk_evictions_seen:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions
-        if self.encode_only:
-            self._publish_counters()  # vLLM would drop them with the metadata
         for key, delta in remote_deltas(self.store, self._remote_seen).items():
             self._count(key, delta)
+        if self.encode_only:
+            self._publish_counters()  # vLLM would drop them with the metadata
         wm = ECStoreWorkerMetadata(saved=self._saved, evicted=self._evicted, loaded=self._loaded,
                                    failed=self._failed, cleared=self._cleared, stats=self._stats,
                                    recomputed=self._recomputed)
