@@ -77,7 +77,7 @@ class BufferPool:
         n = 1
         for d in shape:
             n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = n * dtype.itemsize
         if nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype)
         cls = size_class(nbytes)

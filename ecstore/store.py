@@ -252,18 +252,19 @@ class ECStore:
             t = self.memory.get(key, name)
         if t is None and self._writer is not None:
             t = self._writer.lookup(key, name)
+        promoted = False  # the memory tier now holds t
         if t is None and self.disk is not None:
             tier = "disk"
             t = self.disk.get(key, name, model=self.model, dtype=self.dtype)
             if t is not None and self.memory is not None:
-                if self.memory.put(key, name, t, codec.tensor_nbytes(t)) and torch.device(device) == t.device:
-                    t = t.clone()  # the memory tier holds t: hand out a copy of our own
+                promoted = self.memory.put(key, name, t, codec.tensor_nbytes(t))
         if t is None and self.remote is not None:
             entry = self.remote.get(key, name)
             if entry is not None:
                 tier, t = "remote", entry.tensor
-                if self._promote(key, name, mm_hash, t, entry.blob) and torch.device(device) == t.device:
-                    t = t.clone()  # the memory tier holds t: hand out a copy of our own
+                promoted = self._promote(key, name, mm_hash, t, entry.blob)
+        if promoted and t is not None and torch.device(device) == t.device:
+            t = t.clone()  # hand out a copy of our own
         with self._lock:
             if t is None:
                 self._stats.misses += 1
@@ -417,12 +418,9 @@ class ECStore:
         flush (disk full...): those entries are not stored; earlier ones are
         intact.
         """
-        self._check()
-        if self.remote is not None:
-            self.remote.drain()  # sent or dropped (remote failures never raise)
+        self.wait_committed()  # LMDB commits, and remote writes sent or dropped
         if self._writer is None:
             return
-        self._writer.drain()
         assert self.disk is not None
         self.disk.sync()
         errors = self._writer.take_errors()

@@ -35,8 +35,9 @@ When the local tiers miss, ``has_cache_item`` asks the remote (one EXISTS,
 bounded by ``remote_timeout_seconds``, remembered for a second when the
 answer is no, skipped while the remote is unreachable). A remote yes is not
 pinned: the worker fetches, verifies and promotes the entry when it loads it;
-should the remote lose it in between (its own eviction, a crash), that one
-load fails like a vanished disk entry (the request is failed, retryable).
+should the remote lose it in between (its own eviction, a crash), that load
+fails like a vanished disk entry (the item is encoded in the same step, see
+below).
 
 A load is announced exactly for the items ``has_cache_item`` said yes to
 (vLLM then does not run the encoder for them). Before saying yes, the entry's
