@@ -19,6 +19,33 @@ import os
 import sys
 
 
+def _import_everything_lazy() -> None:
+    """Import every module ecstore or lmdb may import on first use.
+
+    After the privilege drop the checkout may be unreadable (a clone under a
+    0700 directory such as ``mktemp -d``): a lazy import then fails with
+    ModuleNotFoundError, which is not what the tests are about. The vLLM
+    connector is left out (not used here, and slow to import).
+    """
+    import importlib
+    import pkgutil
+
+    import ecstore
+    import lmdb
+
+    for pkg, skip in ((ecstore, ("ecstore.connector", "ecstore.testing")), (lmdb, ("lmdb.tool", "lmdb.__main__", "lmdb.cffi"))):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if info.name.startswith(skip):
+                continue
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # optional parts
+                pass
+    from ecstore import schema
+
+    schema.migrations()  # read from the checkout's migrations/ once, then cached
+
+
 def main() -> int:
     uid, gid, groups, mode, *args = sys.argv[1:]
     import logging  # noqa: F401 - everything the command imports lazily
@@ -27,6 +54,8 @@ def main() -> int:
     import torch
 
     from ecstore import ECStore, ECStoreConfig, cli, config, errors  # noqa: F401
+
+    _import_everything_lazy()
 
     os.setgroups([int(g) for g in groups.split(",")] if groups != "-" else [])
     os.setgid(int(gid))
