@@ -7,6 +7,10 @@
                └──► remote tier, if configured (verified; promote to memory + LMDB)
     ECStore.put ──► ... and the remote tier's writer (background, pipelined)
 
+The handle checks arguments and composes; the read path lives in
+:mod:`ecstore.read_path`, the put path in :mod:`ecstore.put_path`, the
+counters and refusal log lines in :mod:`ecstore.stats`.
+
 The remote tier (``remote_url``, :mod:`ecstore.remote`) is shared across
 machines; its failures are misses, never errors (see docs/remote.md).
 
@@ -24,31 +28,27 @@ that need the store should be started with ``spawn``/``forkserver``.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 import torch
 
 from . import codec
 from .config import ECStoreConfig
-from .errors import ECStoreError, InvalidEntryError, StoreFullError, check_same_process
+from .errors import ECStoreError, StoreFullError, check_same_process
 from .identity import EncoderIdentity, library_identity, qualify
 from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
 from .lmdb_tier import LMDBTier
 from .memory import MemoryTier
-from .writer import PendingPut, Writer
+from .put_path import PutPath
+from .read_path import ReadPath
+from .stats import Counters, StoreStats
+from .writer import Writer
 
 if TYPE_CHECKING:
     from .remote.tier import RemoteTier
-
-log = logging.getLogger("ecstore")
 
 #: Upper bound of a typical safetensors header (informational: put sizes each
 #: blob exactly with codec.blob_size).
@@ -57,50 +57,6 @@ HEADER_ESTIMATE = 1024
 #: at most an eighth of the disk cap (a batch near the cap would have to evict
 #: the very entries it just wrote, and fragments the map).
 MAX_BATCH_BYTES = 256 << 20
-
-
-@dataclass
-class StoreStats:
-    """Counters of one handle (this process only) plus tier occupancy."""
-
-    hits: int = 0
-    memory_hits: int = 0
-    disk_hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    puts_skipped: int = 0
-    puts_refused: int = 0
-    write_errors: int = 0
-    memory_evictions: int = 0
-    disk_evictions: int = 0
-    corrupt_dropped: int = 0
-    memory_entries: int = 0
-    memory_bytes: int = 0
-    memory_capacity_bytes: int = 0
-    disk_entries: int = 0
-    disk_bytes: int = 0
-    disk_capacity_bytes: int = 0
-    pending_writes: int = 0
-    pending_bytes: int = 0
-    # Remote tier (zero without remote_url): see ecstore.remote.tier.RemoteStats.
-    remote_hits: int = 0
-    remote_misses: int = 0
-    remote_errors: int = 0
-    remote_puts: int = 0
-    remote_puts_dropped: int = 0
-    remote_corrupt_dropped: int = 0
-    remote_bytes_read: int = 0
-    remote_bytes_written: int = 0
-    remote_pending_writes: int = 0
-
-    @property
-    def evictions(self) -> int:
-        return self.memory_evictions + self.disk_evictions
-
-    def as_dict(self) -> dict[str, int]:
-        d = dict(self.__dict__)
-        d["evictions"] = self.evictions
-        return d
 
 
 class ECStore:
@@ -142,8 +98,7 @@ class ECStore:
         #: 32 hex digits; part of every key's hash and of every entry's stored name.
         self.namespace = self.identity.namespace
         self._hash = chunk_hasher or chunk_hash
-        self._stats = StoreStats()
-        self._lock = threading.Lock()
+        self._counters = Counters()
         self._pid = os.getpid()
         self._closed = False
         self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
@@ -160,6 +115,9 @@ class ECStore:
                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
                                       namespace=(self.namespace, self.identity.canonical()))
                 self._writer.start()
+        self._reads = ReadPath(memory=self.memory, writer=self._writer, disk=self.disk,
+                               model=self.model, dtype=dtype)
+        self._puts = PutPath(self._reads, self._counters)
         self.remote: RemoteTier | None = None
         if config.remote_url:
             from .remote import open_remote
@@ -170,6 +128,7 @@ class ECStore:
             except BaseException:
                 self.close()
                 raise
+            self._reads.remote = self.remote
 
     # ----------------------------------------------------------------- basics
     def __enter__(self) -> "ECStore":
@@ -202,15 +161,6 @@ class ECStore:
         return make_key(self.model, self._hash(self.stored_name(mm_hash)), self.dtype_name)
 
     # ------------------------------------------------------------------ reads
-    def _identifier_at(self, key: str) -> str | None:
-        """The identifier held under ``key`` by any tier (memory, pending, disk)."""
-        for tier in (self.memory, self._writer, self.disk):
-            if tier is not None:
-                held = tier.identifier_at(key)
-                if held is not None:
-                    return held
-        return None
-
     def contains(self, mm_hash: str) -> bool:
         """True if ``get(mm_hash)`` would (barring a later eviction) hit.
 
@@ -218,15 +168,7 @@ class ECStore:
         Does not count as a hit and does not change LRU order.
         """
         self._check()
-        name = self.stored_name(mm_hash)
-        key = self.key(mm_hash)
-        if self.memory is not None and self.memory.contains(key, name):
-            return True
-        if self._writer is not None and self._writer.lookup(key, name) is not None:
-            return True
-        if self.disk is not None and self.disk.contains(key, name):
-            return True
-        return self.remote is not None and self.remote.contains(key)
+        return self._reads.contains(self.key(mm_hash), self.stored_name(mm_hash))
 
     def remote_contains(self, mm_hash: str) -> bool:
         """Does the remote tier hold ``mm_hash``? False without one, while it
@@ -246,34 +188,14 @@ class ECStore:
         self._check()
         name = self.stored_name(mm_hash)
         key = self.key(mm_hash)
-        t = None
-        tier = "memory"
-        if self.memory is not None:
-            t = self.memory.get(key, name)
-        if t is None and self._writer is not None:
-            t = self._writer.lookup(key, name)
-        promoted = False  # the memory tier now holds t
-        if t is None and self.disk is not None:
-            tier = "disk"
-            t = self.disk.get(key, name, model=self.model, dtype=self.dtype)
-            if t is not None and self.memory is not None:
-                promoted = self.memory.put(key, name, t, codec.tensor_nbytes(t))
-        if t is None and self.remote is not None:
-            entry = self.remote.get(key, name)
-            if entry is not None:
-                tier, t = "remote", entry.tensor
-                promoted = self._promote(key, name, mm_hash, t, entry.blob)
-        if promoted and t is not None and torch.device(device) == t.device:
+        hit = self._reads.find(key, name, mm_hash)
+        if hit is None:
+            self._counters.miss()
+            return None
+        t = hit.tensor
+        if hit.promoted and torch.device(device) == t.device:
             t = t.clone()  # hand out a copy of our own
-        with self._lock:
-            if t is None:
-                self._stats.misses += 1
-                return None
-            self._stats.hits += 1
-            if tier == "memory":
-                self._stats.memory_hits += 1
-            elif tier == "disk":
-                self._stats.disk_hits += 1
+        self._counters.hit(hit.tier)
         if self._writer is not None:
             self._writer.touch(key, name)
         if torch.device(device) != t.device:
@@ -285,26 +207,7 @@ class ECStore:
         identity) holds, from its record (no blob read); None if there is none.
         Lets a caller refuse an entry before committing to load it."""
         self._check()
-        if self.disk is None:
-            return None
-        rec = self.disk.record(self.key(mm_hash))
-        if rec is None or rec.identifier != self.stored_name(mm_hash) or rec.version != self.disk.record_version:
-            return None
-        return rec.shape
-
-    def _promote(self, key: str, name: str, mm_hash: str, t: torch.Tensor, blob: memoryview) -> bool:
-        """A verified remote entry (stored name ``name``) into the memory tier
-        and (background) LMDB, its blob stored as is; not written back to the
-        remote. True if the memory tier now holds ``t``."""
-        nbytes = codec.tensor_nbytes(t)
-        in_memory = False
-        if self.memory is not None and nbytes <= self.memory.capacity_bytes:
-            in_memory = self.memory.put(key, name, t, nbytes)
-        if self._writer is not None and self.disk is not None and len(blob) <= self.disk.capacity_bytes \
-                and self._identifier_at(key) in (None, name):
-            self._writer.submit(key, PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8),
-                                                mm_hash=mm_hash))
-        return in_memory
+        return self._reads.stored_shape(self.key(mm_hash), self.stored_name(mm_hash))
 
     # ----------------------------------------------------------------- writes
     def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:
@@ -327,60 +230,7 @@ class ECStore:
         self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
-        name = self.stored_name(mm_hash)
-        key = self.key(mm_hash)
-        codec.check_storable(tensor)
-        if tensor.dtype != self.dtype:
-            raise InvalidEntryError(
-                f"tensor dtype {dtype_name(tensor.dtype)} does not match the store's dtype "
-                f"{self.dtype_name} (model {self.model!r})"
-            )
-        nbytes = codec.tensor_nbytes(tensor)
-        fits_memory = self.memory is not None and nbytes <= self.memory.capacity_bytes
-        # The disk cap counts whole blobs: size them exactly (the header holds
-        # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped). Built
-        # once here and reused by encode below.
-        header = codec.header_bytes(tensor, name, self.model)
-        fits_disk = self.disk is not None and 8 + len(header) + nbytes <= self.disk.capacity_bytes
-        if not (fits_memory or fits_disk or self.remote is not None):
-            log.warning("ecstore: refused mm_hash=%s: %d bytes exceed every tier's capacity "
-                        "(memory %d, disk %d bytes)", mm_hash, nbytes,
-                        self.memory.capacity_bytes if self.memory else 0,
-                        self.disk.capacity_bytes if self.disk else 0)
-            with self._lock:
-                self._stats.puts_refused += 1
-            return False
-        held = self._identifier_at(key)
-        if held == name:
-            with self._lock:
-                self._stats.puts_skipped += 1
-            return False
-        if held is not None:
-            log.warning("ecstore: refused mm_hash=%s: its key %s already holds identifier %r "
-                        "(64-bit hash collision); the existing entry is kept", mm_hash, key, held)
-            with self._lock:
-                self._stats.puts_refused += 1
-            return False
-        blob = None
-        if copy or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            # The one copy: straight from the caller's tensor (any device or
-            # strides) into its safetensors blob. The memory tier and pending
-            # write hold a view of the blob's data, and the writer stores the
-            # blob as is: no second copy to encode it later.
-            blob = codec.encode(tensor, identifier=name, model=self.model, header=header)
-            cpu = codec.blob_tensor(blob, 8 + len(header), tensor.dtype, tuple(tensor.shape))
-        else:
-            cpu = tensor.detach()  # handed over: encoded by the writer
-        stored_in_memory = fits_memory and self.memory is not None and self.memory.put(key, name, cpu, nbytes)
-        with self._lock:
-            self._stats.puts += 1
-        if self._writer is not None and fits_disk:
-            self._writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash))
-        elif stored_in_memory:
-            log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
-        if self.remote is not None:
-            self.remote.submit(key, name, cpu, blob)
-        return True
+        return self._puts.put(mm_hash, self.stored_name(mm_hash), self.key(mm_hash), tensor, copy=copy)
 
     def write_lru_soon(self) -> None:
         """Have the background writer record the LRU updates (recency, hit
@@ -462,6 +312,8 @@ class ECStore:
         finally:
             self._closed = True
             remote, self.remote = getattr(self, "remote", None), None
+            if getattr(self, "_reads", None) is not None:
+                self._reads.remote = None
             if remote is not None:
                 remote.close()
             if self.disk is not None:
@@ -496,28 +348,4 @@ class ECStore:
     def stats(self) -> StoreStats:
         """A snapshot of this handle's counters and the tiers' occupancy."""
         self._check()
-        with self._lock:
-            s = StoreStats(**self._stats.__dict__)
-        if self.memory is not None:
-            s.memory_entries = len(self.memory)
-            s.memory_bytes = self.memory.used_bytes
-            s.memory_capacity_bytes = self.memory.capacity_bytes
-            s.memory_evictions = self.memory.evictions
-        if self.disk is not None:
-            s.disk_entries = self.disk.entry_count()
-            s.disk_bytes = self.disk.total_bytes()
-            s.disk_capacity_bytes = self.disk.capacity_bytes
-            s.disk_evictions = self.disk.evictions
-            s.corrupt_dropped = self.disk.corrupt_dropped
-        if self._writer is not None:
-            with self._writer.cv:
-                s.write_errors = self._writer.write_errors
-                s.pending_writes = len(self._writer.queue) + len(self._writer.inflight)
-                s.pending_bytes = self._writer.queued_bytes
-        if self.remote is not None:
-            r = self.remote.stats()
-            s.remote_hits, s.remote_misses, s.remote_errors = r.hits, r.misses, r.errors
-            s.remote_puts, s.remote_puts_dropped, s.remote_corrupt_dropped = r.puts, r.puts_dropped, r.corrupt_dropped
-            s.remote_bytes_read, s.remote_bytes_written = r.bytes_read, r.bytes_written
-            s.remote_pending_writes = self.remote.pending
-        return s
+        return self._counters.snapshot(memory=self.memory, disk=self.disk, writer=self._writer, remote=self.remote)
