@@ -55,7 +55,7 @@ import shutil
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator, Literal, overload
+from typing import Any, Callable, Generator, Iterator, Literal, TypeVar, overload
 
 import lmdb
 import torch
@@ -88,14 +88,16 @@ from .lmdb_env import map_size_for as map_size_for
 
 log = logging.getLogger("ecstore")
 
+_T = TypeVar("_T")
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 
 #: How long a write whose map is full waits, at most, for read transactions
 #: of other processes to release old snapshots (seconds; see write_batch).
 MAPFULL_PATIENCE_S = 60.0
-#: Retries of a write whose map stays full with nothing left to evict and no
-#: reader of an older snapshot to wait for.
+#: Retries of a write whose map stays full with nothing left to evict, no
+#: reader of an older snapshot to wait for and no other writer committing in
+#: between (rounds in which others committed do not count; see write_batch).
 MAPFULL_STUCK_RETRIES = 3
 
 
@@ -115,6 +117,73 @@ def _u64(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> int:
     sub-database ``db``, read in ``txn``; StoreOpenError if it is missing."""
     value: int = _U64.unpack(_meta_value(txn, name, db, path))[0]
     return value
+
+
+class _MapFullRetry:
+    """What a write transaction does after LMDB refused it with MDB_MAP_FULL,
+    round after round, until it gives up (one instance per write call).
+
+    Pages a commit frees are reusable only after one more commit and once no
+    reader (of any process) holds an older snapshot. So each round: clear
+    dead processes' readers; optionally evict (the caller's ``evict``); make
+    one commit; if that freed nothing, wait for older readers to end; make
+    one more commit. A round in which nothing was freed, no older reader was
+    seen and no *other* writer committed since the previous round counts as
+    stuck; :data:`MAPFULL_STUCK_RETRIES` stuck rounds, or
+    :data:`MAPFULL_PATIENCE_S` seconds, and the write gives up. Rounds in which
+    other writers committed do not count: their evictions may have taken what
+    this one would evict and their puts the pages that freed, so the map is
+    in use, not full of live data. Used by one thread at a time.
+    """
+
+    def __init__(self, tier: "LMDBTier") -> None:
+        self.tier = tier
+        self.deadline = time.monotonic() + MAPFULL_PATIENCE_S  # time.monotonic() seconds
+        self.stuck = 0
+        #: last_txnid after this write's own latest commit (None: none yet).
+        self.own_txnid: int | None = None
+
+    def _committed(self) -> None:
+        self.tier._commit_nothing()
+        self.own_txnid = self.tier._last_txnid()
+
+    def again(self, evict: Callable[[], int] | None = None) -> bool:
+        """One round after a MapFullError: True to retry the write, False to
+        give up. ``evict`` frees pages in a committed transaction of its own
+        and returns the blob bytes it removed."""
+        tier = self.tier
+        if time.monotonic() > self.deadline:
+            return False
+        if self.own_txnid is not None and tier._last_txnid() != self.own_txnid:
+            self.stuck = 0  # other writers committed since the last round
+        if tier.env.reader_check() > 0:
+            return True  # a dead process's reader pinned old pages: free now, retry first
+        freed = 0
+        if evict is not None:
+            try:
+                freed = evict()
+            except lmdb.MapFullError:
+                # Not one free page for the eviction's own copy-on-write: the
+                # pages others freed are still pinned by older readers.
+                freed = 0
+        # LMDB keeps the previous snapshot intact (recovery may fall back to
+        # it), so pages freed by a commit are reused only after one more
+        # commit: make one, or the retry cannot use what was just freed.
+        self._committed()
+        if freed > 0:
+            self.stuck = 0
+            return True
+        # Nothing (more) freed, yet the map was full: the free pages are
+        # still part of snapshots that read transactions of other processes
+        # hold (each is short: one call). Wait for those to end, then retry.
+        # With no such reader, either other writers are using the map (the
+        # next round sees their commits) or it is full of live, pinned data.
+        if not tier._wait_for_older_readers(self.deadline):
+            self.stuck += 1
+            if self.stuck > MAPFULL_STUCK_RETRIES:
+                return False
+        self._committed()
+        return True
 
 
 @dataclass
@@ -222,14 +291,16 @@ class LMDBTier:
     def _initial_eviction(self) -> None:
         """Evict down to the cap at open (reopened with a smaller cap).
 
-        Best effort: a store error here (the map full, entries pinned) leaves
+        Best effort: a store error here (the map full -- even for the
+        eviction's own transaction while readers pin the pages other writers
+        freed --, entries pinned) leaves
         the store open and usable (the next put evicts again) and is logged;
         anything else releases the shared environment before it propagates,
         so a failing open never leaks a reference to it."""
         try:
             if self.total_bytes() > self.capacity_bytes:
                 self._evict_to(self.capacity_bytes)
-        except ECStoreError as e:
+        except (ECStoreError, lmdb.MapFullError) as e:
             log.warning("ecstore: could not evict %s down to its cap of %d bytes at open: %s",
                         self.path, self.capacity_bytes, e)
         except lmdb.Error as e:
@@ -365,7 +436,11 @@ class LMDBTier:
         log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, err, self.path,
                     "" if self.readonly else ", removed")
         if not self.readonly:
-            self._drop_corrupt(k, raw_expected=None if rec is None else rec.checksum)
+            try:
+                self._write_retrying(lambda: self._drop_corrupt(k, None if rec is None else rec.checksum),
+                                     f"drop the corrupt entry {key}")
+            except StoreFullError as e:  # still a miss; the next get or eviction drops it
+                log.warning("ecstore: %s", e)
         return None
 
     def _drop_corrupt(self, k: bytes, raw_expected: int | None) -> None:
@@ -663,8 +738,13 @@ class LMDBTier:
                     f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.result == "pending"]
         extra = 0
-        deadline = time.monotonic() + MAPFULL_PATIENCE_S
-        stuck = 0
+        retry = _MapFullRetry(self)
+
+        def evict() -> int:  # fragmentation: free more pages in a committed transaction
+            nonlocal extra
+            extra = max(extra * 2, sum(len(p.encoded) for p in todo) + 4 * MiB)
+            return self._evict_to(self.capacity_bytes, extra)
+
         while True:
             try:
                 self._write_once(todo, touches)
@@ -674,32 +754,8 @@ class LMDBTier:
                     p.result, p.error = "failed", e
                 raise
             except lmdb.MapFullError:
-                if time.monotonic() > deadline:
+                if not retry.again(evict):
                     break
-                if self.env.reader_check() > 0:
-                    continue  # a dead process's reader pinned old pages: free now, retry first
-                # Fragmentation: free more pages in a committed transaction, retry.
-                extra = max(extra * 2, sum(len(p.encoded) for p in todo) + 4 * MiB)
-                freed = self._evict_to(self.capacity_bytes, extra)
-                # LMDB keeps the previous snapshot intact (recovery may fall
-                # back to it), so pages freed by a commit are reused only
-                # after one more commit: make one, or the retry cannot use
-                # what was just evicted.
-                self._commit_nothing()
-                if freed > 0:
-                    stuck = 0
-                    continue
-                # Nothing (more) to evict, yet the map was full: the free
-                # pages are still part of snapshots that read transactions
-                # of other processes hold (each is short: one call). Wait
-                # for those to end, then retry. With no such reader, other
-                # writers emptied the map meanwhile or it is full of live
-                # data: retry, a few times.
-                if not self._wait_for_older_readers(deadline):
-                    stuck += 1
-                    if stuck > MAPFULL_STUCK_RETRIES:
-                        break
-                self._commit_nothing()
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
                 hint = self._space_hint(sum(len(p.encoded) for p in todo))
@@ -713,6 +769,18 @@ class LMDBTier:
         for p in todo:
             p.result, p.error = "failed", err
         raise err
+
+    def _write_retrying(self, write: Callable[[], _T], what: str) -> _T:
+        """``write()`` (one write transaction that frees rather than adds),
+        retried while the map is full (see :class:`_MapFullRetry`, without
+        eviction); StoreFullError ("cannot <what>") when that gives up."""
+        retry = _MapFullRetry(self)
+        while True:
+            try:
+                return write()
+            except lmdb.MapFullError:
+                if not retry.again():
+                    raise StoreFullError(f"LMDB map of {self.path} is full: cannot {what}") from None
 
     def _wait_for_older_readers(self, deadline: float) -> bool:
         """Wait until no read transaction (of any process) holds a snapshot
@@ -732,6 +800,12 @@ class LMDBTier:
             waited = True
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    def _last_txnid(self) -> int:
+        """The id of the newest committed write transaction of the environment
+        (any process's): it grows by one with every commit that wrote."""
+        txnid: int = self.env.info()["last_txnid"]
+        return txnid
 
     def _commit_nothing(self) -> None:
         """Commit a transaction that changes no value (rewrites ``next_seq``):
@@ -899,10 +973,13 @@ class LMDBTier:
         and return the bytes it took off ``total_bytes``; None if absent."""
         self._check()
         k = self._k(key)
-        with self._write_txn() as txn:
-            if txn.get(k, db=self._entries) is None:
-                return None
-            return self._remove(txn, k, None)
+
+        def remove_once() -> int | None:
+            with self._write_txn() as txn:
+                if txn.get(k, db=self._entries) is None:
+                    return None
+                return self._remove(txn, k, None)
+        return self._write_retrying(remove_once, f"remove {key}")
 
     @_lmdb_errors_as_store_errors
     def sync(self) -> None:
