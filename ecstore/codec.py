@@ -38,7 +38,7 @@ import xxhash
 
 from .errors import CorruptEntryError, ECStoreError, InvalidEntryError
 from .key import parse_key
-from .pool import POOL
+from .pool import POOL, BufferPool
 from .record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
 from .record import RECORD_VERSION as RECORD_VERSION
 from .record import Record as Record
@@ -88,26 +88,42 @@ def _raw_bytes_view(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy() if t.dtype != torch.uint8 else flat.numpy()
 
 
+#: The tensor data of a blob written by :func:`encode` starts at a multiple
+#: of this many bytes (safetensors asks for 8; 64 is a cache line: a copy
+#: into or out of the blob runs at memcpy speed, ~2x faster at 1 MB than at
+#: an offset of 8 on the benchmark VM). Readers accept any multiple of 8
+#: (entries written before, and other writers). The header's JSON is padded
+#: with spaces, which the safetensors format allows.
+DATA_ALIGN = 64
+
+_json_str = json.encoder.encode_basestring_ascii
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def header_bytes(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
-    """The safetensors header of ``tensor``'s blob, padded to 8 bytes. The
-    blob is ``8 + len(header) + tensor bytes`` long; its data starts at
-    ``8 + len(header)``."""
-    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    """The safetensors header of ``tensor``'s blob, padded with spaces so the
+    data starts at a multiple of :data:`DATA_ALIGN`. The blob is
+    ``8 + len(header) + tensor bytes`` long; its data starts at
+    ``8 + len(header)``.
+
+    The JSON is that of ``json.dumps(header, separators=(",", ":"),
+    ensure_ascii=True)`` (keys in the order below), formatted directly:
+    ~2 µs instead of ~14 µs per put (tests compare the two)."""
+    dtype = tensor.dtype
+    shape = tuple(tensor.shape)
     nbytes = tensor_nbytes(tensor)
-    code = _ST_CODE.get(tensor.dtype)
-    st_shape = list(tensor.shape) if code else [nbytes]
-    header = {
-        TENSOR_NAME: {"dtype": code or "U8", "shape": st_shape, "data_offsets": [0, nbytes]},
-        "__metadata__": {
-            "format": FORMAT,
-            "identifier": identifier,
-            "model": model,
-            "dtype": dtype_name,
-            "shape": json.dumps(list(tensor.shape)),
-        },
-    }
-    hbytes = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    return hbytes + b" " * (-len(hbytes) % 8)  # safetensors aligns the data to 8 bytes
+    code = _ST_CODE.get(dtype)
+    st_shape = shape if code else (nbytes,)
+    text = ('{"%s":{"dtype":"%s","shape":[%s],"data_offsets":[0,%d]},"__metadata__":{"format":"%s",'
+            '"identifier":%s,"model":%s,"dtype":"%s","shape":"[%s]"}}') % (
+        TENSOR_NAME, code or "U8", ",".join(map(str, st_shape)), nbytes, FORMAT,
+        _json_str(identifier), _json_str(model), _dtype_name(dtype), ", ".join(map(str, shape)))
+    hbytes = text.encode("ascii")
+    return hbytes + b" " * (-(8 + len(hbytes)) % DATA_ALIGN)
 
 
 def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
@@ -120,29 +136,56 @@ def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
 Blob = np.ndarray
 
 
-def encode(tensor: torch.Tensor, *, identifier: str, model: str, header: bytes | None = None) -> Blob:
+def encode(tensor: torch.Tensor, *, identifier: str, model: str, header: bytes | None = None,
+           pool: BufferPool | None = None) -> Blob:
     """Serialize a tensor into a safetensors blob with exactly one copy of its
     data: from any device and any strides straight into the blob. ``header``
     is ``header_bytes(tensor, identifier, model)`` if the caller has it.
+    See :func:`encode_view` for ``pool``."""
+    return encode_view(tensor, identifier=identifier, model=model, header=header, pool=pool)[0]
+
+
+def encode_view(tensor: torch.Tensor, *, identifier: str, model: str, header: bytes | None = None,
+                pool: BufferPool | None = None) -> tuple[Blob, torch.Tensor]:
+    """:func:`encode`, plus a CPU tensor viewing the blob's data (the copy of
+    ``tensor``; it keeps the blob's memory alive).
 
     The blob's memory comes from torch's allocator, not ``bytearray(n)``:
     that would zero-fill every page before the copy writes it again (a
     second pass over 100+ MB), and numpy's allocator asks for huge pages,
     which costs compaction stalls on machines with THP in ``madvise`` mode.
+    With ``pool`` it comes from that :class:`~ecstore.pool.BufferPool`:
+    memory already faulted in, which nothing else references (a slab returns
+    to the pool only when the blob, the view and every view of them are gone).
     """
     nbytes = tensor_nbytes(tensor)
     hbytes = header_bytes(tensor, identifier, model) if header is None else header
     off = 8 + len(hbytes)
-    blob = torch.empty(off + nbytes, dtype=torch.uint8).numpy()
+    on_gpu = tensor.device.type == "cuda"
+    if pool is None:
+        raw = torch.empty(off + nbytes, dtype=torch.uint8)
+    else:  # a GPU tensor is copied into page-locked memory: D2H at full bandwidth
+        raw = pool.empty((off + nbytes,), torch.uint8, pinned=on_gpu)
+    blob = raw.numpy()
     # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it has the
     # buffer protocol on 3.11 too.
     struct.pack_into("<Q", blob, 0, len(hbytes))  # type: ignore[arg-type]
     blob[8:off] = np.frombuffer(hbytes, dtype=np.uint8)
-    if nbytes:
+    data = raw[off:]
+    view = (data.view(tensor.dtype) if tensor.dtype != torch.uint8 else data).view(tensor.shape)
+    if nbytes and on_gpu and raw.is_pinned():
+        # An asynchronous D2H copy into the pinned blob, waited for on an event
+        # recorded after it on the tensor's stream (nothing else is waited
+        # for): the blob is complete before anyone else can see it.
+        view.copy_(tensor.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tensor.device))
+        done.synchronize()
+    elif nbytes:
         # torch's copy releases the GIL (numpy's does not): the background
         # writer encoding a 100 MB blob must not stall the model-runner thread.
-        blob_tensor(blob, off, tensor.dtype, tuple(tensor.shape)).copy_(tensor.detach())
-    return blob
+        view.copy_(tensor.detach())
+    return blob, view
 
 
 def blob_tensor(blob: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

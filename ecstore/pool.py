@@ -1,4 +1,5 @@
-"""Reused, already-faulted CPU memory for the tensors ecstore copies out.
+"""Reused, already-faulted CPU memory for the tensors ecstore copies out
+(LMDB-tier hits) and for the blobs it builds (saves).
 
 On the VMs ecstore is benchmarked on, the first write to freshly allocated
 memory costs ~3-6x a memcpy of the same bytes (one page fault per 4 KiB
@@ -17,13 +18,17 @@ slabs are kept while unused; the rest is freed.
 Slabs come in size classes of four per power of two (a tensor uses at most
 25 % less than its slab); requests under ``min_bytes`` use ``torch.empty``.
 Tensors from the pool are not resizable (``resize_`` to a larger size
-raises). Thread-safe; the finalizer may run on any thread. After ``fork``
+raises). :meth:`BufferPool.prefault_soon` faults a spare slab in on a
+background daemon thread, so that the next request of a size (the next
+save of an entry that size) does not pay the page faults on the caller's
+thread. Thread-safe; the finalizer may run on any thread. After ``fork``
 the child starts with an empty pool.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import weakref
 
@@ -60,30 +65,38 @@ class BufferPool:
 
     def _reset(self) -> None:
         self._lock = threading.RLock()  # a finalizer may run inside our own critical section (GC)
+        self._done = threading.Condition(self._lock)
         self._free: dict[int, list[np.ndarray]] = {}
+        self._pinned_free: dict[int, list[np.ndarray]] = {}  # page-locked slabs (CUDA staging)
         self._idle = 0
         self.reused = 0  # requests served from a kept slab
         self.fresh = 0  # requests that allocated a new slab
+        self.prefaulted = 0  # spare slabs faulted in by the background thread
+        self._wanted: set[int] = set()  # classes queued for prefault
+        self._jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     @property
     def idle_bytes(self) -> int:
         """Bytes of slabs kept unused right now."""
         return self._idle
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
         """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``
         that nothing else references (like ``torch.empty``), its memory reused
-        from the pool when a slab of its class is free."""
+        from the pool when a slab of its class is free. ``pinned``: page-locked
+        memory (``pin_memory=True``; needs CUDA), the staging buffer of
+        ``non_blocking`` copies to and from a GPU; kept in its own free lists."""
         n = 1
         for d in shape:
             n *= d
         nbytes = n * dtype.itemsize
         if nbytes < self.min_bytes:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, pin_memory=pinned)
         cls = size_class(nbytes)
         slab = None
         with self._lock:
-            free = self._free.get(cls)
+            free = (self._pinned_free if pinned else self._free).get(cls)
             if free:
                 slab = free.pop()
                 self._idle -= cls
@@ -91,30 +104,74 @@ class BufferPool:
             else:
                 self.fresh += 1
         if slab is None:
-            slab = torch.empty(cls, dtype=torch.uint8).numpy()
+            slab = torch.empty(cls, dtype=torch.uint8, pin_memory=pinned).numpy()
         view = slab[:nbytes]
-        fin = weakref.finalize(view, self._give_back, slab, os.getpid())
+        fin = weakref.finalize(view, self._give_back, slab, os.getpid(), pinned)
         fin.atexit = False
         raw = torch.frombuffer(view, dtype=torch.uint8)  # holds `view` until its storage is freed
         out = raw.view(dtype) if dtype != torch.uint8 else raw
         return out.view(shape)
 
-    def _give_back(self, slab: np.ndarray, pid: int) -> None:
+    def prefault_soon(self, nbytes: int) -> None:
+        """Have a background thread fault in one spare slab of ``nbytes``' class
+        unless one is already free or it would exceed the idle cap, so that
+        the next request of that size finds memory that is already faulted.
+        Returns at once; the faulting (one write per page, GIL released) runs
+        on the pool's daemon thread, off the caller's path."""
+        if nbytes < self.min_bytes:
+            return
+        cls = size_class(nbytes)
+        with self._lock:
+            if self._free.get(cls) or cls in self._wanted or self._idle + cls > self.idle_cap:
+                return
+            self._wanted.add(cls)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._prefault_loop, name="ecstore-pool", daemon=True)
+                self._thread.start()
+        self._jobs.put(cls)
+
+    def _prefault_loop(self) -> None:
+        while True:
+            cls = self._jobs.get()
+            try:
+                with self._lock:
+                    room = not self._free.get(cls) and self._idle + cls <= self.idle_cap
+                if room:
+                    t = torch.empty(cls, dtype=torch.uint8)
+                    t.fill_(0)  # faults every page in (torch releases the GIL)
+                    with self._lock:
+                        if self._idle + cls <= self.idle_cap:
+                            self._free.setdefault(cls, []).append(t.numpy())
+                            self._idle += cls
+                            self.prefaulted += 1
+            finally:
+                with self._lock:
+                    self._wanted.discard(cls)
+                    self._done.notify_all()
+
+    def wait_prefaulted(self, timeout_s: float | None = None) -> bool:
+        """Block until no prefault is queued or running; False on timeout."""
+        with self._done:
+            return self._done.wait_for(lambda: not self._wanted, timeout_s)
+
+    def _give_back(self, slab: np.ndarray, pid: int, pinned: bool = False) -> None:
         if pid != os.getpid():
             return  # a view inherited over fork: the child's pool does not own it
         cls = len(slab)
         with self._lock:
             if self._idle + cls <= self.idle_cap:
-                self._free.setdefault(cls, []).append(slab)
+                (self._pinned_free if pinned else self._free).setdefault(cls, []).append(slab)
                 self._idle += cls
 
     def clear(self) -> None:
         """Free every kept slab (tensors handed out are unaffected)."""
         with self._lock:
             self._free.clear()
+            self._pinned_free.clear()
             self._idle = 0
 
 
-#: The process's pool: LMDB-tier hits are copied into it (``codec.copy_out``).
+#: The process's pool: LMDB-tier hits are copied into it (``codec.copy_out``)
+#: and new blobs are built in it (``codec.encode``).
 POOL = BufferPool()
 os.register_at_fork(after_in_child=POOL._reset)

