@@ -256,7 +256,7 @@ def _assignment(draw: st.DrawFn) -> dict[str, dict[str, tuple[Any, Any]]]:
                 if level == "override" and draw(st.booleans()):
                     written = value
             else:
-                top = config_mod._NUMBER_MAX[key]  # the largest value the key accepts
+                top = config_mod.NUMBER_MAX[key]  # the largest value the key accepts
                 value = draw(st.one_of(st.integers(0, int(top)).map(float),
                                        st.floats(0, top, allow_nan=False, allow_infinity=False)))
                 written = value if level in ("file", "ec_file", "override") else repr(value)
@@ -670,7 +670,7 @@ def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
             raise PermissionError(13, "Permission denied", path)
         return real_open(name, *args, **kwargs)
 
-    monkeypatch.setattr(config_mod.os, "open", denied)
+    monkeypatch.setattr(os, "open", denied)
     msg = config_error(path=path, env={})
     assert path in msg and "cannot be read" in msg and "Permission denied" in msg
 
