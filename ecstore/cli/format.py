@@ -18,6 +18,7 @@ from .exitcodes import PROG
 
 
 def one_line(text: str) -> str:
+    """``text`` on one line (newlines and carriage returns become spaces)."""
     return " ".join(str(text).split("\n")).replace("\r", " ")
 
 
@@ -30,6 +31,7 @@ def printable(text: str) -> str:
 
 
 def escape_char(c: str) -> str:
+    """One character as an escape: ``\\xNN`` for a non-UTF-8 byte, else Python's escape."""
     if 0xDC80 <= ord(c) <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
         return f"\\x{ord(c) - 0xDC00:02x}"
     return c.encode("unicode_escape").decode("ascii")
@@ -43,6 +45,7 @@ def json_key(key: str) -> str:
 
 
 def is_utf8(key: str) -> bool:
+    """Is ``key`` valid UTF-8 (no surrogate-escaped bytes)?"""
     try:
         key.encode("utf-8")
         return True
@@ -59,24 +62,29 @@ def shell_arg(text: str) -> str:
 
 
 def err(message: str) -> None:
+    """``ecstore-dump: error: MESSAGE`` on stderr, one line."""
     sys.stderr.write(f"{PROG}: error: {one_line(message)}\n")
     sys.stderr.flush()
 
 
 def warn(message: str) -> None:
+    """``ecstore-dump: warning: MESSAGE`` on stderr, one line."""
     sys.stderr.write(f"{PROG}: warning: {one_line(message)}\n")
     sys.stderr.flush()
 
 
 def n_entries(n: int) -> str:
+    """``"1 entry"`` / ``"N entries"``."""
     return f"{n} entry" if n == 1 else f"{n} entries"
 
 
 def out(line: str = "") -> None:
+    """One line of results on stdout."""
     sys.stdout.write(line + "\n")
 
 
 def json_out(obj: Any) -> None:
+    """``obj`` as indented JSON on stdout."""
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
@@ -119,6 +127,7 @@ def iso(ns: int | None) -> str | None:
 
 
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: AbstractSet[int] = frozenset()) -> None:
+    """A left-aligned text table on stdout; columns in ``right`` are right-aligned."""
     rows = [list(r) for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
@@ -135,6 +144,7 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Ab
 
 
 def isatty(stream: Any) -> bool:
+    """Is ``stream`` a terminal (False for anything that cannot tell)?"""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):

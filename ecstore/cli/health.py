@@ -81,6 +81,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _identity_line(identity: dict[str, Any] | None, namespace: str | None) -> str:
+    """A namespace's encoder identity in one line for the stats table."""
     if namespace is None:
         return "written before encoder identities: never served"
     if not identity:

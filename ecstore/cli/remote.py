@@ -47,6 +47,7 @@ def run_remote(command: str, args: argparse.Namespace) -> int:
 
 
 def _cmd_list(backend: RedisBackend, args: argparse.Namespace) -> int:
+    """``list redis://...``."""
     from ..remote.inspect import iter_entries
 
     rows = [e for e in iter_entries(backend) if not args.model or e.model == args.model]
@@ -67,6 +68,7 @@ def _cmd_list(backend: RedisBackend, args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(backend: RedisBackend, args: argparse.Namespace) -> int:
+    """``stats redis://...``: per model/dtype and server memory."""
     from ..remote.inspect import iter_entries, server_info
 
     groups: dict[tuple[str, str], dict[str, Any]] = {}
@@ -96,6 +98,7 @@ def _cmd_stats(backend: RedisBackend, args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(backend: RedisBackend, args: argparse.Namespace) -> int:
+    """``verify redis://... [--delete-bad]``."""
     from ..remote.inspect import verify
 
     res = verify(backend, delete_bad=getattr(args, "delete_bad", False))

@@ -35,6 +35,7 @@ class Target:
     file_mode: int | None = None
 
     def cap_json(self, used: int) -> dict[str, Any]:
+        """The cap fields of JSON output for ``used`` bytes."""
         return {
             "cap_bytes": self.cap_bytes,
             "cap_source": self.cap_source,
@@ -42,6 +43,7 @@ class Target:
         }
 
     def cap_text(self, used: int) -> str:
+        """The cap and fill for ``used`` bytes, as one phrase."""
         if not self.cap_bytes:
             return "cap unknown (max_local_disk_size not configured for this store)"
         return (f"cap {human_size(self.cap_bytes)} (from {self.cap_source}), "
@@ -55,6 +57,7 @@ def output_mode(target: Target) -> int:
 
 
 def load_effective_config(path: str | None, *, show_warnings: bool) -> ECStoreConfig:
+    """The effective config (:func:`ecstore.config.load_config`); its warnings go to stderr when ``show_warnings``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = load_config(path)
@@ -65,6 +68,7 @@ def load_effective_config(path: str | None, *, show_warnings: bool) -> ECStoreCo
 
 
 def _same_dir(a: str, b: str) -> bool:
+    """Do ``a`` and ``b`` name the same directory?"""
     try:
         return os.path.samefile(a, b)
     except OSError:
@@ -109,6 +113,7 @@ def open_readonly(target: Target) -> Iterator[LMDBTier]:
 
 
 def need_entries(tier: LMDBTier, target: Target, text: str, model: str | None) -> tuple[list[Row], str]:
+    """Entries named by ``text`` (key or mm identifier); :class:`CLIError` when there are none."""
     rows, how = find_entries(tier, text, model)
     if not rows:
         extra = f" for model {model!r}" if model else ""

@@ -111,6 +111,8 @@ def too_big(name: str, number: float) -> str | None:
 
 
 def check_size(name: str, value: Any, source: str) -> float:
+    """``value`` of the numeric field ``name`` as a float within its limit
+    (:data:`NUMBER_MAX`); :class:`ConfigError` naming ``source`` otherwise."""
     kind = NUMBER_KINDS.get(name, "a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} (from {source}): expected {kind} (a number >= 0), got {short_repr(value)}")

@@ -82,6 +82,7 @@ def parse_file_mode(value: Any) -> int:
 
 
 def parse_local_disk(value: Any, source: str) -> str | None:
+    """A single directory (see :func:`normalize_local_disk`); LMCache's comma-separated list is refused."""
     if value is None:
         return None
     if isinstance(value, os.PathLike):
@@ -97,6 +98,7 @@ def parse_local_disk(value: Any, source: str) -> str | None:
 
 
 def parse_remote_url_setting(value: Any, source: str) -> str | None:
+    """A remote URL (checked, never echoed unmasked), or None when empty."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if not isinstance(value, str):
@@ -106,6 +108,7 @@ def parse_remote_url_setting(value: Any, source: str) -> str | None:
 
 
 def parse_secret(value: Any, source: str) -> str | None:
+    """A password as a string, or None."""
     if value is None:
         return None
     if not isinstance(value, (str, int)) or isinstance(value, bool):

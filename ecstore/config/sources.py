@@ -53,6 +53,7 @@ _SHARED_LEVELS = frozenset({"file", "env"})
 
 
 def _parse(key: str, setting: _Setting) -> Any:
+    """The typed value of one raw setting; :class:`ConfigError` naming where it came from."""
     spec = KEYS[key]
     try:
         return spec.parse(setting.value, setting.source)
@@ -67,6 +68,7 @@ def _parse(key: str, setting: _Setting) -> Any:
 
 
 def _put(layer: dict[str, _Setting], key: str, setting: _Setting) -> None:
+    """Add ``setting`` to one level; a key set twice within a level is an error."""
     previous = layer.get(key)
     if previous is not None:
         raise ConfigError(
@@ -77,6 +79,7 @@ def _put(layer: dict[str, _Setting], key: str, setting: _Setting) -> None:
 
 
 def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]) -> None:
+    """The YAML file's ecstore keys into the ``file`` and ``ec_file`` levels."""
     for key, value, line, nested in read_yaml(path, origin):
         src = f"{path}:{line}"
         if key == EC_SECTION:
@@ -120,6 +123,7 @@ def _unquote(text: str) -> str:
 
 
 def _collect_env(env: Mapping[str, str], layers: dict[str, dict[str, _Setting]]) -> None:
+    """``LMCACHE_<KEY>`` and ``LMCACHE_EC_<KEY>`` variables into the ``env`` and ``ec_env`` levels."""
     for var in sorted(env):
         if var.startswith(EC_ENV_PREFIX):
             name = var[len(EC_ENV_PREFIX):].lower()
@@ -138,6 +142,7 @@ def _collect_env(env: Mapping[str, str], layers: dict[str, dict[str, _Setting]])
 
 
 def _collect_overrides(overrides: Mapping[Any, Any], layers: dict[str, dict[str, _Setting]]) -> None:
+    """Programmatic overrides into the ``override`` level (bare key names only)."""
     for key, value in overrides.items():
         if key == CONFIG_FILE_KEY:
             continue
