@@ -33,7 +33,7 @@ Behaviour
   mm identifier. An identifier selects every entry whose stored identifier
   equals it (several models/dtypes may hold one): ``show`` shows them all,
   ``export`` needs exactly one (narrow with ``--model`` or pass the key).
-* purge deletes through a writable :class:`~ecstore.lmdb_tier.LMDBTier`, one
+* purge deletes through a writable :class:`~ecstore.lmdb.tier.LMDBTier`, one
   short write transaction per entry (accounting stays exact and a running
   vLLM is never blocked for long); entries under a live lease are skipped.
 * compact needs exclusive use of the store: see :mod:`ecstore.maintenance.compact`.
@@ -72,7 +72,7 @@ from .config import ECStoreConfig, load_config, normalize_local_disk
 from .errors import ConfigError, ECStoreError
 from .files import PRIVATE_FILE_MODE, write_private_file
 from .key import parse_key
-from .lmdb_tier import LMDBTier
+from .lmdb import LMDBTier
 from .maintenance import Row, entry_problem, find_entries, key_bytes, read_entry, scan
 
 PROG = "ecstore-dump"
