@@ -84,3 +84,21 @@ def redis_server(tmp_path: Path):
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def engines():
+    """``make(vllm_config) -> Engine``: vLLM's real Scheduler plus the worker
+    connector (tests/helpers/scheduler_engine.py); every engine made is closed
+    at teardown."""
+    from helpers.scheduler_engine import Engine
+
+    made: list[Engine] = []
+
+    def make(cfg) -> Engine:
+        made.append(Engine(cfg))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.close()

@@ -17,88 +17,20 @@ import pytest
 import torch
 
 from helpers import vllm_objects as vo
+from helpers.scheduler_engine import SHAPE, encoder_output
 
 from ecstore import ECStore
 from ecstore.connector import ECStoreConnector
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.engine import FinishReason
 
 pytestmark = pytest.mark.vllm
 
 A, B, C, D = (f"{c}" * 64 for c in "abcd")  # shaped like vLLM content hashes (64 hex digits)
-SHAPE = (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)
-
-
-def encoder_output(identifier: str) -> torch.Tensor:
-    """Deterministic 'encoder output' per identifier (the test's encoder)."""
-    g = torch.Generator().manual_seed(sum(map(ord, identifier)))
-    return torch.randn(*SHAPE, generator=g, dtype=torch.float32)
-
-
-class Engine:
-    """vLLM's Scheduler plus the worker connector, stepped by hand."""
-
-    def __init__(self, cfg):
-        self.scheduler = vo.make_scheduler(cfg)
-        self.worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
-        self.connector = self.scheduler.ec_connector
-        assert isinstance(self.connector, ECStoreConnector)
-        self.encoder_cache: dict[str, torch.Tensor] = {}  # the model runner's
-        self.finished: dict[str, FinishReason] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.ec_stats: list[dict] = []
-
-    def step(self):
-        out = self.scheduler.schedule()
-        ec_out = vo.run_worker_step(self.worker, out, self.encoder_cache, encoder_output)
-        eco = self.scheduler.update_from_output(out, vo.runner_output(out, ec_out))
-        for outputs in eco.values():
-            for o in outputs.outputs:
-                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.finished[o.request_id] = o.finish_reason
-            stats = outputs.scheduler_stats
-            if stats is not None and stats.ec_connector_stats:
-                self.ec_stats.append(dict(stats.ec_connector_stats))
-        return out
-
-    def run(self, max_steps: int = 50) -> list:
-        outs = []
-        while self.scheduler.has_requests():
-            assert len(outs) < max_steps, "requests never finished"
-            outs.append(self.step())
-        return outs
-
-    def totals(self) -> dict[str, float]:
-        tot: dict[str, float] = {}
-        for d in self.ec_stats:
-            for k, v in d.items():
-                tot[k] = tot.get(k, 0) + v
-        return tot
-
-    def close(self) -> None:
-        self.scheduler.shutdown()
-        self.worker.shutdown()
 
 
 @pytest.fixture(autouse=True)
 def _no_outside_config(no_lmcache_env):
     """Only the test's ec_connector_extra_config configures the connector."""
-
-
-@pytest.fixture
-def engines():
-    made: list[Engine] = []
-
-    def make(cfg) -> Engine:
-        eng = Engine(cfg)
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        eng.close()
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ecstore.testing.procs import group_members
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "tools" / "demo.py"
 
@@ -34,18 +36,7 @@ def _ecstore_dump(*args: str) -> subprocess.CompletedProcess:
 
 
 def _group_gone(pgid: int) -> bool:
-    """No live (non-zombie) process left in process group ``pgid``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return False
-    return True
+    return not group_members(pgid)
 
 
 @pytest.fixture(scope="module")

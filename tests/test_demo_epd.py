@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ecstore import ECStore, ECStoreConfig
+from ecstore.testing.procs import group_members
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "tools" / "demo_epd.py"
@@ -29,17 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _group_gone(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return False
-    return True
+    return not group_members(pgid)
 
 
 def test_demo_epd_smallest(tmp_path: Path, no_lmcache_env):

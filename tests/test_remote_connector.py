@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import vllm_objects as vo
-from test_connector_scheduler import SHAPE, Engine, encoder_output
+from helpers.scheduler_engine import SHAPE, encoder_output
 from vllm.v1.engine import FinishReason
 
 from ecstore.connector import LoadSpec
@@ -27,19 +27,6 @@ A, B = "a" * 64, "b" * 64  # shaped like vLLM content hashes (sha256 hex)
 @pytest.fixture(autouse=True)
 def _no_outside_config(no_lmcache_env):
     """Only the test's ec_connector_extra_config configures the connector."""
-
-
-@pytest.fixture
-def engines():
-    made: list[Engine] = []
-
-    def make(cfg) -> Engine:
-        made.append(Engine(cfg))
-        return made[-1]
-
-    yield make
-    for eng in made:
-        eng.close()
 
 
 def node(tmp_path: Path, name: str, url: str) -> dict:

@@ -1,4 +1,4 @@
-"""Process and HTTP helpers for ``tools/demo.py`` (stdlib only).
+"""Process and HTTP helpers for ``tools/demo.py`` (stdlib and ecstore.testing).
 
 * :class:`Server` starts ``python -m vllm.entrypoints.openai.api_server`` in its
   own session (process group), with stdout/stderr going to a log file, waits for
@@ -29,6 +29,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from ecstore.testing.procs import group_members
 
 __all__ = [
     "LIVE",
@@ -152,28 +154,7 @@ class Server:
         """Live (non-zombie) processes of the server's process group."""
         if self.pgid is None:
             return []
-        proc_dir = Path("/proc")
-        if not proc_dir.is_dir():  # not Linux: ask the kernel about the group
-            try:
-                os.killpg(self.pgid, 0)
-                return [self.pgid]
-            except ProcessLookupError:
-                return []
-            except PermissionError:
-                return [self.pgid]
-        members = []
-        for entry in proc_dir.iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # "pid (comm) state ppid pgrp ...": comm may hold spaces/parens
-            fields = stat[stat.rfind(")") + 2:].split()
-            if len(fields) > 2 and int(fields[2]) == self.pgid and fields[0] not in ("Z", "X"):
-                members.append(int(entry.name))
-        return members
+        return group_members(self.pgid)
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM the process group, wait up to ``grace`` s, then SIGKILL what is left."""

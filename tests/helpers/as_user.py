@@ -33,7 +33,8 @@ def _import_everything_lazy() -> None:
     import ecstore
     import lmdb
 
-    for pkg, skip in ((ecstore, ("ecstore.connector", "ecstore.testing")), (lmdb, ("lmdb.tool", "lmdb.__main__", "lmdb.cffi"))):
+    skips = {ecstore: ("ecstore.connector", "ecstore.testing"), lmdb: ("lmdb.tool", "lmdb.__main__", "lmdb.cffi")}
+    for pkg, skip in skips.items():
         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             if info.name.startswith(skip):
                 continue
