@@ -41,7 +41,7 @@ from .config import ECStoreConfig
 from .errors import ECStoreError, InvalidEntryError, StoreFullError, check_same_process
 from .identity import EncoderIdentity, library_identity, qualify
 from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
-from .lmdb_tier import LMDBTier
+from .lmdb import LMDBTier
 from .memory import MemoryTier
 from .writer import PendingPut, Writer
 

@@ -33,7 +33,7 @@ Behaviour
   mm identifier. An identifier selects every entry whose stored identifier
   equals it (several models/dtypes may hold one): ``show`` shows them all,
   ``export`` needs exactly one (narrow with ``--model`` or pass the key).
-* purge deletes through a writable :class:`~ecstore.lmdb_tier.LMDBTier`, one
+* purge deletes through a writable :class:`~ecstore.lmdb.tier.LMDBTier`, one
   short write transaction per entry (accounting stays exact and a running
   vLLM is never blocked for long); entries under a live lease are skipped.
 * compact needs exclusive use of the store: see :mod:`ecstore.maintenance.compact`.

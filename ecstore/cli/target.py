@@ -17,7 +17,7 @@ from .. import maintenance
 from ..config import ECStoreConfig, load_config, normalize_local_disk
 from ..errors import ConfigError
 from ..files import PRIVATE_FILE_MODE
-from ..lmdb_tier import LMDBTier
+from ..lmdb import LMDBTier
 from ..maintenance import Row, find_entries
 from .exitcodes import CLIError
 from .format import human_size, printable, warn

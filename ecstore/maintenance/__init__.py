@@ -1,7 +1,7 @@
 """Store maintenance as a library: the work behind ``ecstore-dump``.
 
 Everything here works on a real store directory through
-:class:`~ecstore.lmdb_tier.LMDBTier`'s own methods and returns typed records
+:class:`~ecstore.lmdb.tier.LMDBTier`'s own methods and returns typed records
 (dataclasses); the CLI (:mod:`ecstore.cli`) only parses arguments, formats
 these records as tables or JSON and picks exit codes.
 

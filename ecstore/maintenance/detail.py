@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import codec
 from ..codec import CorruptBlobError
-from ..lmdb_tier import LMDBTier
+from ..lmdb import LMDBTier
 from .entries import Row, entry_problem, read_entry
 
 

@@ -1,0 +1,250 @@
+"""A full LMDB map under concurrent writers (write_batch's MAP_FULL retries).
+
+When a write finds the map full, LMDBTier evicts and retries. The defect:
+with other writers active, a write gave up with StoreFullError ("map ... is
+full and nothing more can be evicted") after three rounds in which it found
+nothing to evict -- although in each round *other* writers had committed:
+their evictions had already removed what this writer would have evicted,
+and their puts consumed the pages those evictions freed. The store was
+healthy; every write of every other process succeeded.
+
+The interleaving is driven deterministically: a second handle on the same
+store (a real LMDB writer; LMDB serialises it with the first exactly as it
+serialises processes) commits between the first handle's attempts, through
+hooks on the first handle's retry steps. No timing is involved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import contextlib
+from typing import Iterator
+
+import pytest
+
+from ecstore import StoreFullError, StoreOpenError
+from ecstore.key import make_key
+from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.testing import faults as fc
+from helpers.tensors import assert_same
+
+MiB = 1 << 20
+KiB = 1 << 10
+#: A map of 4 MiB under a cap of 64 MiB: only the map limits what fits.
+MAP = 4 * MiB
+CAP = 64 * MiB
+#: Each blob is ~2.5 MiB: one fits in the map, two never do.
+ROWS = 2560
+
+
+def key(idx: int) -> str:
+    return make_key(fc.MODEL, f"{idx:016x}", "bfloat16")
+
+
+def name(idx: int) -> str:
+    return f"{0:032x}/img-{idx}"
+
+
+def _put(tier: LMDBTier, idx: int, rows: int = ROWS) -> PutRequest:
+    """Put entry ``idx`` (``rows`` KiB: by default a ~2.5 MiB blob) through
+    ``tier.write_batch``."""
+    req = PutRequest(key(idx), name(idx), fc.MODEL, fc.entry_tensor(idx, rows))
+    tier.write_batch([req])
+    return req
+
+
+def _exhaust_the_map(tier: LMDBTier) -> int:
+    """Commit namespace descriptions of halving sizes (1 MiB down to 1 byte)
+    until not one more page can be allocated; returns how many. With a reader
+    pinning the pages freed meanwhile, no write transaction can then commit
+    anything (not even a delete: copy-on-write needs a fresh page)."""
+    n, size = 0, MiB
+    while size >= 1:
+        try:
+            tier.register_namespace(f"pad{n}", bytes(size))
+            n += 1
+        except StoreOpenError as e:
+            assert "MDB_MAP_FULL" in str(e), e
+            size //= 2
+    return n
+
+
+def test_write_keeps_retrying_while_other_writers_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Six rounds in a row, handle A's put finds the map full (B's entry
+    fills it) and nothing to evict (B removed its entry just before A's
+    eviction, as another process's eviction would), and B then puts a new
+    entry into the pages that removal freed. A must keep retrying while B
+    commits, and store its entry once B stops: before the fix it raised
+    StoreFullError after the fourth such round."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    rounds = 6
+    seen = {"attempts": 0, "emptied": 0}
+    b_keys: list[str] = []
+
+    def b_puts() -> None:  # B's writer: a new entry (it reuses the pages B's removal freed)
+        idx = 100 + len(b_keys)
+        assert _put(b, idx).result == "stored"
+        b_keys.append(key(idx))
+
+    real_write_once, real_evict_to = a._write_once, a._evict_to
+
+    def write_once(todo, touches):  # A's attempt, after B committed a put
+        seen["attempts"] += 1
+        if seen["attempts"] <= rounds:
+            b_puts()
+        return real_write_once(todo, touches)
+
+    def evict_to(target, extra=0):  # A's eviction, after another writer emptied the store
+        if seen["emptied"] < rounds and b_keys and b.identifier_at(b_keys[-1]) is not None:
+            assert b.delete(b_keys[-1])
+            seen["emptied"] += 1
+        return real_evict_to(target, extra)
+
+    monkeypatch.setattr(a, "_write_once", write_once)
+    monkeypatch.setattr(a, "_evict_to", evict_to)
+    try:
+        req = _put(a, 1)
+        assert req.result == "stored", req.error
+        assert seen["emptied"] == rounds and seen["attempts"] > rounds  # the interleaving happened
+        assert_same(a.get(key(1), name(1)), fc.entry_tensor(1, ROWS))
+        assert a.total_bytes() == len(req.encoded)
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_live_data_filling_the_map_still_fails_clearly(tmp_path: Path):
+    """The other side of the same rule: with the map full of pinned (leased)
+    live data and no other writer committing, a put that cannot fit fails
+    with StoreFullError, without waiting for the patience deadline, and
+    loses nothing."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    try:
+        assert _put(a, 7).result == "stored"
+        a.lease([key(7)], ttl_s=3600)
+        with pytest.raises(StoreFullError, match="full and nothing more can be evicted"):
+            _put(a, 8)
+        assert a.identifier_at(key(8)) is None
+        assert_same(a.get(key(7), name(7)), fc.entry_tensor(7, ROWS))
+        a.release([key(7)])
+        req = _put(a, 8)  # evicts the no longer pinned entry
+        assert req.result == "stored", req.error
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()
+
+
+@contextlib.contextmanager
+def _exhausted_by_a_reader(b: LMDBTier, big: int) -> Iterator[contextlib.ExitStack]:
+    """A reader of the snapshot holding B's entry ``big``; B deletes that
+    entry (its pages: freed, but pinned by the reader) and exhausts the rest
+    of the map. Yields the stack holding the reader: ``close()`` ends it,
+    after which the next commits reuse the pages."""
+    with contextlib.ExitStack() as reader:
+        reader.enter_context(b.snapshot())
+        assert b.delete(key(big))
+        assert _exhaust_the_map(b) > 0
+        yield reader
+
+
+def test_delete_while_a_reader_pins_the_free_pages_waits_for_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch):
+    """A delete needs fresh pages too (copy-on-write). With the map exhausted
+    while a reader pins the pages freed by other writers, it used to fail
+    with StoreOpenError ("the store may be damaged"); now it waits for the
+    reader (ended here at the first commit of the retry) and deletes."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    try:
+        assert _put(b, 100).result == "stored"
+        assert _put(b, 101, rows=4).result == "stored"
+        with _exhausted_by_a_reader(b, 100) as reader:
+            real_commit_nothing = a._commit_nothing
+
+            def commit_nothing() -> None:
+                real_commit_nothing()
+                reader.close()  # the reader's call ends
+
+            monkeypatch.setattr(a, "_commit_nothing", commit_nothing)
+            assert a.delete(key(101))
+        assert a.identifier_at(key(101)) is None and a.total_bytes() == 0
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_open_with_a_smaller_cap_while_the_map_is_exhausted_opens(tmp_path: Path):
+    """Opening a handle with a smaller cap evicts down to it (best effort).
+    When that eviction's own transaction met MDB_MAP_FULL (a reader pinning
+    the free pages), the open failed with StoreOpenError; now it logs, the
+    handle opens, and its next put evicts down to the cap."""
+    path = str(tmp_path / "s")
+    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    small_cap = 6 * KiB
+    try:
+        assert _put(b, 100).result == "stored"
+        assert _put(b, 101, rows=8).result == "stored"  # ~8 KiB: over the small cap
+        with _exhausted_by_a_reader(b, 100):
+            small = LMDBTier(path, small_cap)
+        try:
+            assert small.total_bytes() > small_cap  # could not evict at open
+            req = _put(small, 102, rows=4)  # ~4 KiB: evicts 101 to fit
+            assert req.result == "stored", req.error
+            assert small.identifier_at(key(101)) is None
+            assert small.total_bytes() <= small_cap
+            fc.audit(path, small_cap, tier=small).check()
+        finally:
+            small.close()
+    finally:
+        b.close()
+
+
+def test_eviction_that_finds_the_map_exhausted_waits_instead_of_failing(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """Handle A's put finds the map full; before A evicts, another writer B
+    deletes its large entry while a reader of an older snapshot still pins
+    those pages, and fills the rest of the map: A's eviction transaction
+    itself then fails with MDB_MAP_FULL (no page for its copy-on-write).
+    The reader ends right after. Before the fix, that MapFullError (not even
+    an ECStoreError) escaped write_batch and the put failed; now the round
+    counts as one without progress, the retry reuses the pages the reader
+    released, and the put is stored."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    reader = contextlib.ExitStack()
+    seen = {"evict_map_full": 0, "pads": 0}
+    try:
+        assert _put(b, 100).result == "stored"  # X: ~2.5 MiB, A's entry cannot fit beside it
+        assert _put(b, 101, rows=4).result == "stored"  # Z: small, evictable
+        real_evict_to = a._evict_to
+
+        def evict_to(target, extra=0):
+            if seen["pads"] == 0:  # X's pages: freed, but pinned by the reader
+                seen["pads"] = 1
+                reader.enter_context(_exhausted_by_a_reader(b, 100))
+            try:
+                return real_evict_to(target, extra)
+            except Exception as e:
+                seen["evict_map_full"] += "MDB_MAP_FULL" in str(e)
+                raise
+            finally:
+                reader.close()  # the reader's call ends
+
+        monkeypatch.setattr(a, "_evict_to", evict_to)
+        req = _put(a, 1, rows=ROWS - 160)  # a little smaller than X: fits in X's pages
+        assert req.result == "stored", req.error
+        assert seen["evict_map_full"] == 1 and seen["pads"] > 0  # the interleaving happened
+        assert_same(a.get(key(1), name(1)), fc.entry_tensor(1, ROWS - 160))
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        reader.close()
+        a.close()
+        b.close()
