@@ -40,7 +40,7 @@ from .config import ECStoreConfig
 from .errors import ECStoreError, StoreFullError, check_same_process
 from .identity import EncoderIdentity, library_identity, qualify
 from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
-from .lmdb_tier import LMDBTier
+from .lmdb import LMDBTier
 from .memory import MemoryTier
 from .put_path import PutPath
 from .read_path import ReadPath

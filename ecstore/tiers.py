@@ -7,8 +7,8 @@ stored name they expect: a key that holds another name (another identity, or
 a 64-bit hash collision) is a miss, never the other entry's tensor.
 
 Implementations: :class:`ecstore.memory.MemoryTier` (per process, by
-reference), :class:`ecstore.lmdb_tier.LMDBTier` (one file shared by every
-process; writes go through :meth:`~ecstore.lmdb_tier.LMDBTier.write_batch`).
+reference), :class:`ecstore.lmdb.tier.LMDBTier` (one file shared by every
+process; writes go through :meth:`~ecstore.lmdb.tier.LMDBTier.write_batch`).
 The contract tests in :mod:`ecstore.testing.tier_contract` run against both;
 how an entry gets *into* a tier differs (a hook of the test class).
 """

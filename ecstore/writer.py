@@ -24,7 +24,7 @@ import torch
 
 from . import codec
 from .errors import ECStoreError, StoreFullError
-from .lmdb_tier import LMDBTier, PutRequest
+from .lmdb import LMDBTier, PutRequest
 
 log = logging.getLogger("ecstore")
 

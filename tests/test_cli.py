@@ -32,7 +32,8 @@ from safetensors import safe_open
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore import cli, maintenance
-from ecstore.lmdb_tier import LMDBTier, _SharedEnv
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.env import _SharedEnv
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ecstore import ECStore, ECStoreConfig, codec, cli
-from ecstore.lmdb_tier import _SharedEnv
+from ecstore.lmdb.env import _SharedEnv
 
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"
 DUMP = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ecstore.cli"]

@@ -256,7 +256,7 @@ def _assignment(draw: st.DrawFn) -> dict[str, dict[str, tuple[Any, Any]]]:
                 if level == "override" and draw(st.booleans()):
                     written = value
             else:
-                top = config_mod._NUMBER_MAX[key]  # the largest value the key accepts
+                top = config_mod.NUMBER_MAX[key]  # the largest value the key accepts
                 value = draw(st.one_of(st.integers(0, int(top)).map(float),
                                        st.floats(0, top, allow_nan=False, allow_infinity=False)))
                 written = value if level in ("file", "ec_file", "override") else repr(value)
@@ -670,7 +670,7 @@ def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
             raise PermissionError(13, "Permission denied", path)
         return real_open(name, *args, **kwargs)
 
-    monkeypatch.setattr(config_mod.os, "open", denied)
+    monkeypatch.setattr(os, "open", denied)
     msg = config_error(path=path, env={})
     assert path in msg and "cannot be read" in msg and "Permission denied" in msg
 
@@ -777,3 +777,20 @@ def test_relative_config_file_path_is_reported_absolute(tmp_path: Path, monkeypa
 def test_bad_config_file_override_type() -> None:
     msg = config_error(env={}, overrides={"config_file": 42})
     assert "config file" in msg and "override config_file" in msg and "42" in msg
+
+
+def test_settings_table_is_the_dataclass_and_its_limits() -> None:
+    rows = config_mod.settings_table()
+    assert [r.name for r in rows] == FIELDS == list(config_mod.KEYS)
+    default = ECStoreConfig()
+    for r in rows:
+        assert r.default == getattr(default, r.name), r.name
+        assert r.maximum == config_mod.NUMBER_MAX.get(r.name), r.name
+        assert r.type and r.unit and r.expected and r.doc
+    top = {r.name: r.maximum for r in rows}
+    assert top["max_local_disk_size"] == config_mod.MAX_SIZE_GIB
+    assert top["lease_seconds"] == config_mod.MAX_LEASE_SECONDS
+    assert top["local_disk"] is None
+    # The documented keys are the table's keys.
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert all(f"`{r.name}`" in doc for r in rows)

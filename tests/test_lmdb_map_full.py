@@ -25,7 +25,7 @@ import pytest
 
 from ecstore import StoreFullError, StoreOpenError
 from ecstore.key import make_key
-from ecstore.lmdb_tier import LMDBTier, PutRequest
+from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
 from helpers.tensors import assert_same
 

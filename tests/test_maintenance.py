@@ -95,3 +95,23 @@ def test_compact_refuses_an_open_store_then_shrinks_it(tmp_path: Path) -> None:
     assert isinstance(res, maintenance.CompactResult) and res.entries == 10 and res.after < res.before
     with ECStore(cfg(store), model="org/m", dtype=torch.float32) as s:
         assert torch.equal(s.get("img-35"), tensor_for(35)) and s.get("img-0") is None
+
+
+def test_entry_detail_reads_record_header_and_check(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    keys = fill(store, "org/m", 2)
+    flip_data_byte(store, keys[1])
+    with maintenance.open_readonly(str(store)) as tier:
+        rows, how = maintenance.find_entries(tier, "img-0")
+        good = maintenance.entry_detail(tier, rows[0])
+        bad = maintenance.entry_detail(tier, maintenance.find_entries(tier, keys[1])[0][0])
+        gone = maintenance.entry_detail(tier, maintenance.Row("org/m@1@0@0000000000000000@float32", None))
+    assert how == "identifier" and isinstance(good, maintenance.EntryDetail)
+    assert good.present and good.problem is None and good.header_error is None
+    assert good.row.key == keys[0] and good.row.rec is not None and good.row.rec.mm_identifier == "img-0"
+    assert good.header is not None and good.header["ec"]["shape"] == [16, 16]
+    assert good.data_offset == good.header_bytes + 8 and good.blob_bytes == good.row.rec.blob_size
+    # A flipped tensor byte: the header still parses, the check (the one get runs) fails.
+    assert bad.present and bad.problem is not None and bad.problem.startswith("checksum mismatch")
+    assert bad.header is not None
+    assert not gone.present and gone.problem is None and gone.header is None

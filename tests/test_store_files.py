@@ -26,7 +26,8 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import ECStoreError
-from ecstore.lmdb_tier import LMDBTier, _SharedEnv
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.env import _SharedEnv
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 MODEL = "org/files"
@@ -213,7 +214,7 @@ def test_readonly_tools_work_without_write_access(shared_store: Path) -> None:
 
 
 def test_leases_never_released_are_pruned_without_eviction(tmp_path: Path) -> None:
-    from ecstore.lmdb_tier import LEASE_PRUNE_MIN
+    from ecstore.lmdb.leases import LEASE_PRUNE_MIN
 
     store = tmp_path / "store"
     make_store(store, n=1)

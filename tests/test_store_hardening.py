@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from ecstore import StoreFullError, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.key import dtype_name
-from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier, _SharedEnv
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.env import _SharedEnv
+from ecstore.lmdb.txn import _SEQ, _U64
 from ecstore.testing import faults as fc
 from helpers import hostile
 from helpers.fault_workers import open_store

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ecstore.lmdb_tier import LMDBTier, PutRequest
+from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.memory import MemoryTier
 from ecstore.testing.faults import corrupt_entry
 from ecstore.testing.tier_contract import DamageTests, TierTests

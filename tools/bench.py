@@ -637,7 +637,7 @@ def sec_write(b: Bench) -> None:
 
 def build_small_store(b: Bench, st, start: int, stop: int, prefix: str) -> float:
     """Write entries [start, stop) straight through ``store.disk.write_batch``."""
-    from ecstore.lmdb_tier import PutRequest
+    from ecstore.lmdb import PutRequest
 
     t = torch.randn(1, 16, dtype=torch.float32).to(DTYPE)
     batch = 20_000

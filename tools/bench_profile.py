@@ -191,7 +191,7 @@ def cmd_get(args) -> None:
 
 
 def cmd_touch(args) -> None:
-    import ecstore.lmdb_tier as lt
+    import ecstore.lmdb.tier as lt
 
     print("# every hit queues an LRU touch; the writer commits touches in their own fdatasync'd "
           "LMDB transaction: 500 back-to-back gets of one 1 MB entry")
@@ -236,9 +236,9 @@ def cmd_touch(args) -> None:
 
 
 def cmd_writer(args) -> None:
-    import ecstore.lmdb_tier as lt
+    import ecstore.lmdb.tier as lt
     from ecstore import codec
-    from ecstore.lmdb_tier import PutRequest
+    from ecstore.lmdb import PutRequest
 
     print("# background writer, put(copy=False) x N + flush: time per stage (instrumented in-process)")
     acc: dict[str, float] = defaultdict(float)

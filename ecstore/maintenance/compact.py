@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import lmdb
 
 from ..errors import ECStoreError, StoreOpenError
-from ..lmdb_tier import LMDBTier, _SharedEnv
+from ..lmdb import LMDBTier
+from ..lmdb.env import _SharedEnv
 from .entries import open_readonly
 from .inspect import page_stats
 from .progress import ProgressFactory

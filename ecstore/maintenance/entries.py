@@ -4,7 +4,7 @@ Read-only: nothing here takes the write lock or changes LRU order or hit
 counts, so all of it is safe while vLLM writes to the same store. Records are
 read in batches of short read transactions (:data:`SCAN_BATCH`); each blob is
 read in its own transaction. Not thread-safe per tier handle beyond what
-:class:`~ecstore.lmdb_tier.LMDBTier` guarantees.
+:class:`~ecstore.lmdb.tier.LMDBTier` guarantees.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .. import codec
 from ..codec import CorruptBlobError, Record
 from ..errors import ECStoreError, StoreOpenError
 from ..key import parse_key
-from ..lmdb_tier import LMDBTier
+from ..lmdb import LMDBTier
 from .progress import Ticker
 
 #: Records read per read transaction while scanning (short transactions).

@@ -16,7 +16,7 @@ import lmdb
 
 from .. import codec, namespaces
 from ..codec import CorruptBlobError, Record
-from ..lmdb_tier import LMDBTier
+from ..lmdb import LMDBTier
 from .entries import Row, entry_problem, key_bytes, scan
 from .progress import NO_PROGRESS, ProgressFactory
 

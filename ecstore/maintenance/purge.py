@@ -1,5 +1,5 @@
 """Removing entries: select what matches, then remove it through a writable
-:class:`~ecstore.lmdb_tier.LMDBTier`, one short write transaction per entry.
+:class:`~ecstore.lmdb.tier.LMDBTier`, one short write transaction per entry.
 
 Accounting stays exact (the tier's own ``remove``), a running vLLM is never
 blocked for long, and entries under a live lease are skipped, not removed.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import namespaces
-from ..lmdb_tier import LMDBTier
+from ..lmdb import LMDBTier
 from .entries import Row, key_bytes, scan
 from .progress import NO_PROGRESS, ProgressFactory
 

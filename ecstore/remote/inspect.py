@@ -1,6 +1,7 @@
-"""Operator view of a remote tier: ``ecstore-dump list|stats|verify redis://...``.
+"""Operator view of a remote tier: the library behind ``ecstore-dump list|stats|verify redis://...``.
 
-Library functions (no argparse) plus the three commands' formatting. Reads
+Library functions only (no argparse, no printing: :mod:`ecstore.cli.remote`
+formats their results). Reads
 never change anything; ``verify --delete-bad`` is the one write (it removes
 values that fail verification, only if unchanged since they were read).
 
@@ -10,11 +11,9 @@ never printed (URLs are shown masked).
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from .. import codec
@@ -115,6 +114,8 @@ def server_info(backend: RedisBackend) -> dict[str, Any]:
 
 @dataclass
 class VerifyResult:
+    """What :func:`verify` found: values checked, bad ones (key, error), deleted, vanished meanwhile."""
+
     checked: int = 0
     bad: list[dict[str, str]] | None = None
     deleted: int = 0
@@ -140,80 +141,3 @@ def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
             if delete_bad and backend.delete_if_unchanged(key, value):
                 result.deleted += 1
     return result
-
-
-# --------------------------------------------------------------------------- commands
-
-def run(command: str, args: argparse.Namespace) -> int:
-    """``ecstore-dump list|stats|verify <remote url>``; returns the exit status."""
-    # The formatting helpers (imported here: cli imports this module).
-    from .. import cli
-
-    backend = connect(args.path)
-    try:
-        if command == "list":
-            return _cmd_list(cli, backend, args)
-        if command == "stats":
-            return _cmd_stats(cli, backend, args)
-        return _cmd_verify(cli, backend, args)
-    finally:
-        backend.close()
-
-
-def _cmd_list(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
-    rows = [e for e in iter_entries(backend) if not args.model or e.model == args.model]
-    rows.sort(key=lambda e: e.key)
-    if args.limit is not None:
-        rows = rows[: args.limit]
-    if args.json:
-        cli._json_out({"remote": backend.description, "entries": [asdict(e) for e in rows]})
-        return cli.EXIT_OK
-    now = time.time_ns()
-    cli._table(["KEY", "NAMESPACE", "MM_IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "AGE", "TTL"], [
-        [e.key, (e.namespace or "-")[:8], e.identifier or f"(unreadable: {e.error})",
-         "x".join(map(str, e.shape or ())), e.dtype or "-",
-         cli.human_size(e.value_bytes), "-" if e.created_ns is None else f"{(now - e.created_ns) / 1e9:.0f}s",
-         "none" if e.ttl_ms is None else f"{e.ttl_ms / 1000:.0f}s"] for e in rows], right={5})
-    cli._out(f"{len(rows)} entries, {cli.human_size(sum(e.value_bytes for e in rows))} at {backend.description}")
-    return cli.EXIT_OK
-
-
-def _cmd_stats(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    unreadable = 0
-    for e in iter_entries(backend):
-        if e.error is not None:
-            unreadable += 1
-            continue
-        g = groups.setdefault((e.model or "?", e.dtype or "?"),
-                              {"model": e.model, "dtype": e.dtype, "entries": 0, "bytes": 0})
-        g["entries"] += 1
-        g["bytes"] += e.value_bytes
-    info = server_info(backend)
-    if args.json:
-        cli._json_out({"remote": backend.description, "groups": list(groups.values()),
-                       "unreadable": unreadable, "server": info})
-        return cli.EXIT_OK
-    cli._table(["MODEL", "DTYPE", "ENTRIES", "BYTES"],
-               [[str(g["model"]), str(g["dtype"]), str(g["entries"]), cli.human_size(g["bytes"])]
-                for g in groups.values()], right={2, 3})
-    cap = info.get("maxmemory") or 0
-    cli._out(f"remote {backend.description}: redis {info.get('redis_version')}, used memory "
-             f"{cli.human_size(info.get('used_memory'))} of "
-             f"{cli.human_size(cap) if cap else 'no maxmemory'} (policy {info.get('maxmemory_policy')}), "
-             f"evicted keys {info.get('evicted_keys')}, unreadable values {unreadable}")
-    return cli.EXIT_OK
-
-
-def _cmd_verify(cli: Any, backend: RedisBackend, args: argparse.Namespace) -> int:
-    res = verify(backend, delete_bad=getattr(args, "delete_bad", False))
-    bad = res.bad or []
-    if args.json:
-        cli._json_out({"remote": backend.description, "checked": res.checked, "bad": bad,
-                       "deleted": res.deleted, "vanished": res.vanished})
-    else:
-        for b in bad:
-            cli._out(f"BAD {b['key']}: {b['error']}")
-        cli._out(f"checked {res.checked} values at {backend.description}: {len(bad)} bad"
-                 + (f", {res.deleted} deleted" if res.deleted else ""))
-    return cli.EXIT_BAD if bad else cli.EXIT_OK

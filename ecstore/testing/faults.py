@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from ecstore import codec
-from ecstore.lmdb_tier import _SEQ, _U64, LMDBTier
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.txn import _SEQ, _U64
 from ecstore.identity import library_identity, qualify
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

@@ -51,7 +51,8 @@ from typing import Any, Callable
 import torch
 
 from ecstore import ECStore, ECStoreConfig
-from ecstore.lmdb_tier import LMDBTier, _u64
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.txn import _u64
 from ecstore.testing import faults as fc
 
 KiB = 1 << 10

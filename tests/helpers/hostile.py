@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ecstore import ECStore, ECStoreConfig, codec
-from ecstore.lmdb_tier import _U64
+from ecstore.lmdb.txn import _U64
 
 MODEL = "hostile/model"
 IDENT = "victim-image"

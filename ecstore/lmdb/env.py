@@ -2,10 +2,10 @@
 pass before LMDB maps them.
 
 * :class:`_SharedEnv`: one ``lmdb.Environment`` per store directory per
-  process, reference counted and shared by every :class:`~ecstore.lmdb_tier.LMDBTier`
+  process, reference counted and shared by every :class:`~ecstore.lmdb.tier.LMDBTier`
   handle of that directory (LMDB forbids opening the same file twice in a
   process), with the process's write lock and the lease environment
-  (``leases.mdb``, see :mod:`ecstore.leases`). It remembers environments
+  (``leases.mdb``, see :mod:`ecstore.lmdb.leases`). It remembers environments
   inherited across ``fork()`` so a forked child gets a clear StoreOpenError.
 * :class:`_TxnGate`: transactions of this process versus adopting a map
   another process grew (``MDB_MAP_RESIZED``); :meth:`_SharedEnv.txn` is the
@@ -13,7 +13,7 @@ pass before LMDB maps them.
 * :func:`_open_env` / :func:`_check_data_file` / :func:`_open_leases`: the
   file checks (types, owner and mode, truncation) and the ``lmdb.open`` calls.
 * :func:`map_size_for` and the map headroom constants: the map size bounds
-  the data file (see the design notes of :mod:`ecstore.lmdb_tier`).
+  the data file (see the design notes of :mod:`ecstore.lmdb`).
 
 Thread-safe: the registry is guarded by a class lock; see each class.
 """
@@ -29,10 +29,10 @@ from typing import Iterator
 
 import lmdb
 
-from .errors import StoreOpenError
+from ..errors import StoreOpenError
+from ..store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
+                           fix_created_modes, missing_files, readonly_needs_nolock)
 from .leases import LeaseTable
-from .store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
-                          fix_created_modes, missing_files, readonly_needs_nolock)
 
 log = logging.getLogger("ecstore")
 
@@ -145,7 +145,7 @@ class _SharedEnv:
         self.pid = os.getpid()
         self.write_lock = threading.Lock()  # LMDB allows one write txn per env
         self.gate = _TxnGate()
-        #: The lease table on ``leases`` (set with it; see :mod:`ecstore.leases`).
+        #: The lease table on ``leases`` (set with it; see :mod:`ecstore.lmdb.leases`).
         self.lease_table: LeaseTable | None = None if leases is None else LeaseTable(leases)
 
     @contextlib.contextmanager

@@ -1,0 +1,114 @@
+"""``ecstore-dump list|stats|verify redis://...``: formatting of a remote tier's view.
+
+The reading and checking is :mod:`ecstore.remote.inspect` (a library); this
+module only picks the command and prints its results. Reads never change
+anything; ``verify --delete-bad`` removes values that fail verification (only
+if unchanged since they were read). URLs are shown masked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from .exitcodes import ExitCode
+from .format import human_size, json_out, out, print_table
+
+if TYPE_CHECKING:
+    from ..remote.backend import RedisBackend
+
+
+def is_remote_path(args: argparse.Namespace) -> bool:
+    """Does the command's PATH name a remote (redis://, unix://...)?"""
+    from ..remote.inspect import is_remote
+
+    return is_remote(getattr(args, "path", None))
+
+
+def run_remote(command: str, args: argparse.Namespace) -> int:
+    """``list``, ``stats`` or ``verify`` of the remote named by ``args.path``; the exit status.
+
+    The remote modules are imported here, not at the top: the ``redis``
+    client is an optional extra.
+    """
+    from ..remote.inspect import connect
+
+    backend = connect(args.path)
+    try:
+        if command == "list":
+            return _cmd_list(backend, args)
+        if command == "stats":
+            return _cmd_stats(backend, args)
+        return _cmd_verify(backend, args)
+    finally:
+        backend.close()
+
+
+def _cmd_list(backend: RedisBackend, args: argparse.Namespace) -> int:
+    """``list redis://...``."""
+    from ..remote.inspect import iter_entries
+
+    rows = [e for e in iter_entries(backend) if not args.model or e.model == args.model]
+    rows.sort(key=lambda e: e.key)
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    if args.json:
+        json_out({"remote": backend.description, "entries": [asdict(e) for e in rows]})
+        return ExitCode.OK
+    now = time.time_ns()
+    print_table(["KEY", "NAMESPACE", "MM_IDENTIFIER", "SHAPE", "DTYPE", "SIZE", "AGE", "TTL"], [
+        [e.key, (e.namespace or "-")[:8], e.identifier or f"(unreadable: {e.error})",
+         "x".join(map(str, e.shape or ())), e.dtype or "-",
+         human_size(e.value_bytes), "-" if e.created_ns is None else f"{(now - e.created_ns) / 1e9:.0f}s",
+         "none" if e.ttl_ms is None else f"{e.ttl_ms / 1000:.0f}s"] for e in rows], right={5})
+    out(f"{len(rows)} entries, {human_size(sum(e.value_bytes for e in rows))} at {backend.description}")
+    return ExitCode.OK
+
+
+def _cmd_stats(backend: RedisBackend, args: argparse.Namespace) -> int:
+    """``stats redis://...``: per model/dtype and server memory."""
+    from ..remote.inspect import iter_entries, server_info
+
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    unreadable = 0
+    for e in iter_entries(backend):
+        if e.error is not None:
+            unreadable += 1
+            continue
+        g = groups.setdefault((e.model or "?", e.dtype or "?"),
+                              {"model": e.model, "dtype": e.dtype, "entries": 0, "bytes": 0})
+        g["entries"] += 1
+        g["bytes"] += e.value_bytes
+    info = server_info(backend)
+    if args.json:
+        json_out({"remote": backend.description, "groups": list(groups.values()),
+                  "unreadable": unreadable, "server": info})
+        return ExitCode.OK
+    print_table(["MODEL", "DTYPE", "ENTRIES", "BYTES"],
+                [[str(g["model"]), str(g["dtype"]), str(g["entries"]), human_size(g["bytes"])]
+                 for g in groups.values()], right={2, 3})
+    cap = info.get("maxmemory") or 0
+    out(f"remote {backend.description}: redis {info.get('redis_version')}, used memory "
+        f"{human_size(info.get('used_memory'))} of "
+        f"{human_size(cap) if cap else 'no maxmemory'} (policy {info.get('maxmemory_policy')}), "
+        f"evicted keys {info.get('evicted_keys')}, unreadable values {unreadable}")
+    return ExitCode.OK
+
+
+def _cmd_verify(backend: RedisBackend, args: argparse.Namespace) -> int:
+    """``verify redis://... [--delete-bad]``."""
+    from ..remote.inspect import verify
+
+    res = verify(backend, delete_bad=getattr(args, "delete_bad", False))
+    bad = res.bad or []
+    if args.json:
+        json_out({"remote": backend.description, "checked": res.checked, "bad": bad,
+                  "deleted": res.deleted, "vanished": res.vanished})
+    else:
+        for b in bad:
+            out(f"BAD {b['key']}: {b['error']}")
+        out(f"checked {res.checked} values at {backend.description}: {len(bad)} bad"
+            + (f", {res.deleted} deleted" if res.deleted else ""))
+    return ExitCode.BAD if bad else ExitCode.OK

@@ -1,0 +1,316 @@
+"""The settings of the encoder cache, as data.
+
+* :class:`ECStoreConfig`: the validated, immutable values (defaults are its
+  field defaults; sizes in GiB, durations in seconds);
+* :data:`KEYS`: one :class:`KeySpec` per setting (type, unit, what is
+  expected, parser, doc), the table the loader and ``describe_config`` use;
+* :data:`EC_ONLY_KEYS`, :data:`SECRET_KEYS`: policies over those keys;
+* the names of the places settings come from (``LMCACHE_CONFIG_FILE``,
+  ``ec_`` keys, ``LMCACHE_EC_*``; read by :mod:`.sources`);
+* :func:`settings_table`: name, type, unit, default, limit and doc of each;
+* :func:`describe_config`: (key, value, source) rows with secrets masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import ConfigError
+from ..identity import check_namespace_pin
+from ..redact import mask_value, short_repr
+from ..remote.url import mask_url, parse_remote_url
+from ..store_files import DEFAULT_FILE_MODE, check_file_mode
+from .limits import MAX_LEASE_SECONDS, MAX_SIZE_GIB, NUMBER_MAX, GiB, check_size, normalize_local_disk
+from .parsers import (parse_bool, parse_file_mode, parse_local_disk, parse_number, parse_remote_url_setting,
+                      parse_secret)
+
+
+EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
+                          "remote_ttl_seconds", "max_remote_queue_size"})
+#: Keys whose values are secrets (masked by describe_config and in messages).
+SECRET_KEYS = frozenset({"remote_url", "remote_password"})
+
+
+@dataclass(frozen=True)
+class ECStoreConfig:
+    """Validated encoder-cache settings.
+
+    Attributes:
+        local_cpu: keep an in-memory (per-process) LRU tier above the disk tier.
+        max_local_cpu_size: bound of the memory tier, GiB of tensor data.
+        local_disk: directory of the LMDB store (absolute path after
+            normalisation; ``file://`` URIs accepted), or None for memory only.
+            There is no implicit default location.
+        max_local_disk_size: bound of the disk tier, GiB of stored blobs. Must
+            be > 0 when ``local_disk`` is set.
+        max_write_queue_size: GiB of tensors waiting for the background LMDB
+            writer before ``put`` blocks (back-pressure instead of unbounded
+            memory).
+        lease_seconds: how long an entry announced to a loader stays pinned
+            against eviction if the loader never releases it.
+        file_mode: mode of the store's files (directory: the same bits plus
+            x): 0600 private (default), 0640/0660 to share the store with
+            the directory's group on purpose. See docs/security.md.
+        namespace: pins the weights part of the encoder identity (see
+            ecstore.identity): None fingerprints the weights automatically;
+            a string (at most 200 printable characters) replaces that
+            fingerprint and the revision, e.g. to share entries between
+            copies of one checkpoint or to mark a change the fingerprint
+            cannot see. Change it whenever the weights change.
+        share_client_uuids: store and serve items whose identifier is not a
+            content hash (a client's ``multi_modal_uuids`` entry, used verbatim
+            by vLLM). Default false: such items are neither stored nor looked
+            up, since any client could name another image by the same uuid.
+            Set it true where every client of the store is trusted (e.g. an
+            encoder-disaggregated deployment whose proxy assigns the uuids).
+        remote_url: the shared remote tier (Redis/Valkey, see
+            docs/remote.md), or None. May hold a password: never logged
+            (``repr`` leaves it out; :func:`describe_config` masks it).
+        remote_password: password of the remote when the URL has none
+            (normally ``LMCACHE_EC_REMOTE_PASSWORD``).
+        remote_timeout_seconds: bound of connecting and of each socket
+            read/write to the remote; also how long ``put`` waits for room
+            in a full remote write queue before dropping that write.
+        remote_ttl_seconds: expiry of values written to the remote (0: none;
+            the server's ``maxmemory`` policy bounds it).
+        max_remote_queue_size: GiB of tensors waiting for the background
+            remote writer.
+        sources: where each value came from (see :func:`load_config`): one
+            entry per field when built by :func:`load_config`, plus
+            ``"__file__"`` (absolute path of the YAML file read) and
+            ``"config_file"`` (where that path was taken from) when a file
+            was read.
+    """
+
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.0
+    max_write_queue_size: float = 1.0
+    lease_seconds: float = 120.0
+    file_mode: int = DEFAULT_FILE_MODE
+    namespace: str | None = None
+    share_client_uuids: bool = False
+    remote_url: str | None = field(default=None, repr=False)
+    remote_password: str | None = field(default=None, repr=False)
+    remote_timeout_seconds: float = 0.5
+    remote_ttl_seconds: float = 0.0
+    max_remote_queue_size: float = 0.25
+    # Where each value came from ("default", "path:line", "env VAR", "override KEY").
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
+        if not isinstance(self.share_client_uuids, bool):
+            raise ConfigError(f"share_client_uuids (from {src('share_client_uuids')}): expected true or "
+                              f"false, got {short_repr(self.share_client_uuids)}")
+        if not isinstance(self.local_cpu, bool):
+            raise ConfigError(
+                f"local_cpu (from {src('local_cpu')}): expected true or false, got {short_repr(self.local_cpu)}"
+            )
+        for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds",
+                     "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"):
+            object.__setattr__(self, name, check_size(name, getattr(self, name), src(name)))
+        object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
+        try:
+            check_file_mode(self.file_mode)
+        except ValueError as exc:
+            raise ConfigError(f"file_mode (from {src('file_mode')}): got {short_repr(self.file_mode)}: {exc}") from None
+        try:
+            object.__setattr__(self, "namespace", check_namespace_pin(self.namespace))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"namespace (from {src('namespace')}): {e}, got {short_repr(self.namespace)}") from None
+        for name in ("remote_url", "remote_password"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                object.__setattr__(self, name, None)
+            elif value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} (from {src(name)}): expected a string, got a {type(value).__name__}")
+        if self.remote_url is not None:
+            object.__setattr__(self, "remote_url", self.remote_url.strip())
+            parse_remote_url(self.remote_url, src("remote_url"))
+            if self.remote_timeout_seconds <= 0:
+                raise ConfigError(f"remote_timeout_seconds (from {src('remote_timeout_seconds')}): must be "
+                                  f"> 0 s when remote_url is set, got {self.remote_timeout_seconds:g}")
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ConfigError(
+                f"max_local_disk_size is {self.max_local_disk_size:g} GiB (from "
+                f"{src('max_local_disk_size')}) but local_disk is {self.local_disk!r} (from "
+                f"{src('local_disk')}): a disk tier needs max_local_disk_size > 0 GiB. Set "
+                f"max_local_disk_size (or ec_max_local_disk_size), or unset local_disk "
+                f"(ec_local_disk: null) for a memory-only encoder cache"
+            )
+
+    @property
+    def cpu_capacity_bytes(self) -> int:
+        """Memory-tier bound in bytes (0 when the memory tier is disabled)."""
+        return int(self.max_local_cpu_size * GiB) if self.local_cpu else 0
+
+    @property
+    def disk_capacity_bytes(self) -> int:
+        """Disk-tier bound in bytes (0 when there is no disk tier)."""
+        return int(self.max_local_disk_size * GiB) if self.local_disk else 0
+
+    @property
+    def write_queue_bytes(self) -> int:
+        return max(1, int(self.max_write_queue_size * GiB))
+
+    @property
+    def remote_queue_bytes(self) -> int:
+        return max(1, int(self.max_remote_queue_size * GiB))
+
+    @property
+    def config_file(self) -> str | None:
+        """Absolute path of the YAML file :func:`load_config` read, or None."""
+        return self.sources.get("__file__")
+
+    def source_of(self, key: str) -> str:
+        """Where the effective value of ``key`` came from.
+
+        One of ``"default"``, ``"<abs path>:<line>"`` (YAML file),
+        ``"env <VARIABLE>"`` or ``"override <key>"``. ``source_of("config_file")``
+        tells where the YAML path itself was taken from (``"argument path"``,
+        ``"override config_file"``, ``"env LMCACHE_CONFIG_FILE"``).
+        """
+        return self.sources.get(key, "default")
+
+
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+"""Environment variable naming the LMCache YAML file shared with the KV cache."""
+
+ENV_PREFIX = "LMCACHE_"
+EC_ENV_PREFIX = "LMCACHE_EC_"
+EC_KEY_PREFIX = "ec_"
+EC_SECTION = "ec"
+CONFIG_FILE_KEY = "config_file"
+"""Key of ``overrides`` (the connector's extra config) naming the YAML file."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration oddity that is not fatal (e.g. an unknown base key)."""
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """How one ecstore key is documented and parsed.
+
+    ``parse(value, source)`` returns the typed value or raises ValueError
+    (its message, if any, is appended to the error; a ConfigError it raises
+    itself is passed through unchanged).
+    """
+
+    type: str
+    unit: str
+    expected: str
+    parse: Callable[[Any, str], Any]
+    doc: str
+
+
+_SIZE = f"a size in GiB: a finite number >= 0, at most {MAX_SIZE_GIB} (e.g. 16 or 2.5)"
+
+# Policy as data: every key ecstore reads, with its parser. Field names of
+# ECStoreConfig; defaults come from the dataclass.
+KEYS: dict[str, KeySpec] = {
+    "local_cpu": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: parse_bool(v), "keep the in-memory LRU tier"),
+    "max_local_cpu_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: parse_number(v, "max_local_cpu_size"),
+        "bound of the memory tier"),
+    "local_disk": KeySpec(
+        "path", "-", "a directory path or file:// URI (null or empty for no disk tier)",
+        parse_local_disk, "directory of the persistent (LMDB) tier; none = memory only"),
+    "max_local_disk_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: parse_number(v, "max_local_disk_size"),
+        "bound of the disk tier; must be > 0 when local_disk is set"),
+    "max_write_queue_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: parse_number(v, "max_write_queue_size"),
+        "tensors queued for the background disk writer before put() blocks"),
+    "lease_seconds": KeySpec(
+        "float", "s", f"a duration in seconds: a finite number >= 0, at most {MAX_LEASE_SECONDS:g}",
+        lambda v, _s: parse_number(v, "lease_seconds"),
+        "how long an entry handed to a loader stays pinned against eviction"),
+    "file_mode": KeySpec(
+        "octal", "-", "an octal file mode: 0600 (private, default), 0640 or 0660 (shared with the group)",
+        lambda v, _s: parse_file_mode(v),
+        "mode of the store's files; the directory gets the same bits plus x (0700/0750/0770)"),
+    "namespace": KeySpec(
+        "str", "-", "a string of at most 200 printable characters (null or empty: automatic)",
+        lambda v, _s: check_namespace_pin(v if v is None or isinstance(v, str) else str(v)),
+        "pin the weights part of the encoder identity (default: fingerprint the weights)"),
+    "share_client_uuids": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: parse_bool(v),
+        "store and serve items named by client multi_modal_uuids (trusting every client)"),
+    "remote_url": KeySpec(
+        "url", "-", "redis://host:port/db, rediss://, redis+cluster://h1:p1,h2:p2 or unix:///path",
+        lambda v, s: parse_remote_url_setting(v, s),
+        "shared remote tier (Redis/Valkey); none = local tiers only (docs/remote.md)"),
+    "remote_password": KeySpec(
+        "str", "-", "a string (the remote's password; prefer LMCACHE_EC_REMOTE_PASSWORD)",
+        lambda v, s: parse_secret(v, s), "password of the remote when remote_url has none"),
+    "remote_timeout_seconds": KeySpec(
+        "float", "s", "a duration in seconds: a finite number > 0",
+        lambda v, _s: parse_number(v, "remote_timeout_seconds"),
+        "bound of each remote connect/read/write; a slower remote is a miss"),
+    "remote_ttl_seconds": KeySpec(
+        "float", "s", "a duration in seconds: a finite number >= 0 (0: no expiry)",
+        lambda v, _s: parse_number(v, "remote_ttl_seconds"), "expiry of values written to the remote"),
+    "max_remote_queue_size": KeySpec(
+        "float", "GiB", _SIZE, lambda v, _s: parse_number(v, "max_remote_queue_size"),
+        "tensors queued for the background remote writer"),
+}
+
+assert set(KEYS) == {f.name for f in fields(ECStoreConfig)} - {"sources"}
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """One row of :func:`settings_table`: everything known about a setting."""
+
+    name: str
+    type: str
+    unit: str
+    default: Any
+    #: Largest accepted value (numbers only; in ``unit``), else None.
+    maximum: float | None
+    expected: str
+    doc: str
+
+
+def settings_table() -> list[SettingInfo]:
+    """Every setting with its type, unit, default, limit and doc, in :data:`KEYS` order."""
+    defaults = {f.name: f.default for f in fields(ECStoreConfig)}
+    return [SettingInfo(name, spec.type, spec.unit, defaults[name], NUMBER_MAX.get(name), spec.expected, spec.doc)
+            for name, spec in KEYS.items()]
+
+
+
+def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
+    """(key, effective value, source) rows, for ``ecstore-dump config``.
+
+    The first row is ``("config_file", <abs path or None>, <where the path was
+    named, or "default">)``; then one row per ECStoreConfig field. Secrets
+    are masked (:func:`ecstore.redact.mask_value`: URL passwords, secret
+    keys); ``file_mode`` is shown in octal (``"0600"``).
+    """
+    rows: list[tuple[str, Any, str]] = [
+        (CONFIG_FILE_KEY, cfg.config_file, cfg.source_of(CONFIG_FILE_KEY))
+    ]
+    for key in KEYS:
+        value = getattr(cfg, key)
+        if key == "file_mode":
+            value = f"{value:04o}"
+        rows.append((key, _shown(key, value), cfg.source_of(key)))
+    return rows
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A value as it may be printed: passwords masked."""
+    if key == "remote_password" and value:
+        return "***"
+    if key == "remote_url" and value:
+        return mask_url(value)
+    return mask_value(key, value)

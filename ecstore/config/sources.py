@@ -1,0 +1,254 @@
+"""Loading the config: YAML file, ``LMCACHE_CONFIG_FILE``, ``ec_`` keys,
+``LMCACHE_*`` / ``LMCACHE_EC_*`` environment and overrides, merged by level
+with the provenance of every value.
+
+Precedence, lowest first: defaults < YAML base keys < ``LMCACHE_<KEY>`` <
+YAML ``ec_<key>`` / ``ec: {<key>}`` < ``LMCACHE_EC_<KEY>`` < overrides.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..redact import short_repr
+from .lmcache_keys import LMCACHE_KEYS, is_lmcache_key
+from .settings import (CONFIG_FILE_ENV, CONFIG_FILE_KEY, EC_ENV_PREFIX, EC_KEY_PREFIX, EC_ONLY_KEYS, EC_SECTION,
+                       ENV_PREFIX, KEYS, ConfigWarning, ECStoreConfig)
+from .yaml_file import read_yaml
+
+
+def _closest(key: str, spelled: Callable[[str], str]) -> str:
+    """Message tail "; did you mean 'X'?" naming the valid key nearest ``key``
+    (ecstore's keys first, then LMCache's), spelled by ``spelled`` in the
+    caller's form (``ec_x``, ``ec.x``, ``LMCACHE_EC_X``); the list of
+    ecstore's keys when nothing is close."""
+    for candidates in (KEYS, sorted(LMCACHE_KEYS)):
+        match = difflib.get_close_matches(key, [c for c in candidates if c != key], n=1, cutoff=0.6)
+        if match:
+            return f"; did you mean {spelled(match[0])!r}?"
+    return f"; ecstore's keys are: {', '.join(spelled(k) for k in KEYS)}"
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One raw value as found in one source."""
+
+    value: Any
+    source: str  # "default", "/abs/ec.yaml:5", "env VAR", "override key"
+    spelled: str  # the key as the user wrote it, for messages
+
+
+# Precedence, lowest first (built-in defaults sit below all of them).
+_LEVELS = ("file", "env", "ec_file", "ec_env", "override")
+# Levels addressed to LMCache as well as ecstore: only their effective value is
+# validated, so a shadowed value LMCache accepts but ecstore would not (e.g. a
+# comma-separated local_disk) does not break the encoder cache.
+_SHARED_LEVELS = frozenset({"file", "env"})
+
+
+def _parse(key: str, setting: _Setting) -> Any:
+    """The typed value of one raw setting; :class:`ConfigError` naming where it came from."""
+    spec = KEYS[key]
+    try:
+        return spec.parse(setting.value, setting.source)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        detail = str(exc) if isinstance(exc, ValueError) and exc.args else ""
+        raise ConfigError(
+            f"{setting.spelled} (from {setting.source}): expected {spec.expected}, "
+            f"got {short_repr(setting.value)}" + (f" ({short_repr(detail)[1:-1]})" if detail else "")
+        ) from None
+
+
+def _put(layer: dict[str, _Setting], key: str, setting: _Setting) -> None:
+    """Add ``setting`` to one level; a key set twice within a level is an error."""
+    previous = layer.get(key)
+    if previous is not None:
+        raise ConfigError(
+            f"{key} is set twice for the same level: {previous.spelled} (from "
+            f"{previous.source}) and {setting.spelled} (from {setting.source}); keep one"
+        )
+    layer[key] = setting
+
+
+def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]) -> None:
+    """The YAML file's ecstore keys into the ``file`` and ``ec_file`` levels."""
+    for key, value, line, nested in read_yaml(path, origin):
+        src = f"{path}:{line}"
+        if key == EC_SECTION:
+            for sub, sub_value, sub_line in nested or []:
+                sub_src = f"{path}:{sub_line}"
+                if isinstance(sub, str) and sub in KEYS:
+                    _put(layers["ec_file"], sub, _Setting(sub_value, sub_src, f"ec.{sub}"))
+                elif not (isinstance(sub, str) and is_lmcache_key(sub)):
+                    raise ConfigError(
+                        f"unknown key {EC_SECTION}.{sub} (from {sub_src})"
+                        + _closest(str(sub), lambda k: f"{EC_SECTION}.{k}")
+                    )
+        elif isinstance(key, str) and key.startswith(EC_KEY_PREFIX):
+            name = key[len(EC_KEY_PREFIX):]
+            if name in KEYS:
+                _put(layers["ec_file"], name, _Setting(value, src, key))
+            elif not is_lmcache_key(name):
+                raise ConfigError(
+                    f"unknown key {key} (from {src})"
+                    + _closest(name, lambda k: f"{EC_KEY_PREFIX}{k}")
+                )
+        elif isinstance(key, str) and key in KEYS:
+            _put(layers["file"], key, _Setting(value, src, key))
+        elif not (isinstance(key, str) and is_lmcache_key(key)):
+            hint = _closest(str(key), str)
+            if hint.startswith("; ecstore's keys"):
+                hint = ""
+            warnings.warn(
+                f"{src}: ignoring unknown key {short_repr(key)} (neither an ecstore nor a known "
+                f"LMCache key){hint}",
+                ConfigWarning,
+                stacklevel=3,
+            )
+
+
+def _unquote(text: str) -> str:
+    """Strip one pair of matching surrounding quotes, as LMCache does for env values."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _collect_env(env: Mapping[str, str], layers: dict[str, dict[str, _Setting]]) -> None:
+    """``LMCACHE_<KEY>`` and ``LMCACHE_EC_<KEY>`` variables into the ``env`` and ``ec_env`` levels."""
+    for var in sorted(env):
+        if var.startswith(EC_ENV_PREFIX):
+            name = var[len(EC_ENV_PREFIX):].lower()
+            if name in KEYS:
+                _put(layers["ec_env"], name, _Setting(_unquote(env[var]), f"env {var}", name))
+            elif not is_lmcache_key(name):
+                raise ConfigError(
+                    f"unknown key {name} (from env {var})"
+                    + _closest(name, lambda k: f"{EC_ENV_PREFIX}{k.upper()}")
+                )
+        elif var.startswith(ENV_PREFIX):
+            # Other LMCACHE_* variables belong to LMCache: never an error here.
+            name = var[len(ENV_PREFIX):].lower()
+            if name in KEYS and var == f"{ENV_PREFIX}{name.upper()}":
+                _put(layers["env"], name, _Setting(_unquote(env[var]), f"env {var}", name))
+
+
+def _collect_overrides(overrides: Mapping[Any, Any], layers: dict[str, dict[str, _Setting]]) -> None:
+    """Programmatic overrides into the ``override`` level (bare key names only)."""
+    for key, value in overrides.items():
+        if key == CONFIG_FILE_KEY:
+            continue
+        if isinstance(key, str) and key in KEYS:
+            layers["override"][key] = _Setting(value, f"override {key}", key)
+            continue
+        if isinstance(key, str) and key.startswith(EC_KEY_PREFIX) and key[len(EC_KEY_PREFIX):] in KEYS:
+            hint = f"; overrides take bare key names: did you mean {key[len(EC_KEY_PREFIX):]!r}?"
+        elif isinstance(key, str) and is_lmcache_key(key):
+            raise ConfigError(
+                f"{key!r} (from override {key}) is an LMCache setting that ecstore does not support; "
+                f"ecstore's keys are: {', '.join(KEYS)}")
+        else:
+            hint = _closest(str(key), str)
+        raise ConfigError(f"unknown key {short_repr(key)} (from override {short_repr(key)}){hint}")
+
+
+def _choose_file(
+    path: str | os.PathLike[str] | None, env: Mapping[str, str], overrides: Mapping[Any, Any]
+) -> tuple[str, str] | None:
+    """(absolute path, where it was named) of the YAML file to read, or None."""
+    candidates: Iterable[tuple[Any, str]] = (
+        (path, "argument path"),
+        (overrides.get(CONFIG_FILE_KEY), f"override {CONFIG_FILE_KEY}"),
+        (env.get(CONFIG_FILE_ENV), f"env {CONFIG_FILE_ENV}"),
+    )
+    for value, origin in candidates:
+        if value is None:
+            continue
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"config file (from {origin}): expected a path, got {short_repr(value)}")
+        if "\0" in value:
+            raise ConfigError(f"config file (from {origin}): the path {short_repr(value)} contains a NUL byte")
+        if value.strip():
+            return os.path.abspath(os.path.expanduser(value.strip())), origin
+    return None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ECStoreConfig:
+    """Build the encoder-cache config from LMCache's YAML, env and overrides.
+
+    Precedence, lowest to highest: built-in defaults < base keys of the YAML
+    file < ``LMCACHE_<KEY>`` < ``ec_<key>`` / ``ec: {<key>: ...}`` in the
+    YAML < ``LMCACHE_EC_<KEY>`` < ``overrides``.
+
+    Args:
+        path: YAML file to read. If None, ``overrides["config_file"]`` is used,
+            else ``env["LMCACHE_CONFIG_FILE"]``, else no file is read. The
+            file is never written.
+        env: environment to read (default ``os.environ``).
+        overrides: programmatic values (the vLLM connector's
+            ``ec_connector_extra_config``): ecstore key names, plus an optional
+            ``config_file``.
+
+    Returns:
+        An :class:`ECStoreConfig` whose ``sources`` names, for every field, the
+        place its value came from.
+
+    Raises:
+        ConfigError: unreadable/malformed file, unknown ec key or
+            ``LMCACHE_EC_*`` variable or override key, or a bad value.
+
+    Warns:
+        ConfigWarning: a base YAML key that neither ecstore nor LMCache knows.
+    """
+    env = os.environ if env is None else env
+    overrides = {} if overrides is None else overrides
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides: expected a mapping of ecstore keys, got {short_repr(overrides)}")
+
+    layers: dict[str, dict[str, _Setting]] = {level: {} for level in _LEVELS}
+    extra_sources: dict[str, str] = {}
+    chosen = _choose_file(path, env, overrides)
+    if chosen is not None:
+        file_path, origin = chosen
+        _collect_file(file_path, origin, layers)
+        extra_sources = {"__file__": file_path, CONFIG_FILE_KEY: origin}
+    _collect_env(env, layers)
+    _collect_overrides(overrides, layers)
+
+    # Values addressed to ecstore only are all validated (fail fast); shared
+    # base values only when they are the effective ones.
+    for level in _LEVELS:
+        if level not in _SHARED_LEVELS:
+            for key, own in layers[level].items():
+                _parse(key, own)
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in KEYS:
+        for level in reversed(_LEVELS):
+            setting = layers[level].get(key)
+            if setting is not None and level in _SHARED_LEVELS and key in EC_ONLY_KEYS:
+                continue  # LMCache's own remote_url (its KV cache's remote) is not ours
+            if setting is not None:
+                values[key] = _parse(key, setting)
+                sources[key] = setting.source
+                break
+        else:
+            sources[key] = "default"
+    sources.update(extra_sources)
+    return ECStoreConfig(**values, sources=sources)

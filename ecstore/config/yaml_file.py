@@ -1,0 +1,115 @@
+"""Reading the YAML config file: bounded, refusing devices, with line numbers.
+
+Returns the top-level entries with their 1-based line numbers (for the
+provenance :func:`ecstore.config.load_config` records); never writes.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from ..redact import short_repr
+from .settings import EC_SECTION
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_bounded(path: str, what: str) -> bytes:
+    """The bytes of a regular file (or a pipe, e.g. ``<(...)``), at most
+    MAX_CONFIG_BYTES; a device, socket or directory is refused without
+    reading it (``/dev/zero`` would never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{what} is a directory, not a YAML file")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ConfigError(f"{what} is not a regular file (a device or socket); give a YAML file")
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few "
+                          f"lines of YAML")
+    return b"".join(chunks)
+
+
+def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]]:
+    """Top-level entries of the YAML mapping in ``path`` as (key, value, line, ec).
+
+    ``ec`` is the (key, value, line) list of a nested ``ec:`` mapping (value
+    None), else None. Lines are 1-based. An empty file yields no entries.
+    ``origin`` (where the path was named) goes into file-level errors.
+    """
+    what = f"config file {path} (from {origin})"
+    data = read_bounded(path, what)
+
+    loader: yaml.SafeLoader | None = None
+    try:
+        loader = yaml.SafeLoader(data)  # ReaderError for bytes that are not UTF-8/16
+        loader.name = path  # marks in YAML's messages then name the file
+        root = loader.get_single_node()
+        if root is None or (isinstance(root, yaml.ScalarNode) and loader.construct_object(root) is None):
+            return []  # empty file, comments only, or a lone "---"
+        if not isinstance(root, yaml.MappingNode):
+            kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
+            raise ConfigError(
+                f"{what}: the top level must be a mapping of keys to values, got {kind} "
+                f"at line {root.start_mark.line + 1}"
+            )
+
+        def pairs(node: yaml.MappingNode) -> list[tuple[Any, yaml.Node, int]]:
+            loader.flatten_mapping(node)  # resolve "<<" merge keys
+            out = []
+            for key_node, value_node in node.value:
+                key = loader.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)) and key is not None:
+                    key = repr(key)  # a list or mapping used as a key
+                out.append((key, value_node, key_node.start_mark.line + 1))
+            return out
+
+        entries: list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]] = []
+        for key, value_node, line in pairs(root):
+            if key == EC_SECTION and isinstance(value_node, yaml.MappingNode):
+                nested = [(k, loader.construct_object(v, deep=True), ln) for k, v, ln in pairs(value_node)]
+                entries.append((key, None, line, nested))
+                continue
+            value = loader.construct_object(value_node, deep=True)
+            if key == EC_SECTION:
+                if value is not None:
+                    raise ConfigError(
+                        f"{EC_SECTION} (from {path}:{line}): expected a mapping of ecstore "
+                        f"keys (e.g. 'ec: {{max_local_disk_size: 64}}'), got {short_repr(value)}"
+                    )
+                entries.append((key, None, line, []))
+            else:
+                entries.append((key, value, line, None))
+        return entries
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{what}: malformed YAML{where}: {exc}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()

@@ -1,0 +1,228 @@
+"""One open handle on a store directory: the shared environment, the schema
+check, the sub-database handles and the ways a transaction is begun.
+
+:class:`StoreHandle` is the base of :class:`~ecstore.lmdb.tier.LMDBTier`
+(through :class:`~ecstore.lmdb.reads.TierReads`): it opens and closes, and
+it is the only place read transactions (:meth:`StoreHandle._begin`), raw
+write transactions (:meth:`StoreHandle._write_txn`, under the process's write
+lock) and :class:`~ecstore.lmdb.txn.WriteTxn` objects
+(:meth:`StoreHandle._writing`) are made.
+
+Processes and threads: any number of processes may open the same
+directory; within a process all handles of a directory share one
+environment (:class:`~ecstore.lmdb.env._SharedEnv`) and every method is
+thread-safe. A handle must not be used across ``fork()`` (ForkedStoreError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Iterator, Literal, TypeVar, overload
+
+import lmdb
+
+from .. import codec, schema
+from ..errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
+from ..store_files import FilePolicy
+from .env import _SharedEnv, map_size_for
+from .full import MapFullRetry
+from .leases import LeaseTable
+from .txn import Dbs, TierCounters, WriteTxn
+
+_T = TypeVar("_T")
+
+
+def _lmdb_errors_as_store_errors(method: Any) -> Any:
+    """An LMDB error escaping a public tier method (a damaged B-tree page,
+    an I/O error) becomes StoreOpenError, an ECStoreError: callers (the vLLM
+    connector) catch that family and treat it as a miss instead of meeting a
+    foreign exception type."""
+    @functools.wraps(method)
+    def wrapper(self: "StoreHandle", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except lmdb.Error as e:
+            raise StoreOpenError(f"LMDB error on store {self.path} ({type(e).__name__}: {e}); "
+                                 f"the store may be damaged: check it with ecstore-dump verify") from e
+    return wrapper
+
+
+class StoreHandle:
+    """An open store directory (see the module docstring and
+    :class:`~ecstore.lmdb.tier.LMDBTier` for the arguments)."""
+
+    def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
+                 create: bool = True, schema_target: int | None = None,
+                 map_size_bytes: int | None = None, file_mode: int | None = None) -> None:
+        self.path = path
+        self.capacity_bytes = int(capacity_bytes)
+        self.readonly = readonly
+        self.counters = TierCounters()
+        map_size = map_size_for(self.capacity_bytes) if map_size_bytes is None else int(map_size_bytes)
+        policy = FilePolicy() if file_mode is None else FilePolicy(file_mode)
+        self._shared = _SharedEnv.acquire(path, map_size, readonly, create, policy,
+                                          explicit_mode=file_mode is not None)
+        self.env = self._shared.env
+        self._pid = os.getpid()
+        self._closed = False
+        try:
+            if not readonly:
+                self.env.reader_check()
+            self.schema_version = schema.ensure_schema(self.env, readonly=readonly, path=path,
+                                                       target=schema_target, begin=self._schema_begin)
+            # On a writable environment, open_db() without a transaction
+            # takes LMDB's write lock while holding the GIL: if a writer
+            # thread of another handle in this process holds that lock and
+            # waits for the GIL, both hang, and so does every other process
+            # waiting for the lock. begin() releases the GIL while it waits.
+            # (Handles opened in a read transaction die with it: read-only
+            # environments keep the plain call, which takes no write lock.)
+            if self._shared.readonly:
+                self._open_dbs(None)
+            else:
+                with self._shared.write_lock, self._shared.txn(write=True) as txn:
+                    self._open_dbs(txn)  # nothing written: the commit makes the handles permanent
+            self._shared.open_leases()
+        except lmdb.Error as e:
+            self._shared.release()
+            raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
+        except BaseException:  # SchemaError, StoreOpenError, or anything unforeseen: never leak the env
+            self._shared.release()
+            raise
+
+    @property
+    def evictions(self) -> int:
+        """Entries this handle evicted since it opened."""
+        return self.counters.evictions
+
+    @property
+    def corrupt_dropped(self) -> int:
+        """Damaged entries this handle removed since it opened."""
+        return self.counters.corrupt_dropped
+
+    @contextlib.contextmanager
+    def _schema_begin(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+        """Transactions for :func:`schema.ensure_schema` (writes under the write lock)."""
+        with contextlib.ExitStack() as stack:
+            if write:
+                stack.enter_context(self._shared.write_lock)
+            yield stack.enter_context(self._shared.txn(write=write))
+
+    def _open_dbs(self, txn: lmdb.Transaction | None) -> None:
+        def db(name: bytes, since: int = 1) -> Any:
+            return self.env.open_db(name, txn=txn, create=False) if self.schema_version >= since else None
+        self._dbs = Dbs(blobs=db(b"blobs"), entries=db(b"entries"), meta=db(b"meta"), lru=db(b"lru", 2),
+                        namespaces=db(b"namespaces", 3))
+        # The raw handles, for tooling and tests that plant damage.
+        self._blobs, self._entries, self._meta = self._dbs.blobs, self._dbs.entries, self._dbs.meta
+        self._lru, self._namespaces = self._dbs.lru, self._dbs.namespaces
+        # Records this handle writes and serves: from schema 3 on, v2 records
+        # holding stored names (ecstore.identity); a handle held at an older
+        # schema (tests) writes and serves v1.
+        self.record_version = (codec.RECORD_VERSION if self.schema_version >= 3
+                               else codec.LEGACY_RECORD_VERSION)
+
+    def _check(self) -> None:
+        check_same_process(self._pid, f"the ecstore handle of {self.path}")
+        if self._closed:
+            raise StoreOpenError(f"store at {self.path} is closed")
+
+    def close(self) -> None:
+        """Release this handle (the environment closes with its last one)."""
+        if not self._closed:
+            self._closed = True
+            if os.getpid() == self._pid:
+                self._shared.release()
+
+    @staticmethod
+    def _k(key: str) -> bytes:
+        # surrogateescape: a key read back from the file with bytes that are
+        # not UTF-8 (tooling decodes them so) maps to the very same bytes.
+        return key.encode("utf-8", "surrogateescape")
+
+    @property
+    def _leases(self) -> LeaseTable | None:
+        """The lease table (:mod:`ecstore.lmdb.leases`); None on read-only handles."""
+        return self._shared.lease_table
+
+    @_lmdb_errors_as_store_errors
+    def leased_keys(self) -> set[bytes]:
+        """Keys with at least one live lease (unexpired, owner alive)."""
+        leases = self._leases
+        if leases is None:
+            return set()
+        return leases.leased_keys()
+
+    # ----------------------------------------------------------- transactions
+    @overload
+    def _begin(self, write: bool = False,
+               buffers: Literal[False] = False) -> contextlib.AbstractContextManager[lmdb.Transaction[bytes]]: ...
+
+    @overload
+    def _begin(self, write: bool = False, *,
+               buffers: Literal[True]) -> contextlib.AbstractContextManager[lmdb.Transaction[memoryview]]: ...
+
+    def _begin(self, write: bool = False, buffers: bool = False) -> contextlib.AbstractContextManager[lmdb.Transaction]:
+        """``with self._begin() as txn``: see :meth:`_SharedEnv.txn`. Values
+        read in the transaction are ``bytes``, or ``memoryview`` with
+        ``buffers=True`` (valid only inside the ``with`` block)."""
+        return self._shared.txn(write=write, buffers=buffers)
+
+    @contextlib.contextmanager
+    def _write_txn(self) -> Iterator[lmdb.Transaction[bytes]]:
+        """A raw write transaction under this process's write lock; eviction
+        tombstones it left are cleared once it has committed or aborted.
+        Entries and counters change only through :meth:`_writing`."""
+        with self._shared.write_lock:
+            try:
+                with self._begin(write=True) as txn:
+                    raw = txn.get(b"schema_version", db=self._meta)
+                    if raw is not None and int(raw) != self.schema_version:
+                        # Another process migrated the file after we opened it:
+                        # our view of the layout is stale, so write nothing.
+                        raise SchemaError(
+                            f"store at {self.path} was migrated to schema {int(raw)} by another "
+                            f"process while this handle (schema {self.schema_version}) was open; "
+                            f"reopen the store")
+                    yield txn
+            finally:
+                leases = self._leases
+                if leases is not None:  # step (5) of the tombstone protocol: see ecstore.lmdb.leases
+                    leases.clear_tombstones()
+
+    def _writing(self) -> contextlib.AbstractContextManager[WriteTxn]:
+        """``with self._writing() as w``: a :class:`WriteTxn` over
+        :meth:`_write_txn` (counters written back at commit)."""
+        return WriteTxn.open(self._write_txn(), self._dbs, path=self.path, leases=self._leases,
+                             pinned=self.leased_keys, record_version=self.record_version,
+                             counters=self.counters)
+
+    def _last_txnid(self) -> int:
+        """The id of the newest committed write transaction of the environment
+        (any process's): it grows by one with every commit that wrote."""
+        txnid: int = self.env.info()["last_txnid"]
+        return txnid
+
+    def _commit_nothing(self) -> None:
+        """Commit a transaction that changes no value (rewrites the
+        counters): advances LMDB's transaction id so pages freed by the
+        previous commit become reusable. A full map is ignored."""
+        try:
+            with self._writing() as w:
+                w.force_commit()
+        except lmdb.MapFullError:
+            pass
+
+    def _write_retrying(self, write: Callable[[], _T], what: str) -> _T:
+        """``write()`` (one write transaction that frees rather than adds),
+        retried while the map is full (:class:`~ecstore.lmdb.full.MapFullRetry`,
+        without eviction); StoreFullError ("cannot <what>") when that gives up."""
+        retry = MapFullRetry(self)
+        while True:
+            try:
+                return write()
+            except lmdb.MapFullError:
+                if not retry.again():
+                    raise StoreFullError(f"LMDB map of {self.path} is full: cannot {what}") from None

@@ -1,0 +1,182 @@
+"""The read side of the LMDB tier: lookups, the checked ``get``, listings,
+counters and snapshots for tooling.
+
+Every read opens one short read transaction and closes it before
+returning, so no reader pins old pages across calls (a full map waits for
+readers; see :mod:`ecstore.lmdb.full`). Thread-safe; any number of
+processes read while others write. ``get`` removes an entry that fails its
+checks (through a :class:`~ecstore.lmdb.txn.WriteTxn`) unless the handle is
+read-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+import lmdb
+import torch
+
+from .. import codec
+from ..codec import CorruptBlobError, Record
+from ..errors import StoreFullError
+from .handle import StoreHandle, _lmdb_errors_as_store_errors
+from .txn import _U64
+
+log = logging.getLogger("ecstore")
+
+
+class TierReads(StoreHandle):
+    """Reads of one store handle (see the module docstring)."""
+
+    @_lmdb_errors_as_store_errors
+    def contains(self, key: str, identifier: str) -> bool:
+        """Whether ``key`` holds an entry of ``identifier`` (one read)."""
+        return self.identifier_at(key) == identifier
+
+    @_lmdb_errors_as_store_errors
+    def identifier_at(self, key: str) -> str | None:
+        """The full identifier stored under ``key``, or None if absent."""
+        self._check()
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(self._k(key), db=self._entries)
+            return None if raw is None else codec.record_identifier(raw, self.record_version)
+
+    @_lmdb_errors_as_store_errors
+    def record(self, key: str) -> Record | None:
+        """``key``'s record; None if absent; CorruptBlobError if unreadable."""
+        self._check()
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(self._k(key), db=self._entries)
+            return None if raw is None else codec.unpack_record(raw)
+
+    @_lmdb_errors_as_store_errors
+    def get(self, key: str, identifier: str, *, model: str | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The stored tensor (a fresh CPU copy), or None on a miss.
+
+        The entry passes :func:`codec.check_entry` (record, blob, checksum,
+        header; the ``key``, and the ``model`` / ``dtype`` of the asking
+        handle if given) before a byte of it is copied. An entry failing it
+        is logged, removed (unless read-only) and reported as a miss: garbage
+        or a tensor of another model, dtype or shape is never returned, and
+        no hostile header makes this raise anything but an ECStoreError.
+        """
+        self._check()
+        k = self._k(key)
+        rec: Record | None = None
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(k, db=self._entries)
+            if raw is None:
+                return None
+            try:
+                rec = codec.unpack_record(raw)
+                if rec.identifier != identifier or rec.version != self.record_version:
+                    return None  # another identity or identifier (hash collision), or legacy: a plain miss
+                blob = txn.get(k, db=self._blobs)
+                if blob is None:
+                    raise CorruptBlobError("record without blob")
+                return codec.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
+            except CorruptBlobError as e:
+                err = e
+        log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, err, self.path,
+                    "" if self.readonly else ", removed")
+        if not self.readonly:
+            try:
+                self._write_retrying(lambda: self._drop_corrupt(k, None if rec is None else rec.checksum),
+                                     f"drop the corrupt entry {key}")
+            except StoreFullError as e:  # still a miss; the next get or eviction drops it
+                log.warning("ecstore: %s", e)
+        return None
+
+    def _drop_corrupt(self, k: bytes, raw_expected: int | None) -> None:
+        """Remove the damaged entry under ``k`` unless it was replaced by one
+        with another checksum than ``raw_expected`` meanwhile."""
+        with self._writing() as w:
+            raw = w.txn.get(k, db=self._entries)
+            if raw is None:
+                return
+            try:
+                rec = codec.unpack_record(raw)
+            except CorruptBlobError:
+                rec = None
+            if rec is not None and raw_expected is not None and rec.checksum != raw_expected:
+                return  # replaced by a fresh entry meanwhile
+            w.remove(k, rec)
+            self.counters.corrupt_dropped += 1
+
+    def iter_records(self, *, reverse: bool = False) -> Iterator[tuple[str, Record | None]]:
+        """(key, record) for every entry, in key order; None for an unreadable record.
+
+        Holds one read transaction while iterating: use for tooling, not on
+        the serving path.
+        """
+        self._check()
+        with self._begin() as txn, txn.cursor(db=self._entries) as cur:
+            for k, raw in (cur.iterprev() if reverse else cur):
+                try:
+                    yield k.decode("utf-8"), codec.unpack_record(raw)
+                except CorruptBlobError:
+                    yield k.decode("utf-8", "replace"), None
+
+    @_lmdb_errors_as_store_errors
+    def blob_bytes(self, key: str) -> bytes | None:
+        """A copy of an entry's raw blob (for export/verify tooling)."""
+        self._check()
+        with self._begin() as txn:
+            return txn.get(self._k(key), db=self._blobs)
+
+    @_lmdb_errors_as_store_errors
+    def lru_keys(self) -> list[str]:
+        """Keys from least to most recently used."""
+        self._check()
+        with self._begin() as txn:
+            if self._lru is not None:
+                return [bytes(v).decode() for _, v in txn.cursor(db=self._lru)]
+            recs = [(codec.unpack_record(v).lru_seq, bytes(k).decode()) for k, v in txn.cursor(db=self._entries)]
+        return [k for _, k in sorted(recs)]
+
+    @_lmdb_errors_as_store_errors
+    def total_bytes(self) -> int:
+        """Sum of stored blob sizes (bytes), as committed."""
+        with self._begin() as txn:
+            raw = txn.get(b"total_bytes", db=self._meta)
+            return _U64.unpack(raw)[0] if raw else 0
+
+    @_lmdb_errors_as_store_errors
+    def entry_count(self) -> int:
+        """Number of entries, as committed."""
+        with self._begin() as txn:
+            return txn.stat(self._entries)["entries"]
+
+    def env_info(self) -> dict[str, Any]:
+        """LMDB's ``Environment.info()`` plus ``psize`` (page size) and
+        ``file_size`` (data.mdb, bytes; 0 if unreadable)."""
+        info = dict(self.env.info())
+        info["psize"] = self.env.stat()["psize"]
+        try:
+            info["file_size"] = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except OSError:
+            info["file_size"] = 0
+        return info
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[tuple[lmdb.Transaction, dict[str, Any]]]:
+        """One read transaction (``buffers=True``) and the sub-database handles
+        ``{"blobs", "entries", "meta", "lru"}`` (``lru`` None in schema 1), for
+        tooling (``ecstore-dump``) that needs a consistent view. Read-only;
+        buffers are valid only inside the ``with`` block; keep it short."""
+        self._check()
+        with self._begin(buffers=True) as txn:
+            yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru}
+
+    @_lmdb_errors_as_store_errors
+    def namespace_descriptions(self) -> dict[str, bytes]:
+        """namespace -> identity description (JSON bytes) of every registered one."""
+        self._check()
+        if self._namespaces is None:
+            return {}
+        with self._begin() as txn, txn.cursor(db=self._namespaces) as cur:
+            return {bytes(k).decode("ascii", "replace"): bytes(v) for k, v in cur}

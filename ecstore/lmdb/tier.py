@@ -1,0 +1,275 @@
+"""The LMDB tier: :class:`LMDBTier`, the persistent, size-bounded,
+multi-process LRU tier over one store directory.
+
+It adds to the reads (:mod:`ecstore.lmdb.reads`) and the open handle
+(:mod:`ecstore.lmdb.handle`): write batches and their retry policy when the
+map is full (:mod:`ecstore.lmdb.full`), deletes, leases (pins against
+eviction, :mod:`ecstore.lmdb.leases`), namespace registration and the
+eviction down to the cap at open. Every change to entries and byte
+accounting goes through one :class:`~ecstore.lmdb.txn.WriteTxn`. See the
+design notes of :mod:`ecstore.lmdb`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+
+import lmdb
+
+from .. import codec
+from ..codec import Record
+from ..errors import ECStoreError, SchemaError, StoreFullError, StoreOpenError
+from .batch import PutOp, PutRequest, in_call_order
+from .env import MiB
+from .full import MapFullRetry, space_hint
+from .handle import _lmdb_errors_as_store_errors
+from .reads import TierReads
+
+log = logging.getLogger("ecstore")
+
+
+class LMDBTier(TierReads):
+    """Persistent, size-bounded, multi-process LRU tier.
+
+    ``capacity_bytes`` bounds the sum of stored blob sizes (tensor bytes plus
+    a few hundred bytes of safetensors header each). ``readonly`` handles
+    never write (no eviction, no LRU updates, corrupt entries are reported
+    but not removed). Thread-safe; any number of processes may open the
+    same directory (see :mod:`ecstore.lmdb`).
+    """
+
+    def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
+                 create: bool = True, schema_target: int | None = None,
+                 map_size_bytes: int | None = None, file_mode: int | None = None) -> None:
+        """``map_size_bytes`` overrides the LMDB map size (default
+        :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
+        least the data file's size, and only the first open of a directory in
+        a process sets it. A map smaller than the cap is legal: a full map
+        makes puts evict (see the design notes), it never fails them while
+        anything is evictable. Tests use it to reach a full map without
+        filling a disk.
+
+        ``file_mode``: mode of the files a read-write open creates (default
+        0600, directory 0700) and the mode an existing store is checked
+        against (see :mod:`ecstore.store_files`); None also means the caller
+        does not know the configured mode: looser modes are then not warned
+        about, only refused where unsafe."""
+        super().__init__(path, capacity_bytes, readonly=readonly, create=create, schema_target=schema_target,
+                         map_size_bytes=map_size_bytes, file_mode=file_mode)
+        if not readonly:
+            self._initial_eviction()
+
+    def _initial_eviction(self) -> None:
+        """Evict down to the cap at open (reopened with a smaller cap).
+
+        Best effort: a store error here (the map full -- even for the
+        eviction's own transaction while readers pin the pages other writers
+        freed --, entries pinned) leaves the store open and usable (the next
+        put evicts again) and is logged; anything else releases the shared
+        environment before it propagates, so a failing open never leaks a
+        reference to it."""
+        try:
+            if self.total_bytes() > self.capacity_bytes:
+                self._evict_to(self.capacity_bytes)
+        except (ECStoreError, lmdb.MapFullError) as e:
+            log.warning("ecstore: could not evict %s down to its cap of %d bytes at open: %s",
+                        self.path, self.capacity_bytes, e)
+        except lmdb.Error as e:
+            self._closed = True
+            self._shared.release()
+            raise StoreOpenError(f"cannot open ecstore store at {self.path}: {e}") from None
+        except BaseException:
+            self._closed = True
+            self._shared.release()
+            raise
+
+    # ----------------------------------------------------------------- leases
+    @_lmdb_errors_as_store_errors
+    def lease(self, keys: list[str], ttl_s: float, pid: int | None = None) -> None:
+        """Pin ``keys`` against eviction for ``ttl_s`` seconds (or until
+        released, or until process ``pid`` dies)."""
+        leases = self._leases
+        if leases is None or not keys:
+            return
+        self._check()
+        leases.lease([self._k(key) for key in keys], ttl_s, os.getpid() if pid is None else pid)
+
+    @_lmdb_errors_as_store_errors
+    def release(self, keys: list[str], pid: int | None = None) -> None:
+        """Drop one lease of ``pid`` on each of ``keys``."""
+        leases = self._leases
+        if leases is None or not keys:
+            return
+        self._check()
+        leases.release([self._k(key) for key in keys], os.getpid() if pid is None else pid)
+
+    @_lmdb_errors_as_store_errors
+    def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
+        """Lease ``key`` and report whether it holds ``identifier``, such that
+        a True answer guarantees no process evicts the entry before the lease
+        ends: steps (a) lease, (b) tombstone check, (c) entry check of the
+        eviction-marker protocol written down in :mod:`ecstore.lmdb.leases`.
+        """
+        if not self.contains(key, identifier):
+            # A miss needs no pin: answering "no" is always safe, and the
+            # scheduler asks about every uncached item at every step, so the
+            # common miss costs one read instead of two lease-file commits.
+            return False
+        leases = self._leases
+        if leases is None:
+            return True
+        self.lease([key], ttl_s)
+        if leases.evicting(self._k(key)) or not self.contains(key, identifier):
+            self.release([key])
+            return False
+        return True
+
+
+    # ----------------------------------------------------------------- writes
+    def _evict_to(self, target_bytes: int, extra: int = 0) -> int:
+        """Evict in a transaction of its own until ``total_bytes`` <=
+        ``target_bytes`` and at least ``extra`` bytes are freed; returns the
+        bytes freed."""
+        with self._writing() as w:
+            return w.evict_to(target_bytes, extra)
+
+    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None) -> None:
+        """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
+        last_access_ns[, orders])) in one transaction, evicting LRU entries to
+        stay within the cap. Sets each request's ``result``; never raises for a
+        single bad entry. Raises StoreFullError only if the whole batch could
+        not be committed (disk full, or the map full with nothing more to
+        evict: see :class:`~ecstore.lmdb.full.MapFullRetry`), with nothing
+        written; SchemaError if another process migrated the store.
+
+        Order: when every put has an ``order`` and every touch a tuple of
+        ``orders`` (the positions at which the key was read), puts and touches
+        are applied in that order, so an entry read before a put is already
+        most recently used when that put evicts. Otherwise puts are applied
+        in list order, then touches (:func:`~ecstore.lmdb.batch.in_call_order`).
+        """
+        self._check()
+        touches = touches or {}
+        for p in puts:
+            if p.blob is None:
+                p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model)
+            if len(p.blob) > self.capacity_bytes:
+                p.result, p.error = "failed", StoreFullError(
+                    f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
+            elif len(p.blob) > self._map_room():  # would evict everything, then fail anyway
+                p.result, p.error = "failed", StoreFullError(
+                    f"entry of {len(p.blob)} bytes can never fit in the LMDB map of {self.path} "
+                    f"(about {self._map_room()} bytes usable)")
+        todo = [p for p in puts if p.result == "pending"]
+        extra = 0
+        retry = MapFullRetry(self)
+
+        def evict() -> int:  # fragmentation: free more pages in a committed transaction
+            nonlocal extra
+            extra = max(extra * 2, sum(len(p.encoded) for p in todo) + 4 * MiB)
+            return self._evict_to(self.capacity_bytes, extra)
+
+        while True:
+            try:
+                self._write_once(todo, touches)
+                return
+            except SchemaError as e:
+                for p in todo:
+                    p.result, p.error = "failed", e
+                raise
+            except lmdb.MapFullError:
+                if not retry.again(evict):
+                    break
+            except lmdb.Error as e:
+                # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
+                hint = space_hint(self.path, sum(len(p.encoded) for p in todo))
+                err = StoreFullError(f"write to {self.path} failed: {e}{hint}")
+                if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
+                    err = StoreFullError(f"disk full while writing to {self.path}: {e}{hint}")
+                for p in todo:
+                    p.result, p.error = "failed", err
+                raise err from None
+        err = StoreFullError(f"LMDB map of {self.path} is full and nothing more can be evicted")
+        for p in todo:
+            p.result, p.error = "failed", err
+        raise err
+
+    def _map_room(self) -> int:
+        """Bytes of blob the LMDB map could hold at best (map minus the meta
+        pages and some B-tree pages)."""
+        return self.env.info()["map_size"] - 64 * self.env.stat()["psize"]
+
+    def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
+        """One attempt at a batch: one :class:`~ecstore.lmdb.txn.WriteTxn`;
+        sets the results only once it committed."""
+        now = time.time_ns()
+        results: list[str] = ["pending"] * len(todo)
+        with self._writing() as w:
+            for op in in_call_order(todo, touches):
+                if not isinstance(op, PutOp):
+                    w.touch(self._k(op.key), op.identifier, op.hits, op.last_ns)
+                    continue
+                p = todo[op.index]
+                k = self._k(p.key)
+                held = w.identifier_of(k)  # a damaged entry under this key is dropped: replaced
+                if held is not None:
+                    results[op.index] = "present" if held == p.identifier else "collision"
+                    continue
+                blob = p.encoded
+                if not w.make_room(len(blob), self.capacity_bytes):
+                    results[op.index] = "full"
+                    continue
+                w.insert(k, blob, Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."),
+                                         tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
+                                         codec.checksum(blob), now, now, 0, 0, self.record_version))
+                results[op.index] = "stored"
+        for p, r in zip(todo, results):
+            if r == "full":
+                p.result, p.error = "failed", StoreFullError(
+                    f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
+            else:
+                p.result = r
+
+    @_lmdb_errors_as_store_errors
+    def register_namespace(self, namespace: str, description: bytes) -> None:
+        """Record what ``namespace`` stands for (JSON ``description``), once."""
+        self._check()
+        if self.readonly or self._namespaces is None:
+            return
+        k = namespace.encode("ascii")
+        with self._begin() as txn:
+            if txn.get(k, db=self._namespaces) == description:
+                return
+        with self._write_txn() as txn:
+            txn.put(k, description, db=self._namespaces)
+
+    @_lmdb_errors_as_store_errors
+    def delete(self, key: str) -> bool:
+        """Remove ``key``'s entry; False if there was none."""
+        return self.remove(key) is not None
+
+    @_lmdb_errors_as_store_errors
+    def remove(self, key: str) -> int | None:
+        """Remove ``key``'s entry (damaged ones too: record, blob and LRU row)
+        and return the bytes it took off ``total_bytes``; None if absent.
+        Waits while the map is full (a delete needs pages too); StoreFullError
+        if it stays full."""
+        self._check()
+        k = self._k(key)
+
+        def remove_once() -> int | None:
+            with self._writing() as w:
+                if w.txn.get(k, db=self._entries) is None:
+                    return None
+                return w.remove(k)
+        return self._write_retrying(remove_once, f"remove {key}")
+
+    @_lmdb_errors_as_store_errors
+    def sync(self) -> None:
+        """Force committed transactions to stable storage."""
+        self._check()
+        if not self.readonly:
+            self.env.sync(True)

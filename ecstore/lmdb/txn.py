@@ -1,0 +1,324 @@
+"""The write transaction: the one place entries are added, removed, touched
+and evicted, and the one place the store's byte accounting is kept.
+
+:class:`WriteTxn` owns one LMDB write transaction and the sub-database
+handles (:class:`Dbs`). It reads the ``meta`` counters ``total_bytes``
+(sum of stored blob sizes, bytes) and ``next_seq`` (the next LRU sequence
+number) once, on first use; :meth:`~WriteTxn.insert`,
+:meth:`~WriteTxn.remove`, :meth:`~WriteTxn.touch` and the evictions keep
+them up to date in memory, and they are written back once, just before the
+transaction commits. A blob, its record, its LRU row and the counters
+therefore always change in the same transaction: the accounting cannot
+drift from the entries, and nothing outside this module writes them.
+
+Threads and processes: a WriteTxn lives inside one write transaction, so
+it is used by one thread at a time (the tier holds its process's write
+lock, LMDB's lock serialises processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Generator, Iterator
+
+import lmdb
+
+from .. import codec
+from ..codec import CorruptBlobError, Record
+from ..errors import StoreOpenError
+from .leases import LeaseTable
+
+_U64 = struct.Struct("<Q")
+_SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+
+
+def _meta_value(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> bytes | memoryview:
+    """The ``meta`` record ``name`` (in sub-database ``db``) read in ``txn``;
+    StoreOpenError if it is missing (a damaged store: :func:`schema.check_meta`
+    verified it at open, so only a store damaged since then gets here)."""
+    raw = txn.get(name, db=db)
+    if raw is None:
+        raise StoreOpenError(f"store at {path} is damaged: its meta record {name.decode()} is missing; "
+                             f"move the store away or restore a copy")
+    return raw
+
+
+def _u64(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> int:
+    """The u64 counter ``name`` (``total_bytes``, ``next_seq``) of the ``meta``
+    sub-database ``db``, read in ``txn``; StoreOpenError if it is missing."""
+    value: int = _U64.unpack(_meta_value(txn, name, db, path))[0]
+    return value
+
+
+@dataclass(frozen=True)
+class Dbs:
+    """The sub-database handles of one environment (see ``migrations/``):
+    ``blobs`` (key -> safetensors blob), ``entries`` (key -> packed Record),
+    ``meta`` (schema version and counters), ``lru`` (u64 BE seq -> key; None
+    in schema 1), ``namespaces`` (namespace -> identity; None before schema 3)."""
+
+    blobs: Any
+    entries: Any
+    meta: Any
+    lru: Any | None
+    namespaces: Any | None
+
+
+@dataclass
+class TierCounters:
+    """Per-handle event counts (not persisted): entries evicted, damaged
+    entries dropped. Updated by write transactions as they happen."""
+
+    evictions: int = 0
+    corrupt_dropped: int = 0
+
+
+class WriteTxn:
+    """One write transaction over a store's sub-databases (see the module
+    docstring). Begin it with :meth:`open`; values read through it are
+    ``bytes``."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: Dbs, *, path: str, leases: LeaseTable | None,
+                 pinned: Callable[[], set[bytes]], record_version: int, counters: TierCounters) -> None:
+        """``leases``: the lease table evictions mark their victims in (None:
+        read-only handle); ``pinned()``: the keys eviction must spare now."""
+        self.txn = txn
+        self.dbs = dbs
+        self.path = path
+        self.leases = leases
+        self.pinned = pinned
+        self.record_version = record_version
+        self.counters = counters
+        self._total: int | None = None  # read on first use
+        self._seq: int | None = None
+        self._dirty = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, begin: contextlib.AbstractContextManager[lmdb.Transaction], dbs: Dbs, *, path: str,
+             leases: LeaseTable | None, pinned: Callable[[], set[bytes]], record_version: int,
+             counters: TierCounters) -> Iterator["WriteTxn"]:
+        """``with WriteTxn.open(tier._write_txn(), ...) as w``: enters the
+        write transaction ``begin``; when the block ends normally writes the
+        counters back (if anything changed) and commits; on an exception
+        aborts, counters included."""
+        with begin as txn:
+            w = cls(txn, dbs, path=path, leases=leases, pinned=pinned, record_version=record_version,
+                    counters=counters)
+            yield w
+            w._write_back()
+
+    # --------------------------------------------------------------- counters
+    @property
+    def total(self) -> int:
+        """``total_bytes`` as of this transaction's changes so far (bytes)."""
+        if self._total is None:
+            self._total = _u64(self.txn, b"total_bytes", self.dbs.meta, self.path)
+        return self._total
+
+    def _next_seq(self) -> int:
+        if self._seq is None:
+            self._seq = _u64(self.txn, b"next_seq", self.dbs.meta, self.path)
+        seq = self._seq
+        self._seq += 1
+        self._dirty = True
+        return seq
+
+    def force_commit(self) -> None:
+        """Make the commit write (the counters, unchanged): LMDB skips a
+        commit that wrote nothing, and callers need the transaction id to
+        advance (pages freed by the previous commit become reusable)."""
+        self.total  # noqa: B018 -- loads it, so it is written back
+        if self._seq is None:
+            self._seq = _u64(self.txn, b"next_seq", self.dbs.meta, self.path)
+        self._dirty = True
+
+    def _write_back(self) -> None:
+        if not self._dirty:
+            return
+        if self._total is not None:
+            self.txn.put(b"total_bytes", _U64.pack(self._total), db=self.dbs.meta)
+        if self._seq is not None:
+            self.txn.put(b"next_seq", _U64.pack(self._seq), db=self.dbs.meta)
+
+    # ---------------------------------------------------------------- entries
+    def identifier_of(self, k: bytes) -> str | None:
+        """The identifier stored under ``k``; None if there is no entry. A
+        damaged entry (unreadable record) is removed and counts as none."""
+        raw = self.txn.get(k, db=self.dbs.entries)
+        if raw is not None and not codec.record_readable(raw):
+            self.remove(k)
+            self.counters.corrupt_dropped += 1
+            return None
+        return None if raw is None else codec.record_identifier(raw, self.record_version)
+
+    def insert(self, k: bytes, blob: codec.Blob, record: Record) -> None:
+        """Store a new entry (no entry may exist under ``k``): blob, record
+        (its ``lru_seq`` is set here: most recently used) and LRU row;
+        ``total_bytes`` grows by ``record.blob_size``."""
+        rec = replace(record, lru_seq=self._next_seq())
+        # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it has
+        # the buffer protocol on 3.11 too (py-lmdb stores it without a copy).
+        self.txn.put(k, blob, db=self.dbs.blobs)  # type: ignore[arg-type]
+        self.txn.put(k, codec.pack_record(rec), db=self.dbs.entries)
+        if self.dbs.lru is not None:
+            self.txn.put(_SEQ.pack(rec.lru_seq), k, db=self.dbs.lru, append=True)
+        self._total = self.total + rec.blob_size
+
+    def touch(self, k: bytes, identifier: str, hits: int, last_ns: int) -> bool:
+        """Make ``k``'s entry the most recently used, add ``hits`` and raise
+        its last access to ``last_ns`` (ns since the epoch), if it still holds
+        ``identifier``; False if not (or damaged: the next read drops it)."""
+        raw = self.txn.get(k, db=self.dbs.entries)
+        if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
+            return False
+        try:
+            rec = codec.unpack_record(raw)
+        except CorruptBlobError:
+            return False
+        seq = self._next_seq()
+        if self.dbs.lru is not None:
+            self.txn.delete(_SEQ.pack(rec.lru_seq), db=self.dbs.lru)
+            self.txn.put(_SEQ.pack(seq), k, db=self.dbs.lru, append=True)
+        self.txn.put(k, codec.pack_record(rec.touched(last_ns, seq, hits)), db=self.dbs.entries)
+        return True
+
+    def remove(self, k: bytes, rec: Record | None = None) -> int:
+        """Delete the entry under ``k`` (blob, record, every LRU row naming
+        it) and take its bytes off ``total_bytes``; returns the bytes freed.
+
+        Works on damaged entries too: with an unreadable record the blob's
+        length is what ``total_bytes`` counted for it, and its LRU row is
+        found by scanning the LRU index (rare: damaged entries only)."""
+        txn, dbs = self.txn, self.dbs
+        if rec is None:
+            raw = txn.get(k, db=dbs.entries)
+            if raw is not None:
+                try:
+                    rec = codec.unpack_record(raw)
+                except CorruptBlobError:
+                    rec = None
+        blob = txn.get(k, db=dbs.blobs)
+        size = rec.blob_size if rec is not None else (len(blob) if blob is not None else 0)
+        txn.delete(k, db=dbs.blobs)
+        txn.delete(k, db=dbs.entries)
+        if dbs.lru is not None:
+            if rec is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs.lru) == k:
+                txn.delete(_SEQ.pack(rec.lru_seq), db=dbs.lru)
+            else:
+                with txn.cursor(db=dbs.lru) as cur:
+                    rows = [bytes(seq) for seq, v in cur if v == k]
+                for seq in rows:
+                    txn.delete(seq, db=dbs.lru)
+        if size:
+            self._total = max(0, self.total - size)
+            self._dirty = True
+        return size
+
+    # --------------------------------------------------------------- eviction
+    def make_room(self, size: int, cap: int) -> bool:
+        """Evict least recently used entries until ``size`` more bytes fit
+        under ``cap`` (bytes); False if they cannot (the rest is pinned).
+        Entries inserted earlier in this transaction are evictable like any
+        other: a batch behaves as the same puts committed one by one."""
+        if self.total + size > cap:
+            self.evict(self.total + size - cap)
+        return self.total + size <= cap
+
+    def evict_to(self, target: int, extra: int = 0) -> int:
+        """Evict until ``total_bytes`` <= ``target`` and at least ``extra``
+        bytes are freed (bytes); returns the bytes freed."""
+        need = max(extra, self.total - target)
+        return self.evict(need) if need > 0 else 0
+
+    def evict(self, need: int, protect: frozenset[bytes] = frozenset()) -> int:
+        """Evict LRU entries until ``need`` bytes are freed.
+
+        Skips leased entries and ``protect``; damaged entries (unreadable
+        records) met on the way are removed too. Victims that get leased
+        between their choice and their marking (the tombstone protocol, see
+        :mod:`ecstore.lmdb.leases`) are spared and replaced by the next least
+        recently used entries. Returns bytes freed (less than ``need`` only
+        when everything left is pinned). Never raises for a damaged entry.
+        """
+        freed = 0
+        skip = self.pinned() | protect
+        while freed < need:
+            victims: list[tuple[bytes, int]] = []
+            damaged: list[bytes] = []
+            chosen = 0
+            candidates = self._lru_candidates(skip)
+            try:
+                for k, size, bad in candidates:
+                    if bad:
+                        damaged.append(k)
+                    else:
+                        victims.append((k, size))
+                    chosen += size
+                    if freed + chosen >= need:
+                        break
+            finally:
+                candidates.close()  # its cursor, before the deletions below
+            if not victims and not damaged:
+                break  # nothing left that may be evicted
+            for k in damaged:
+                freed += self.remove(k)
+                self.counters.corrupt_dropped += 1
+            if victims and self.leases is not None:
+                # Tombstone protocol, steps (2) and (3): see ecstore.lmdb.leases.
+                self.leases.mark_evicting([k for k, _ in victims])
+                pinned_now = self.pinned()
+                skip |= pinned_now
+                victims = [(k, size) for k, size in victims if k not in pinned_now]
+            for k, _ in victims:
+                freed += self.remove(k)
+            self.counters.evictions += len(victims)
+        return freed
+
+    def _lru_candidates(self, skip: set[bytes]) -> Generator[tuple[bytes, int, bool], None, None]:
+        """``(key, blob bytes, damaged)`` of evictable entries, least recently
+        used first, skipping ``skip``. Cleans the LRU index on the way: a row
+        whose entry is gone, or whose record names another position, is
+        deleted (neither is an entry). A damaged entry (unreadable record) is
+        yielded with ``damaged=True`` whatever ``skip`` says: it can only
+        ever be a miss, so it is always removed."""
+        txn, dbs = self.txn, self.dbs
+        if dbs.lru is None:  # schema 1 (tooling only): order by the records
+            order: list[tuple[int, bytes, int, bool]] = []
+            with txn.cursor(db=dbs.entries) as cur:
+                for k, packed in cur:
+                    try:
+                        rec = codec.unpack_record(packed)
+                        order.append((rec.lru_seq, bytes(k), rec.blob_size, False))
+                    except CorruptBlobError:
+                        blob = txn.get(k, db=dbs.blobs)
+                        order.append((-1, bytes(k), len(blob) if blob is not None else 0, True))
+            for _, k, size, damaged in sorted(order):
+                if damaged or k not in skip:
+                    yield k, size, damaged
+            return
+        stale: list[bytes] = []
+        try:
+            with txn.cursor(db=dbs.lru) as cur:
+                for seq, kv in cur:
+                    k = bytes(kv)
+                    raw = txn.get(k, db=dbs.entries)
+                    if raw is None:
+                        stale.append(bytes(seq))
+                        continue
+                    try:
+                        rec = codec.unpack_record(raw)
+                    except CorruptBlobError:
+                        blob = txn.get(k, db=dbs.blobs)
+                        yield k, len(blob) if blob is not None else 0, True
+                        continue
+                    if _SEQ.pack(rec.lru_seq) != bytes(seq):
+                        stale.append(bytes(seq))
+                        continue
+                    if k not in skip:
+                        yield k, rec.blob_size, False
+        finally:
+            for seq in stale:
+                txn.delete(seq, db=dbs.lru)
