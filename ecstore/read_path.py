@@ -22,7 +22,7 @@ from .stats import HitTier
 from .writer import PendingPut
 
 if TYPE_CHECKING:
-    from .lmdb_tier import LMDBTier
+    from .lmdb import LMDBTier
     from .memory import MemoryTier
     from .remote.tier import RemoteTier
     from .writer import Writer

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .lmdb_tier import LMDBTier
+    from .lmdb import LMDBTier
     from .memory import MemoryTier
     from .remote.tier import RemoteTier
     from .writer import Writer

@@ -75,7 +75,7 @@ class ECStore:
         chunk_hasher: override the 64-bit identifier hash (tests force
             collisions with it); must return 16 lower-case hex digits.
         _map_size_bytes: test hook, the LMDB map size (see
-            :class:`~ecstore.lmdb_tier.LMDBTier`); default max(1.25 x cap, cap + 1 MiB).
+            :class:`~ecstore.lmdb.LMDBTier`); default max(1.25 x cap, cap + 1 MiB).
         _remote_clock: test hook, the monotonic clock of the remote tier's
             circuit breaker and negative cache.
 
