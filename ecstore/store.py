@@ -285,7 +285,7 @@ class ECStore:
         processes), except puts that failed (disk full...), which
         :meth:`flush` reports. Unlike :meth:`flush` it adds no fsync of its own:
         the cost is the writer's commit of what is queued (each commit syncs
-        the data pages; see ``lmdb_tier``).
+        the data pages; see ``ecstore.lmdb``).
 
         With a remote tier it also waits until those puts were sent to the
         remote (or dropped: the remote down, slow or its queue full; bounded
