@@ -21,9 +21,10 @@ from pathlib import Path
 import contextlib
 from typing import Iterator
 
+import lmdb
 import pytest
 
-from ecstore import StoreFullError, StoreOpenError
+from ecstore import StoreFullError
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
@@ -62,10 +63,10 @@ def _exhaust_the_map(tier: LMDBTier) -> int:
     n, size = 0, MiB
     while size >= 1:
         try:
-            tier.register_namespace(f"pad{n}", bytes(size))
+            with tier._write_txn() as txn:  # raw: fails at once when no page is left
+                txn.put(f"pad{n}".encode(), bytes(size), db=tier._namespaces)
             n += 1
-        except StoreOpenError as e:
-            assert "MDB_MAP_FULL" in str(e), e
+        except lmdb.MapFullError:
             size //= 2
     return n
 
@@ -174,6 +175,33 @@ def test_delete_while_a_reader_pins_the_free_pages_waits_for_it(tmp_path: Path,
             monkeypatch.setattr(a, "_commit_nothing", commit_nothing)
             assert a.delete(key(101))
         assert a.identifier_at(key(101)) is None and a.total_bytes() == 0
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_namespace_recorded_while_a_reader_pins_the_free_pages(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch):
+    """Recording a new encoder identity (namespace) needs fresh pages too.
+    With the map exhausted while a reader pins the pages freed by another
+    writer, it failed with StoreOpenError; now it waits for the reader, as a
+    delete does, and records the namespace."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    try:
+        assert _put(b, 100).result == "stored"
+        with _exhausted_by_a_reader(b, 100) as reader:
+            real_commit_nothing = a._commit_nothing
+
+            def commit_nothing() -> None:
+                real_commit_nothing()
+                reader.close()  # the reader's call ends
+
+            monkeypatch.setattr(a, "_commit_nothing", commit_nothing)
+            a.register_namespace("ns-new", b'{"model": "m"}')
+        assert a.namespace_descriptions()["ns-new"] == b'{"model": "m"}'
         fc.audit(path, CAP, tier=a).check()
     finally:
         a.close()

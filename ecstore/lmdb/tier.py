@@ -243,8 +243,12 @@ class LMDBTier(TierReads):
         with self._begin() as txn:
             if txn.get(k, db=self._namespaces) == description:
                 return
-        with self._write_txn() as txn:
-            txn.put(k, description, db=self._namespaces)
+
+        def put_once() -> None:
+            with self._write_txn() as txn:
+                txn.put(k, description, db=self._namespaces)
+        # A few hundred bytes, but fresh pages all the same: wait like a delete.
+        self._write_retrying(put_once, f"record namespace {namespace}")
 
     @_lmdb_errors_as_store_errors
     def delete(self, key: str) -> bool:
