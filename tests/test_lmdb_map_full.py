@@ -153,6 +153,19 @@ def _exhausted_by_a_reader(b: LMDBTier, big: int) -> Iterator[contextlib.ExitSta
         yield reader
 
 
+def _end_reader_at_first_retry(a: LMDBTier, reader: contextlib.ExitStack,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """End ``reader`` (its call returns) right after A's first retry commit,
+    so A's wait for older readers finds it gone and the retry can proceed."""
+    real_commit_nothing = a._commit_nothing
+
+    def commit_nothing() -> None:
+        real_commit_nothing()
+        reader.close()
+
+    monkeypatch.setattr(a, "_commit_nothing", commit_nothing)
+
+
 def test_delete_while_a_reader_pins_the_free_pages_waits_for_it(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch):
     """A delete needs fresh pages too (copy-on-write). With the map exhausted
@@ -166,13 +179,7 @@ def test_delete_while_a_reader_pins_the_free_pages_waits_for_it(tmp_path: Path,
         assert _put(b, 100).result == "stored"
         assert _put(b, 101, rows=4).result == "stored"
         with _exhausted_by_a_reader(b, 100) as reader:
-            real_commit_nothing = a._commit_nothing
-
-            def commit_nothing() -> None:
-                real_commit_nothing()
-                reader.close()  # the reader's call ends
-
-            monkeypatch.setattr(a, "_commit_nothing", commit_nothing)
+            _end_reader_at_first_retry(a, reader, monkeypatch)
             assert a.delete(key(101))
         assert a.identifier_at(key(101)) is None and a.total_bytes() == 0
         fc.audit(path, CAP, tier=a).check()
@@ -193,13 +200,7 @@ def test_namespace_recorded_while_a_reader_pins_the_free_pages(tmp_path: Path,
     try:
         assert _put(b, 100).result == "stored"
         with _exhausted_by_a_reader(b, 100) as reader:
-            real_commit_nothing = a._commit_nothing
-
-            def commit_nothing() -> None:
-                real_commit_nothing()
-                reader.close()  # the reader's call ends
-
-            monkeypatch.setattr(a, "_commit_nothing", commit_nothing)
+            _end_reader_at_first_retry(a, reader, monkeypatch)
             a.register_namespace("ns-new", b'{"model": "m"}')
         assert a.namespace_descriptions()["ns-new"] == b'{"model": "m"}'
         fc.audit(path, CAP, tier=a).check()
