@@ -7,10 +7,11 @@ page): an LMDB-tier hit copied into ``torch.empty`` memory took ~4.5x
 memcpy, into memory written before ~1x (``docs/benchmarks.md``).
 
 :class:`BufferPool` hands out tensors whose memory is a view of a buffer
-(a "slab") kept from earlier use. A slab goes back to the pool only when the
+(a "slab") kept from earlier use (:meth:`BufferPool.buffer` hands out the
+buffer itself, a numpy array). A slab goes back to the pool only when the
 last reference to the tensor handed out, to any view of it and to its
 storage is gone (``torch.frombuffer`` holds the buffer until its storage is
-freed; a ``weakref.finalize`` on the buffer then returns the slab), so
+freed; a weak reference to the buffer then returns the slab), so
 nothing a caller still holds is ever overwritten: a tensor from the pool is
 exactly as private as one from ``torch.empty``. At most ``idle_bytes`` of
 slabs are kept while unused; the rest is freed.
@@ -69,6 +70,8 @@ class BufferPool:
         self._free: dict[int, list[np.ndarray]] = {}
         self._pinned_free: dict[int, list[np.ndarray]] = {}  # page-locked slabs (CUDA staging)
         self._idle = 0
+        #: Weak references to the buffers handed out, by id: (ref, slab, pinned).
+        self._live: dict[int, tuple[weakref.ReferenceType[np.ndarray], np.ndarray, bool]] = {}
         self.reused = 0  # requests served from a kept slab
         self.fresh = 0  # requests that allocated a new slab
         self.prefaulted = 0  # spare slabs faulted in by the background thread
@@ -93,6 +96,20 @@ class BufferPool:
         nbytes = n * dtype.itemsize
         if nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        # One torch call: a tensor of ``dtype`` straight over the buffer (it
+        # holds the buffer until its storage is freed).
+        out = torch.frombuffer(self.buffer(nbytes, pinned=pinned), dtype=dtype, count=n)
+        return out.view(shape) if len(shape) != 1 else out
+
+    def buffer(self, nbytes: int, *, pinned: bool = False) -> np.ndarray:
+        """A writable uint8 numpy array of ``nbytes`` (> 0) that nothing else
+        references, its memory a slab of the pool when one of its class is
+        free (else a new slab; below ``min_bytes`` plain ``torch.empty``
+        memory). The slab returns to the pool once this array and everything
+        built on it (numpy views, ``torch.frombuffer`` tensors and their
+        views) are gone. ``pinned`` as in :meth:`empty`."""
+        if nbytes < self.min_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).numpy()
         cls = size_class(nbytes)
         slab = None
         with self._lock:
@@ -106,11 +123,12 @@ class BufferPool:
         if slab is None:
             slab = torch.empty(cls, dtype=torch.uint8, pin_memory=pinned).numpy()
         view = slab[:nbytes]
-        fin = weakref.finalize(view, self._give_back, slab, os.getpid(), pinned)
-        fin.atexit = False
-        raw = torch.frombuffer(view, dtype=torch.uint8)  # holds `view` until its storage is freed
-        out = raw.view(dtype) if dtype != torch.uint8 else raw
-        return out.view(shape)
+        # A plain weak reference with a callback (kept alive in ``_live``
+        # until it fires): a few times cheaper than ``weakref.finalize``.
+        ref = weakref.ref(view, self._on_dead)
+        with self._lock:
+            self._live[id(ref)] = (ref, slab, pinned)
+        return view
 
     def prefault_soon(self, nbytes: int) -> None:
         """Have a background thread fault in one spare slab of ``nbytes``' class
@@ -154,11 +172,17 @@ class BufferPool:
         with self._done:
             return self._done.wait_for(lambda: not self._wanted, timeout_s)
 
-    def _give_back(self, slab: np.ndarray, pid: int, pinned: bool = False) -> None:
-        if pid != os.getpid():
-            return  # a view inherited over fork: the child's pool does not own it
-        cls = len(slab)
+    def _on_dead(self, ref: "weakref.ReferenceType[np.ndarray]") -> None:
+        # Runs when the last reference to a handed-out buffer is gone (any
+        # thread, possibly inside our own critical section: the lock is an
+        # RLock). After fork the child's ``_live`` is empty: nothing inherited
+        # comes back to its pool.
         with self._lock:
+            entry = self._live.pop(id(ref), None)
+            if entry is None or entry[0] is not ref:
+                return
+            _, slab, pinned = entry
+            cls = len(slab)
             if self._idle + cls <= self.idle_cap:
                 (self._pinned_free if pinned else self._free).setdefault(cls, []).append(slab)
                 self._idle += cls

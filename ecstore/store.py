@@ -158,7 +158,11 @@ class ECStore:
         """The EC key of an mm identifier under this handle's identity:
         ``<model>@1@0@<chunk_hash>@<dtype>``, the chunk hash being that of
         :meth:`stored_name`."""
-        return make_key(self.model, self._hash(self.stored_name(mm_hash)), self.dtype_name)
+        return self._key_of(self.stored_name(mm_hash))
+
+    def _key_of(self, name: str) -> str:
+        """The EC key of a stored name (see :meth:`key`)."""
+        return make_key(self.model, self._hash(name), self.dtype_name)
 
     # ------------------------------------------------------------------ reads
     def contains(self, mm_hash: str) -> bool:
@@ -230,7 +234,8 @@ class ECStore:
         self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
-        return self._puts.put(mm_hash, self.stored_name(mm_hash), self.key(mm_hash), tensor, copy=copy)
+        name = self.stored_name(mm_hash)
+        return self._puts.put(mm_hash, name, self._key_of(name), tensor, copy=copy)
 
     def write_lru_soon(self) -> None:
         """Have the background writer record the LRU updates (recency, hit

@@ -332,7 +332,32 @@ def sec_floor(b: Bench) -> None:
               workload=name, note="same bytes")
         b.add("floor", "clone() (fresh allocation)", [timed(lambda: src.clone()) for _ in range(reps)],
               workload=name, note="includes page faults of new memory")
+        b.add("floor", "memcpy after settle (info)", settled_copies(b, src, reps), workload=name,
+              note="the same copy into faulted memory not written since, each after a small write + "
+              "fdatasync + settle: the conditions a save in the save section starts from")
     fill_ratios(b, "floor")
+
+
+def settled_copies(b: Bench, src: torch.Tensor, reps: int) -> list[float]:
+    """``reps`` timings of ``dst.copy_(src)`` as a save meets it: after what
+    the save section does between calls (the writer's commit, an fdatasync,
+    :meth:`Bench.settle`), into faulted memory not written since (a save's
+    blob is a fresh slab). On the benchmark VM the same 1 MB copy costs 3-6x
+    its back-to-back time after such a pause (cold caches, idle vCPU)."""
+    nb = src.numel() * src.element_size()
+    dsts = [torch.empty_like(src).fill_(0) for _ in range(reps if nb * reps <= 256 * MiB else 2)]
+    path = os.path.join(b.work, "settle.bin")
+    out = []
+    for i in range(reps):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fdatasync(f.fileno())
+        b.settle()
+        dst = dsts[i % len(dsts)]
+        out.append(timed(lambda: dst.copy_(src)))
+    os.unlink(path)
+    return out
 
 
 def fill_ratios(b: Bench, section: str) -> None:
