@@ -10,7 +10,7 @@ Each entry's blob is a valid safetensors file holding one tensor named
 
 Tensors whose dtype safetensors has no code for (e.g. ``float8_e8m0fnu``) are
 stored as ``U8`` bytes with shape ``[nbytes]``; ``__metadata__`` then carries
-the real dtype and shape, and ``decode`` reinterprets the bytes. Any
+the real dtype and shape, and readers reinterpret the bytes. Any
 safetensors reader can open every blob.
 
 We write the safetensors framing ourselves rather than calling
@@ -22,6 +22,8 @@ Record format
 -------------
 The eviction/metadata record stored beside each blob lives in
 :mod:`ecstore.record` (re-exported here: ``codec.Record``, ``pack_record``...).
+Copying a checked tensor out of a blob (``read_entry``, ``decode``) lives in
+:mod:`ecstore.blob_read`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import xxhash
 
 from .errors import CorruptEntryError, ECStoreError, InvalidEntryError
 from .key import parse_key
-from .pool import POOL, BufferPool
+from .pool import BufferPool
 from .record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
 from .record import RECORD_VERSION as RECORD_VERSION
 from .record import Record as Record
@@ -313,7 +315,8 @@ def parse_header(blob: Any) -> BlobHeader:
 
 
 def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: str | None = None,
-                dtype: torch.dtype | str | None = None, key: str | None = None) -> BlobHeader:
+                dtype: torch.dtype | str | None = None, key: str | None = None,
+                checksum_by_caller: bool = False) -> BlobHeader:
     """Check one stored entry (its record and blob) before any byte of it is
     used; returns the blob's parsed header. The one entry check: ``get()``
     and ``ecstore-dump verify/show/export`` all use it.
@@ -325,7 +328,10 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
     (exactly, by name), and the EC ``key`` the entry is stored under (its
     model and dtype parts must be the header's). Raises
     :class:`CorruptBlobError` naming the first mismatch, never another
-    exception. Pure function; thread-safe.
+    exception. ``checksum_by_caller``: skip the checksum (the header is
+    parsed unverified, which :func:`parse_header` allows): the caller
+    verifies it before using any byte (:func:`ecstore.blob_read.read_entry`). Pure function;
+    thread-safe.
     """
     try:
         size = len(memoryview(blob).cast("B"))
@@ -333,7 +339,7 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
         raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
     if size != rec.blob_size:
         raise CorruptBlobError(f"blob is {size} bytes, its record says {rec.blob_size}")
-    if checksum(blob) != rec.checksum:
+    if not checksum_by_caller and checksum(blob) != rec.checksum:
         raise CorruptBlobError("checksum mismatch")
     hdr = parse_header(blob)
     if hdr.identifier != rec.identifier:
@@ -357,47 +363,6 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
         if (k.model, k.dtype) != (hdr.model, hdr.dtype):
             raise CorruptBlobError(f"entry of model {hdr.model!r} dtype {hdr.dtype} stored under key {key!r}")
     return hdr
-
-
-def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
-    """The tensor of a blob whose header ``hdr`` passed :func:`parse_header`,
-    copied (one copy) into CPU memory nothing else references (never aliases
-    ``blob``): reused, already-faulted memory from :data:`ecstore.pool.POOL`
-    when a slab is free, which saves the page faults of fresh memory."""
-    dt = storable_dtype(hdr.dtype)
-    if dt is None:
-        raise CorruptBlobError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
-    out = POOL.empty(hdr.shape, dt)
-    if tensor_nbytes(out) != hdr.data_nbytes or hdr.data_offset + hdr.data_nbytes != len(memoryview(blob).cast("B")):
-        raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
-    if hdr.data_nbytes:
-        _raw_bytes_view(out)[:] = np.frombuffer(blob, dtype=np.uint8, count=hdr.data_nbytes,
-                                                offset=hdr.data_offset)
-    return out
-
-
-def read_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: str | None = None,
-               dtype: torch.dtype | str | None = None, key: str | None = None) -> torch.Tensor:
-    """:func:`check_entry`, then the tensor copied out of ``blob`` (fresh CPU
-    memory). Raises only :class:`CorruptBlobError`."""
-    return copy_out(blob, check_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key))
-
-
-def decode(blob: Any, *, expected_checksum: int | None, identifier: str | None = None) -> torch.Tensor:
-    """Verify and copy a blob's tensor out into fresh CPU memory.
-
-    ``blob`` may be a memoryview into the LMDB map (only valid inside its read
-    transaction): the returned tensor never aliases it. Raises
-    :class:`CorruptBlobError` on a checksum, header or identifier mismatch.
-    Stored entries are read with :func:`read_entry`, which also checks the
-    record and what the caller expects.
-    """
-    if expected_checksum is not None and checksum(blob) != expected_checksum:
-        raise CorruptBlobError("checksum mismatch")
-    hdr = parse_header(blob)
-    if identifier is not None and hdr.identifier != identifier:
-        raise CorruptBlobError("identifier in blob does not match the record")
-    return copy_out(blob, hdr)
 
 
 def check_storable(tensor: object) -> None:

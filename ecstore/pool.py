@@ -195,7 +195,7 @@ class BufferPool:
             self._idle = 0
 
 
-#: The process's pool: LMDB-tier hits are copied into it (``codec.copy_out``)
+#: The process's pool: LMDB-tier hits are copied into it (``blob_read.copy_out``)
 #: and new blobs are built in it (``codec.encode``).
 POOL = BufferPool()
 os.register_at_fork(after_in_child=POOL._reset)

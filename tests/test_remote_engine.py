@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from helpers.engine_proc import engine_env, run_engine
-from ecstore import codec
+from ecstore import blob_read
 from ecstore.remote import frame
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -61,7 +61,7 @@ def test_engine_b_on_another_node_loads_engine_a_outputs_from_redis(tiny_model_d
     stored = set()
     for key in keys:
         rec, blob = frame.unpack(redis_server.client().get(key))
-        t = codec.decode(blob, expected_checksum=rec.checksum)
+        t = blob_read.decode(blob, expected_checksum=rec.checksum)
         stored.add(xxhash.xxh3_64_intdigest(t.contiguous().view(torch.uint8).numpy().tobytes()))
     got = {seed: b["embeds"][seed] for seed in map(str, IMAGES)}
     assert all(len(v) == 1 and v[0]["shape"] == [32, 128] for v in got.values())

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ecstore import StoreFullError, codec
+from ecstore import StoreFullError, blob_read, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.key import dtype_name
 from ecstore.lmdb import LMDBTier
@@ -369,7 +369,7 @@ def test_d9_d10_entry_check_is_public_and_names_the_mismatch():
     key = "m/x@1@0@0123456789abcdef@float32"
     hdr = codec.check_entry(rec, blob, identifier="img", model="m/x", dtype=torch.float32, key=key)
     assert (hdr.dtype, hdr.shape, hdr.data_nbytes) == ("float32", (4, 16), 256)
-    assert_same(codec.read_entry(rec, blob, dtype="float32"), t)
+    assert_same(blob_read.read_entry(rec, blob, dtype="float32"), t)
     for kw, msg in [({"identifier": "other"}, "identifier"), ({"model": "m/y"}, "model"),
                     ({"dtype": torch.bfloat16}, "dtype"), ({"key": key.replace("float32", "float16")}, "key"),
                     ({"key": "not a key"}, "key")]:
@@ -410,7 +410,7 @@ def test_d9_d10_any_hostile_header_is_refused_or_read_exactly(edits, data_len):
     blob = hostile.hostile_blob(edit, data_len)
     rec = hostile.consistent_record(codec.Record(hostile.IDENT, "float32", (4, 16), 256, 0, 0, 1, 1, 0, 0), blob)
     try:
-        got = codec.read_entry(rec, blob, identifier=hostile.IDENT, model=hostile.MODEL, dtype=torch.float32)
+        got = blob_read.read_entry(rec, blob, identifier=hostile.IDENT, model=hostile.MODEL, dtype=torch.float32)
     except codec.CorruptBlobError:
         return
     assert_same(got, hostile.good_tensor())

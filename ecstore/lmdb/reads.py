@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import lmdb
 import torch
 
-from .. import codec
+from .. import blob_read, codec
 from ..codec import CorruptBlobError, Record
 from ..errors import StoreFullError
 from .handle import StoreHandle, _lmdb_errors_as_store_errors
@@ -78,7 +78,7 @@ class TierReads(StoreHandle):
                 blob = txn.get(k, db=self._blobs)
                 if blob is None:
                     raise CorruptBlobError("record without blob")
-                return codec.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
+                return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
             except CorruptBlobError as e:
                 err = e
         log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, err, self.path,

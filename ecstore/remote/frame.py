@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import codec
+from .. import blob_read, codec
 from ..codec import CorruptBlobError, Record
 
 MAGIC = b"ECRV"
@@ -124,7 +124,7 @@ def _view(blob: memoryview, hdr: codec.BlobHeader) -> torch.Tensor:
     dtype = getattr(torch, hdr.dtype)
     addr = np.frombuffer(blob, dtype=np.uint8, count=0, offset=hdr.data_offset).__array_interface__["data"][0]
     if addr % dtype.itemsize:
-        return codec.decode(blob, expected_checksum=None)
+        return blob_read.decode(blob, expected_checksum=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
         raw = torch.frombuffer(blob, dtype=torch.uint8, count=hdr.data_nbytes, offset=hdr.data_offset)

@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import torch
 
-from ecstore import ECStore, ECStoreConfig
+from ecstore import ECStore, ECStoreConfig, blob_read
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _u64
 from ecstore.testing import faults as fc
@@ -230,7 +230,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
                     k, rec = rng.choice(recs)
                     blob = txn.get(k, db=dbs["blobs"])
                     assert blob is not None and len(blob) == rec.blob_size, "reader: partial entry"
-                    t = fc.codec.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
+                    t = blob_read.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
                     i = idx_of(rec.mm_identifier)
                     assert fc.tensor_bytes(t) == fc.tensor_bytes(content(i, spec)), \
                         f"reader: entry {i} has wrong content"

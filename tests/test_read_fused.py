@@ -1,0 +1,92 @@
+"""Entries larger than ``2 * blob_read.FUSED_CHUNK`` are copied out of the LMDB
+map and checksummed chunk by chunk (``blob_read.read_entry``): the same
+guarantee as the one-pass check must hold, a damaged byte anywhere is a miss
+and the entry is dropped, never a tensor handed out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ecstore import ECStore, ECStoreConfig, blob_read, codec
+from ecstore.errors import CorruptEntryError
+from ecstore.record import Record
+
+ROWS = 3 * blob_read.FUSED_CHUNK // (512 * 2) + 7  # > 3 chunks of data, not a multiple of one
+COLS = 512
+
+
+def _store(path, *, readonly: bool = False) -> ECStore:
+    cfg = ECStoreConfig(local_disk=str(path), max_local_disk_size=0.25, local_cpu=False)
+    return ECStore(cfg, model="m/fused", dtype=torch.bfloat16, readonly=readonly)
+
+
+def _tensor(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16)
+
+
+def _flip(st: ECStore, mm_hash: str, pos: int) -> None:
+    """Flip the byte at ``pos`` of the stored blob (negative: from its end)."""
+    tier = st._reads.disk
+    k = tier._k(st.key(mm_hash))
+    with tier._write_txn() as txn:
+        data = bytearray(txn.get(k, db=tier._blobs))
+        data[pos] ^= 0x01
+        txn.put(k, bytes(data), db=tier._blobs)
+
+
+def test_large_entry_round_trips(tmp_path):
+    t = _tensor()
+    assert t.numel() * 2 > 2 * blob_read.FUSED_CHUNK and (t.numel() * 2) % blob_read.FUSED_CHUNK
+    with _store(tmp_path) as st:
+        st.put("big", t)
+        st.flush()
+    with _store(tmp_path) as st:
+        got = st.get("big")
+        assert got is not None and torch.equal(got, t)
+        assert got.data_ptr() != t.data_ptr()
+
+
+@pytest.mark.parametrize("where", ["first data byte", "chunk boundary", "last chunk", "last byte", "header"])
+def test_a_flipped_byte_in_a_large_entry_is_a_miss_and_dropped(tmp_path, where):
+    t = _tensor(1)
+    with _store(tmp_path) as st:
+        st.put("big", t)
+        st.put("other", _tensor(2))
+        st.flush()
+        off = 8 + len(codec.header_bytes(t, st.stored_name("big"), st.model))
+        pos = {"first data byte": off, "chunk boundary": off + blob_read.FUSED_CHUNK,
+               "last chunk": off + 3 * blob_read.FUSED_CHUNK + 5, "last byte": -1,
+               "header": off - 3}[where]  # the header's padding: the JSON still parses
+        _flip(st, "big", pos)
+    with _store(tmp_path) as st:
+        assert st.get("big") is None
+        assert not st.contains("big")  # dropped, not served again
+        other = st.get("other")
+        assert other is not None and torch.equal(other, _tensor(2))
+
+
+def test_read_only_handle_misses_without_dropping(tmp_path):
+    t = _tensor(3)
+    with _store(tmp_path) as st:
+        st.put("big", t)
+        st.flush()
+        _flip(st, "big", -2)
+    with _store(tmp_path, readonly=True) as ro:
+        assert ro.get("big") is None
+    with _store(tmp_path) as st:
+        assert st.contains("big")  # the read-only handle left it for a writer to drop
+
+
+def test_read_entry_raises_on_a_checksum_mismatch():
+    t = _tensor(4)
+    blob = bytes(codec.encode(t, identifier="x", model="m"))
+    rec = Record(identifier="x", dtype="bfloat16", shape=tuple(t.shape), nbytes=t.numel() * 2,
+                 blob_size=len(blob), checksum=codec.checksum(blob), created_ns=0, last_access_ns=0,
+                 hits=0, lru_seq=0)
+    assert torch.equal(blob_read.read_entry(rec, blob), t)
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0x80
+    with pytest.raises(CorruptEntryError, match="checksum mismatch"):
+        blob_read.read_entry(rec, bytes(bad))
