@@ -13,7 +13,6 @@ far as the tiers are; ``put`` may block in the writer's back-pressure.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -27,20 +26,19 @@ from .writer import PendingPut
 
 log = logging.getLogger("ecstore")
 
-#: Build each put's blob in :data:`ecstore.pool.POOL` (memory faulted in
-#: before, reused once nothing references an earlier blob) instead of fresh
-#: ``torch.empty`` memory, whose page faults cost ~3-6x memcpy on the
-#: benchmark VM. On by default; ``ECSTORE_POOLED_BLOBS=0`` in the
-#: environment at import turns it off (tests and tools may assign it).
-POOLED_BLOBS = os.environ.get("ECSTORE_POOLED_BLOBS", "1") != "0"
-
-
 class PutPath:
-    """Admits, encodes and hands out one put to every tier (see module doc)."""
+    """Admits, encodes and hands out one put to every tier (see module doc).
 
-    def __init__(self, reads: ReadPath, counters: Counters) -> None:
+    ``pooled``: build each blob in :data:`ecstore.pool.POOL` (memory faulted
+    in before, reused once nothing references an earlier blob) instead of
+    fresh ``torch.empty`` memory, whose page faults cost ~3-6x memcpy on the
+    benchmark VM (the ``pooled_blobs`` setting, on by default).
+    """
+
+    def __init__(self, reads: ReadPath, counters: Counters, *, pooled: bool = True) -> None:
         self.reads = reads
         self.counters = counters
+        self.pooled = pooled
 
     def put(self, mm_hash: str, name: str, key: str, tensor: torch.Tensor, *, copy: bool) -> bool:
         """:meth:`ECStore.put` for stored name ``name`` under ``key``: True if
@@ -81,7 +79,7 @@ class PutPath:
             # write hold a view of the blob's data, and the writer stores the
             # blob as is: no second copy to encode it later.
             blob, cpu = codec.encode_view(tensor, identifier=name, model=r.model, header=header,
-                                          pool=POOL if POOLED_BLOBS else None)
+                                          pool=POOL if self.pooled else None)
         else:
             cpu = tensor.detach()  # handed over: encoded by the writer
         stored_in_memory = fits_memory and memory is not None and memory.put(key, name, cpu, nbytes)
@@ -92,6 +90,6 @@ class PutPath:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         if remote is not None:
             remote.submit(key, name, cpu, blob)
-        if blob is not None and POOLED_BLOBS:
+        if blob is not None and self.pooled:
             POOL.prefault_soon(len(blob))  # a spare faulted slab for the next save of this size
         return True

@@ -117,7 +117,7 @@ class ECStore:
                 self._writer.start()
         self._reads = ReadPath(memory=self.memory, writer=self._writer, disk=self.disk,
                                model=self.model, dtype=dtype)
-        self._puts = PutPath(self._reads, self._counters)
+        self._puts = PutPath(self._reads, self._counters, pooled=config.pooled_blobs)
         self.remote: RemoteTier | None = None
         if config.remote_url:
             from .remote import open_remote

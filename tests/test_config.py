@@ -24,7 +24,8 @@ from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
           "max_write_queue_size", "lease_seconds", "file_mode", "namespace", "share_client_uuids",
-          "remote_url", "remote_password", "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"]
+          "pooled_blobs", "remote_url", "remote_password", "remote_timeout_seconds", "remote_ttl_seconds",
+          "max_remote_queue_size"]
 
 SEED_YAML = """\
 chunk_size: 256
@@ -89,7 +90,8 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "file_mode": "default",
         "namespace": "default",
         "share_client_uuids": "default",
-        **{key: "default" for key in FIELDS[9:]},  # the remote tier's keys
+        "pooled_blobs": "default",
+        **{key: "default" for key in FIELDS[10:]},  # the remote tier's keys
         "__file__": path,
         "config_file": "argument path",
     }
@@ -120,7 +122,36 @@ def test_describe_config(tmp_path: Path) -> None:
         ("file_mode", "0600", "default"),
         ("namespace", None, "default"),
         ("share_client_uuids", False, "default"),
-    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[9:]]  # the remote tier's keys
+        ("pooled_blobs", True, "default"),
+    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[10:]]  # the remote tier's keys
+
+
+def test_pooled_blobs_from_every_source(tmp_path: Path) -> None:
+    """The put path's pooling switch (ecstore.put_path) is an ordinary boolean
+    setting: YAML base and ec_ keys, LMCACHE_(EC_)POOLED_BLOBS, overrides."""
+    assert load_config(env={}).pooled_blobs is True
+    path = write(tmp_path, "pooled_blobs: true\nec_pooled_blobs: off\n")
+    cfg = load_config(path, env={})
+    assert (cfg.pooled_blobs, cfg.source_of("pooled_blobs")) == (False, f"{path}:2")
+    cfg = load_config(path, env={"LMCACHE_EC_POOLED_BLOBS": "1"})
+    assert (cfg.pooled_blobs, cfg.source_of("pooled_blobs")) == (True, "env LMCACHE_EC_POOLED_BLOBS")
+    assert load_config(env={"LMCACHE_POOLED_BLOBS": "no"}).pooled_blobs is False
+    assert load_config(env={"LMCACHE_EC_POOLED_BLOBS": "0"}, overrides={"pooled_blobs": True}).pooled_blobs
+
+
+@pytest.mark.parametrize("kwargs, where", [
+    ({"env": {"LMCACHE_EC_POOLED_BLOBS": "maybe"}}, "env LMCACHE_EC_POOLED_BLOBS"),
+    ({"env": {"LMCACHE_EC_POOLED_BLOBS": "2"}}, "env LMCACHE_EC_POOLED_BLOBS"),
+    ({"env": {}, "overrides": {"pooled_blobs": "enabled"}}, "override pooled_blobs"),
+])
+def test_bad_pooled_blobs_is_a_config_error(kwargs: dict[str, Any], where: str) -> None:
+    msg = config_error(**kwargs)
+    assert msg.startswith("pooled_blobs (from " + where + "): expected true or false"), msg
+
+
+def test_bad_pooled_blobs_argument_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"pooled_blobs \(from ECStoreConfig argument\): expected true or false"):
+        ECStoreConfig(pooled_blobs="no")  # type: ignore[arg-type]
 
 
 def test_namespace_key_from_every_source(tmp_path: Path) -> None:

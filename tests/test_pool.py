@@ -10,6 +10,7 @@ import gc
 import torch
 
 from ecstore import ECStore, ECStoreConfig
+from ecstore.config import load_config
 from ecstore.pool import POOL, BufferPool, size_class
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor
@@ -110,13 +111,11 @@ def test_prefault_leaves_a_spare_slab_for_the_next_request() -> None:
 
 
 def test_saves_build_their_blobs_in_the_pool(tmp_path) -> None:
-    """A put's blob comes from the pool (put_path.POOLED_BLOBS, on by default)
-    and goes back to it once nothing references it."""
-    from ecstore import put_path
-
-    assert put_path.POOLED_BLOBS
+    """A put's blob comes from the pool (the ``pooled_blobs`` setting, on by
+    default) and goes back to it once nothing references it."""
     cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20), local_cpu=False,
                         max_local_cpu_size=0.0)
+    assert cfg.pooled_blobs
     fresh, reused = POOL.fresh, POOL.reused
     with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
         for i in range(4):
@@ -125,6 +124,26 @@ def test_saves_build_their_blobs_in_the_pool(tmp_path) -> None:
             POOL.wait_prefaulted(timeout_s=120)
         assert POOL.fresh + POOL.reused >= fresh + reused + 4
         assert POOL.reused > reused  # later blobs reuse slabs (earlier blobs' or the prefaulted spare)
+
+
+def test_pooled_blobs_off_from_the_environment_keeps_saves_out_of_the_pool(tmp_path) -> None:
+    """``LMCACHE_EC_POOLED_BLOBS=0`` reaches the store through load_config: its
+    puts build their blobs in fresh memory (the pool serves nothing and
+    faults in no spare), and the entries read back the same."""
+    cfg = load_config(env={"LMCACHE_EC_POOLED_BLOBS": "0", "LMCACHE_EC_LOCAL_DISK": str(tmp_path / "s"),
+                           "LMCACHE_EC_MAX_LOCAL_DISK_SIZE": str(gib(64 << 20)), "LMCACHE_EC_LOCAL_CPU": "no"})
+    assert cfg.pooled_blobs is False and cfg.source_of("pooled_blobs") == "env LMCACHE_EC_POOLED_BLOBS"
+    src = [make_tensor(20 + i, ROWS, COLS) for i in range(4)]
+    with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
+        POOL.wait_prefaulted(timeout_s=120)  # nothing of an earlier test still in flight
+        before = (POOL.fresh, POOL.reused, POOL.prefaulted)
+        for i, t in enumerate(src):
+            assert st.put(f"{i}" * 64, t)
+        st.flush()
+        assert POOL.wait_prefaulted(timeout_s=120)
+        assert (POOL.fresh, POOL.reused, POOL.prefaulted) == before
+        for i, t in enumerate(src):
+            assert_same(st.get(f"{i}" * 64), t)
 
 
 def test_blobs_of_puts_are_private_while_the_memory_tier_holds_them(tmp_path) -> None:

@@ -65,6 +65,11 @@ class ECStoreConfig:
             up, since any client could name another image by the same uuid.
             Set it true where every client of the store is trusted (e.g. an
             encoder-disaggregated deployment whose proxy assigns the uuids).
+        pooled_blobs: build each put's blob in the process's pool of
+            already-faulted memory (:data:`ecstore.pool.POOL`) instead of
+            fresh ``torch.empty`` memory, whose page faults cost ~3-6x a
+            memcpy on the benchmark VM. Default true; false only to compare
+            (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
         remote_url: the shared remote tier (Redis/Valkey, see
             docs/remote.md), or None. May hold a password: never logged
             (``repr`` leaves it out; :func:`describe_config` masks it).
@@ -93,6 +98,7 @@ class ECStoreConfig:
     file_mode: int = DEFAULT_FILE_MODE
     namespace: str | None = None
     share_client_uuids: bool = False
+    pooled_blobs: bool = True
     remote_url: str | None = field(default=None, repr=False)
     remote_password: str | None = field(default=None, repr=False)
     remote_timeout_seconds: float = 0.5
@@ -103,13 +109,10 @@ class ECStoreConfig:
 
     def __post_init__(self) -> None:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
-        if not isinstance(self.share_client_uuids, bool):
-            raise ConfigError(f"share_client_uuids (from {src('share_client_uuids')}): expected true or "
-                              f"false, got {short_repr(self.share_client_uuids)}")
-        if not isinstance(self.local_cpu, bool):
-            raise ConfigError(
-                f"local_cpu (from {src('local_cpu')}): expected true or false, got {short_repr(self.local_cpu)}"
-            )
+        for name in ("local_cpu", "share_client_uuids", "pooled_blobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} (from {src(name)}): expected true or false, "
+                                  f"got {short_repr(getattr(self, name))}")
         for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds",
                      "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"):
             object.__setattr__(self, name, check_size(name, getattr(self, name), src(name)))
@@ -244,6 +247,10 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: parse_bool(v),
         "store and serve items named by client multi_modal_uuids (trusting every client)"),
+    "pooled_blobs": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: parse_bool(v),
+        "build each put's blob in the pool of already-faulted memory (false: fresh memory, to compare)"),
     "remote_url": KeySpec(
         "url", "-", "redis://host:port/db, rediss://, redis+cluster://h1:p1,h2:p2 or unix:///path",
         lambda v, s: parse_remote_url_setting(v, s),

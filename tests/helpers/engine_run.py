@@ -15,7 +15,8 @@ Every run is a fresh process, as a restart would be. Writes to --out::
 
 ``--embeds`` wraps the model's ``embed_input_ids`` and records, per prompt,
 the multimodal embedding that reached the language model (whether computed
-or loaded by the connector), as nested lists of floats.
+or loaded by the connector), as nested lists of floats. The parts shared
+with the other engine children are in ``engine_child.py``.
 ``--uuids '{"3": "u"}'`` sends ``multi_modal_uuids`` for the prompt of image
 seed 3; ``--engine-kw`` adds ``LLM(...)`` keyword arguments (e.g.
 ``{"mm_processor_kwargs": {"do_normalize": false}}``).
@@ -34,61 +35,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 from pathlib import Path
 
-from ecstore.testing import tiny_model  # noqa: E402
-
-METRICS_PREFIX = "EC Transfer metrics"
-
-
-class _MetricsCapture(logging.Handler):
-    """Sums the counters of vLLM's ``EC Transfer metrics: k=v, ...`` records."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self.totals: dict[str, float] = {}
-        self.lines = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            msg = record.getMessage()
-        except Exception:  # never break the engine's logging
-            return
-        if not msg.startswith(METRICS_PREFIX):
-            return
-        self.lines += 1
-        for part in msg.split(":", 1)[1].split(","):
-            key, _, value = part.strip().partition("=")
-            if key == "hit_rate":
-                continue
-            try:
-                number = float(value)
-            except ValueError:
-                continue
-            self.totals[key] = self.totals.get(key, 0) + number
-
-
-def _record_mm_embeds(model, sink: list) -> None:
-    """Wrap ``model.embed_input_ids`` to append every multimodal embedding it
-    receives (what reaches the language model) to ``sink`` as float lists."""
-    orig = model.embed_input_ids
-
-    def embed_input_ids(input_ids, multimodal_embeddings=None, **kw):
-        for e in multimodal_embeddings or ():
-            sink.append(e.detach().float().cpu().tolist())
-        return orig(input_ids, multimodal_embeddings, **kw)
-
-    model.embed_input_ids = embed_input_ids
+# This script's directory is sys.path[0] when it runs: engine_child is a sibling.
+from engine_child import add_engine_args, as_floats, greedy_params, image_prompt, record_mm_embeds, start_engine
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    add_engine_args(ap, max_tokens=6)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--role", default="ec_both")
-    ap.add_argument("--extra", default="{}")
     ap.add_argument("--images", default="0")
     ap.add_argument("--multiprocess", action="store_true")
     ap.add_argument("--no-connector", action="store_true")
@@ -96,37 +52,22 @@ def main() -> None:
                     help="vLLM's own encoder cache size in embeddings (0: vLLM's default)")
     ap.add_argument("--log-stats", action="store_true",
                     help="LLM(disable_log_stats=False) and log stats every step")
-    ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--uuids", default="{}")
     ap.add_argument("--engine-kw", default="{}")
     ap.add_argument("--embeds", action="store_true")
     a = ap.parse_args()
-    if not a.multiprocess:
-        tiny_model.setup_single_process_env()
-    if a.log_stats:
-        os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "0.001")
-    from vllm import LLM, SamplingParams
-    from vllm.config import ECTransferConfig
-
-    overrides: dict = {"enable_prefix_caching": False, "disable_log_stats": not a.log_stats}
-    if not a.no_connector:
-        overrides["ec_transfer_config"] = ECTransferConfig(
-            ec_connector="ECStoreConnector", ec_role=a.role, ec_connector_module_path="ecstore.connector",
-            ec_connector_extra_config=json.loads(a.extra))
+    overrides: dict = {}
     if a.encoder_cache_budget:
         # vLLM sizes its encoder cache as max(max_num_batched_tokens, largest item).
         overrides["max_num_batched_tokens"] = max(a.encoder_cache_budget, 64)
     overrides.update(json.loads(a.engine_kw))
-    llm = LLM(**tiny_model.engine_kwargs(a.model, single_process=not a.multiprocess, **overrides))
-    # After LLM(): creating the engine (re)applies vLLM's logging config,
-    # which replaces the handlers of the "vllm" logger.
-    capture = _MetricsCapture()
-    logging.getLogger("vllm").addHandler(capture)
-    params = SamplingParams(**tiny_model.greedy_sampling_kwargs(a.max_tokens))
+    llm, capture = start_engine(a.model, role=None if a.no_connector else a.role, extra=a.extra,
+                                log_stats=a.log_stats, single_process=not a.multiprocess, **overrides)
+    params = greedy_params(a.max_tokens)
     seen_embeds: list = []
     if a.embeds:
         assert not a.multiprocess, "--embeds needs the model in this process"
-        llm.apply_model(lambda model: _record_mm_embeds(model, seen_embeds))
+        llm.apply_model(lambda model: record_mm_embeds(model, seen_embeds, as_floats))
     uuids = json.loads(a.uuids)
     embeds: dict[str, list] = {}
     tokens: dict[str, list[int]] = {}
@@ -136,11 +77,8 @@ def main() -> None:
         n = seen.get(seed, 0)
         seen[seed] = n + 1
         name = str(seed) if n == 0 else f"{seed}#{n}"
-        prompt = {"prompt": tiny_model.prompt(), "multi_modal_data": {"image": tiny_model.make_image(seed)}}
-        if str(seed) in uuids:
-            prompt["multi_modal_uuids"] = {"image": [uuids[str(seed)]]}
         del seen_embeds[:]
-        out = llm.generate(prompt, params, use_tqdm=False)
+        out = llm.generate(image_prompt(seed, uuids.get(str(seed))), params, use_tqdm=False)
         if a.embeds:
             assert len(seen_embeds) == 1, f"expected one image embedding per prompt, got {len(seen_embeds)}"
             embeds[name] = seen_embeds[0]
