@@ -99,3 +99,45 @@ def test_aborted_eviction_never_clears_another_processes_tombstone(tmp_path: Pat
             evictor.kill()
             evictor.wait()
         a.close()
+
+
+def test_lease_taken_while_expired_rows_are_collected_survives(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``leased_keys`` (an evictor's step 1 and 3) reads the lease table,
+    then deletes, in a second transaction, the rows it found without a live
+    lease. A loader leasing one of those keys in between lost its fresh
+    lease with the row: eviction no longer saw it, and an entry the loader
+    was promised (``pin_if_present`` True) could be evicted under it. Rows
+    are deleted only if they are still as read."""
+    import ecstore.lmdb.leases as leases_mod
+
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP)
+    try:
+        for i in range(2):
+            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+            a.write_batch([req])
+            assert req.result == "stored"
+        a.lease([key(0)], 0)  # expired at once: its row is collected by the next leased_keys
+        a.lease([key(1)], 60)  # a live lease (read after key(0)'s row: keys in byte order)
+        assert key(0).encode() < key(1).encode()
+        real_alive = leases_mod._pid_alive
+        taken: list[bool] = []
+
+        def alive_and_a_loader_leases_key0(pid: int) -> bool:
+            # Called while leased_keys reads key(1)'s row, after it found key(0)'s
+            # row dead and before it deletes it: a loader pins key(0) now.
+            if not taken:
+                taken.append(a.pin_if_present(key(0), name(0), 60))
+            return real_alive(pid)
+
+        monkeypatch.setattr(leases_mod, "_pid_alive", alive_and_a_loader_leases_key0)
+        a.leased_keys()
+        monkeypatch.undo()
+        assert taken == [True]
+        assert key(0).encode() in a.leased_keys(), "the loader's fresh lease was deleted"
+        a._evict_to(0)  # evict everything evictable
+        assert a.contains(key(0), name(0)), "a leased entry was evicted"
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()

@@ -163,10 +163,11 @@ class LeaseTable:
 
     def leased_keys(self) -> set[bytes]:
         """Keys with at least one live lease (unexpired, owner alive); rows
-        with none left are deleted."""
+        with none left are deleted, each only if it is still as read (a
+        loader may have leased the key again in between)."""
         now = time.time_ns()
         live: set[bytes] = set()
-        dead: list[bytes] = []
+        dead: list[tuple[bytes, bytes]] = []
         alive_cache: dict[int, bool] = {}
         with self.env.begin() as txn:
             for k, v in txn.cursor():
@@ -179,11 +180,15 @@ class LeaseTable:
                         if pid not in alive_cache:
                             alive_cache[pid] = _pid_alive(pid)
                         ok = ok or alive_cache[pid]
-                (live.add if ok else dead.append)(bytes(k))
+                if ok:
+                    live.add(bytes(k))
+                else:
+                    dead.append((bytes(k), bytes(v)))
         if dead:
             with self.env.begin(write=True) as txn:
-                for k in dead:
-                    txn.delete(k)
+                for k, v in dead:
+                    if txn.get(k) == v:
+                        txn.delete(k)
         return live
 
     def mark_evicting(self, keys: list[bytes]) -> None:
