@@ -141,3 +141,27 @@ def test_lease_taken_while_expired_rows_are_collected_survives(tmp_path: Path,
         fc.audit(path, CAP, tier=a).check()
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), -1.0, 1e12, 86400.5, "60", True])
+def test_a_lease_time_the_table_cannot_hold_is_an_invalid_entry_error(tmp_path: Path, ttl: object) -> None:
+    """``lease``/``pin_if_present`` took any ``ttl_s``: infinity, NaN, a
+    string or a time past the u64 nanosecond expiry escaped as
+    OverflowError, ValueError, TypeError or struct.error (none an
+    ECStoreError). They are refused with InvalidEntryError, as the config
+    refuses lease_seconds outside [0, 86400], and nothing is leased."""
+    import torch
+
+    from ecstore import ECStore, ECStoreConfig, InvalidEntryError
+
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp_path / "s"), max_local_disk_size=CAP / 2**30)
+    with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as store:
+        store.put("img", fc.entry_tensor(0, 4))
+        store.flush()
+        with pytest.raises(InvalidEntryError, match="ttl_s"):
+            store.lease(["img"], ttl)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEntryError, match="ttl_s"):
+            store.pin_if_present("img", ttl)  # type: ignore[arg-type]
+        assert store.disk is not None and store.disk.leased_keys() == set()
+        store.lease(["img"], 86400)  # the longest lease the config allows
+        assert store.pin_if_present("img", 0.0)
