@@ -729,6 +729,29 @@ def test_malformed_yaml_names_path_and_position(tmp_path: Path, text: str, line:
         assert f"at line {line}," in msg
 
 
+@pytest.mark.parametrize("text,line", [
+    ("chunk_size: 256\nmax_local_disk_size: !!float abc\n", 2),
+    ("chunk_size: 256\nmax_local_disk_size: !!int 0x\n", 2),
+    ("chunk_size: 256\nlocal_cpu: !!bool maybe\n", 2),
+    ("chunk_size: 256\nlease_seconds: !!timestamp soon\n", 2),
+    ("chunk_size: 256\nec:\n  lease_seconds: !!float abc\n", 3),
+    ("chunk_size: !!int abc\n", 1),
+    ("? !!float abc\n: 1\n", 1),
+    ("chunk_size: " + "[" * 5000 + "]" * 5000 + "\n", None),
+])
+def test_yaml_values_python_cannot_construct_are_config_errors(tmp_path: Path, text: str,
+                                                                line: int | None) -> None:
+    """Explicit tags YAML's constructor fails on (ValueError, KeyError,
+    AttributeError inside PyYAML) and nesting deeper than Python's recursion
+    limit are malformed files: a ConfigError naming the path, never a bare
+    Python exception."""
+    path = write(tmp_path, text)
+    msg = config_error(path=path, env={})
+    assert path in msg and "malformed YAML" in msg
+    if line is not None:
+        assert f"at line {line}," in msg
+
+
 def test_invalid_utf8_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "ec.yaml"
     path.write_bytes(b"chunk_size: 256\nlocal_disk: \xff\xfe\x00bad\n")

@@ -274,3 +274,31 @@ def test_a_process_that_created_the_store_keeps_lmdbs_lock(tmp_path: Path) -> No
         assert holder.stdin is not None
         holder.stdin.close()
         assert holder.wait(timeout=120) == 0
+
+
+@pytest.mark.parametrize("value", [b"abc", b"", b"\xff2"])
+def test_schema_version_damaged_while_open_is_an_ecstore_error(tmp_path: Path, value: bytes) -> None:
+    """Every write re-reads ``schema_version`` (another process may have
+    migrated the file). Damaged after the open (not digits), it raised a
+    bare ValueError from ``int()`` out of ``delete`` (and out of the
+    background write): a StoreOpenError naming the damage, and nothing is
+    written."""
+    store = tmp_path / "store"
+    make_store(store)
+    with ECStore(cfg_for(store), model=MODEL, dtype=torch.float16) as s:
+        tier = s.disk
+        assert tier is not None
+        with tier._write_txn() as txn:  # the damage, by a raw write
+            txn.put(b"schema_version", value, db=tier._meta)
+        def meta() -> dict[bytes, bytes]:
+            with tier.snapshot() as (txn, dbs):
+                return {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs["meta"])}
+
+        before = meta()
+        with pytest.raises(ECStoreError, match="schema_version"):
+            s.delete("img-0")
+        assert s.contains("img-0")
+        assert meta() == before
+        with tier._shared.write_lock, tier._begin(write=True) as txn:  # repaired: the handle works again
+            txn.put(b"schema_version", str(tier.schema_version).encode(), db=tier._meta)
+        assert s.delete("img-0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from typing import Any
 
 import yaml
@@ -69,8 +70,23 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
     try:
         loader = yaml.SafeLoader(data)  # ReaderError for bytes that are not UTF-8/16
         loader.name = path  # marks in YAML's messages then name the file
+
+        def construct(node: yaml.Node) -> Any:
+            """The Python value of ``node``. PyYAML's constructors raise plain
+            Python errors for explicit tags they cannot build (``!!float abc``:
+            ValueError, ``!!bool maybe``: KeyError, ``!!timestamp x``:
+            AttributeError): a malformed file, at the node's position."""
+            try:
+                return loader.construct_object(node, deep=True)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+                mark = node.start_mark
+                raise ConfigError(
+                    f"{what}: malformed YAML at line {mark.line + 1}, column {mark.column + 1}: "
+                    f"cannot build the value tagged {short_repr(node.tag)} ({type(exc).__name__}: "
+                    f"{short_repr(str(exc))[1:-1]})") from None
+
         root = loader.get_single_node()
-        if root is None or (isinstance(root, yaml.ScalarNode) and loader.construct_object(root) is None):
+        if root is None or (isinstance(root, yaml.ScalarNode) and construct(root) is None):
             return []  # empty file, comments only, or a lone "---"
         if not isinstance(root, yaml.MappingNode):
             kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
@@ -83,7 +99,7 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
             loader.flatten_mapping(node)  # resolve "<<" merge keys
             out = []
             for key_node, value_node in node.value:
-                key = loader.construct_object(key_node, deep=True)
+                key = construct(key_node)
                 if not isinstance(key, (str, int, float, bool)) and key is not None:
                     key = repr(key)  # a list or mapping used as a key
                 out.append((key, value_node, key_node.start_mark.line + 1))
@@ -92,10 +108,10 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
         entries: list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]] = []
         for key, value_node, line in pairs(root):
             if key == EC_SECTION and isinstance(value_node, yaml.MappingNode):
-                nested = [(k, loader.construct_object(v, deep=True), ln) for k, v, ln in pairs(value_node)]
+                nested = [(k, construct(v), ln) for k, v, ln in pairs(value_node)]
                 entries.append((key, None, line, nested))
                 continue
-            value = loader.construct_object(value_node, deep=True)
+            value = construct(value_node)
             if key == EC_SECTION:
                 if value is not None:
                     raise ConfigError(
@@ -110,6 +126,9 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{what}: malformed YAML{where}: {exc}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise ConfigError(f"{what}: malformed YAML: nested deeper than Python can read "
+                          f"({sys.getrecursionlimit()} levels); a config file is a flat mapping") from None
     finally:
         if loader is not None:
             loader.dispose()

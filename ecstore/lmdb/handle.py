@@ -179,6 +179,10 @@ class StoreHandle:
             try:
                 with self._begin(write=True) as txn:
                     raw = txn.get(b"schema_version", db=self._meta)
+                    if raw is not None and not (raw.isdigit() and raw.isascii()):
+                        raise StoreOpenError(
+                            f"store at {self.path} is damaged: its meta record schema_version is "
+                            f"{bytes(raw)[:40]!r}; move the store away or restore a copy")
                     if raw is not None and int(raw) != self.schema_version:
                         # Another process migrated the file after we opened it:
                         # our view of the layout is stale, so write nothing.

@@ -29,7 +29,7 @@ before the lease ends" needs this protocol:
   (1) picks victims that are not leased, (2) writes tombstones for them
   (:meth:`LeaseTable.mark_evicting`), (3) drops any victim that got leased
   meanwhile (a second :meth:`LeaseTable.leased_keys`), (4) commits the
-  deletion, (5) clears the tombstones (:meth:`LeaseTable.clear_tombstones`,
+  deletion, (5) clears the tombstones it wrote (:meth:`LeaseTable.clear_tombstones`,
   after the commit or abort of the data transaction);
 * the pinner (``LMDBTier.pin_if_present``) (a) leases, (b) checks for a live
   tombstone (:meth:`LeaseTable.evicting`), (c) checks the entry.
@@ -84,8 +84,9 @@ class LeaseTable:
         self.env = env
         #: Lease-table size above which lease() prunes dead and expired leases.
         self.prune_at = LEASE_PRUNE_MIN
-        #: Keys this process marked (mark_evicting) and has not cleared yet.
-        self._tombstones: list[bytes] = []
+        #: (key, stamp) of the tombstones this process wrote (mark_evicting)
+        #: and has not cleared yet.
+        self._tombstones: list[tuple[bytes, bytes]] = []
 
     def lease(self, keys: list[bytes], ttl_s: float, pid: int) -> None:
         """Pin ``keys`` for ``ttl_s`` seconds (or until released, or until
@@ -162,10 +163,11 @@ class LeaseTable:
 
     def leased_keys(self) -> set[bytes]:
         """Keys with at least one live lease (unexpired, owner alive); rows
-        with none left are deleted."""
+        with none left are deleted, each only if it is still as read (a
+        loader may have leased the key again in between)."""
         now = time.time_ns()
         live: set[bytes] = set()
-        dead: list[bytes] = []
+        dead: list[tuple[bytes, bytes]] = []
         alive_cache: dict[int, bool] = {}
         with self.env.begin() as txn:
             for k, v in txn.cursor():
@@ -178,11 +180,15 @@ class LeaseTable:
                         if pid not in alive_cache:
                             alive_cache[pid] = _pid_alive(pid)
                         ok = ok or alive_cache[pid]
-                (live.add if ok else dead.append)(bytes(k))
+                if ok:
+                    live.add(bytes(k))
+                else:
+                    dead.append((bytes(k), bytes(v)))
         if dead:
             with self.env.begin(write=True) as txn:
-                for k in dead:
-                    txn.delete(k)
+                for k, v in dead:
+                    if txn.get(k) == v:
+                        txn.delete(k)
         return live
 
     def mark_evicting(self, keys: list[bytes]) -> None:
@@ -192,13 +198,19 @@ class LeaseTable:
         with self.env.begin(write=True) as ltxn:
             for k in keys:
                 ltxn.put(_TOMB + k, stamp)
-        self._tombstones.extend(keys)
+        self._tombstones.extend((k, stamp) for k in keys)
 
     def clear_tombstones(self) -> None:
-        """Step (5) of the protocol: after the eviction committed (or aborted)."""
+        """Step (5) of the protocol: after the eviction committed (or aborted).
+
+        Clears only the tombstones this process wrote: once its data
+        transaction ended, an evictor of another process may have chosen the
+        same entry (this one's eviction aborted) and overwritten the marker
+        with its own, which must stay until that evictor commits."""
         if not self._tombstones:
             return
         with self.env.begin(write=True) as ltxn:
-            for k in self._tombstones:
-                ltxn.delete(_TOMB + k)
+            for k, stamp in self._tombstones:
+                if ltxn.get(_TOMB + k) == stamp:
+                    ltxn.delete(_TOMB + k)
         self._tombstones = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import time
 
@@ -21,7 +22,8 @@ import lmdb
 
 from .. import codec
 from ..codec import Record
-from ..errors import ECStoreError, SchemaError, StoreFullError, StoreOpenError
+from ..config.limits import MAX_LEASE_SECONDS
+from ..errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
 from .batch import PutOp, PutRequest, in_call_order
 from .env import MiB
 from .full import MapFullRetry, space_hint
@@ -29,6 +31,17 @@ from .handle import _lmdb_errors_as_store_errors
 from .reads import TierReads
 
 log = logging.getLogger("ecstore")
+
+
+def _check_ttl(ttl_s: object) -> float:
+    """``ttl_s`` (seconds) as a float if a lease can last that long: a finite
+    number in [0, MAX_LEASE_SECONDS] (the bound of ``lease_seconds``); else
+    InvalidEntryError (the lease file holds expiries as u64 nanoseconds)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (
+            math.isfinite(ttl_s) and 0 <= ttl_s <= MAX_LEASE_SECONDS):
+        raise InvalidEntryError(f"lease ttl_s must be a number of seconds in [0, {MAX_LEASE_SECONDS:g}], "
+                                f"got {ttl_s!r:.40}")
+    return float(ttl_s)
 
 
 class LMDBTier(TierReads):
@@ -90,7 +103,9 @@ class LMDBTier(TierReads):
     @_lmdb_errors_as_store_errors
     def lease(self, keys: list[str], ttl_s: float, pid: int | None = None) -> None:
         """Pin ``keys`` against eviction for ``ttl_s`` seconds (or until
-        released, or until process ``pid`` dies)."""
+        released, or until process ``pid`` dies); InvalidEntryError for a
+        ``ttl_s`` outside [0, 86400] s."""
+        ttl_s = _check_ttl(ttl_s)
         leases = self._leases
         if leases is None or not keys:
             return
@@ -112,7 +127,9 @@ class LMDBTier(TierReads):
         a True answer guarantees no process evicts the entry before the lease
         ends: steps (a) lease, (b) tombstone check, (c) entry check of the
         eviction-marker protocol written down in :mod:`ecstore.lmdb.leases`.
+        InvalidEntryError for a ``ttl_s`` outside [0, 86400] s.
         """
+        ttl_s = _check_ttl(ttl_s)
         if not self.contains(key, identifier):
             # A miss needs no pin: answering "no" is always safe, and the
             # scheduler asks about every uncached item at every step, so the

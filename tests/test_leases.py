@@ -1,0 +1,167 @@
+"""The lease table and its eviction-marker (tombstone) protocol across
+processes (see :mod:`ecstore.lmdb.leases`).
+
+The interleavings are driven deterministically: the other evictor is a real
+process (``helpers/paused_evictor.py``) that stops at a chosen step and goes
+on when told; this process's steps are hooked. No timing is involved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ecstore.key import make_key
+from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.testing import faults as fc
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+MiB = 1 << 20
+CAP = 64 * MiB
+
+
+def key(idx: int) -> str:
+    return make_key(fc.MODEL, f"{idx:016x}", "bfloat16")
+
+
+def name(idx: int) -> str:
+    return f"{0:032x}/img-{idx}"
+
+
+class _Abort(Exception):
+    """Ends a write transaction by aborting it (as a write meeting MDB_MAP_FULL does)."""
+
+
+def _expect(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdout is not None
+    got = proc.stdout.readline().strip()
+    assert got == line, f"evictor said {got!r}, expected {line!r}"
+
+
+def _say(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def test_aborted_eviction_never_clears_another_processes_tombstone(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's eviction marks the LRU head and its transaction aborts
+    (the entry stays). Before it clears its tombstones, an evictor in
+    another process chooses the same entry, marks it and re-checks the
+    leases (steps 2-3). Clearing by key removed *that* process's tombstone
+    too, so a loader pinning the entry then saw no marker and the entry
+    still there: ``pin_if_present`` answered True, and the other evictor's
+    commit deleted the entry under the lease. A process must clear only the
+    tombstones it wrote."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP)
+    evictor = None
+    try:
+        for i in range(2):
+            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+            a.write_batch([req])
+            assert req.result == "stored"
+        evictor = subprocess.Popen([sys.executable, str(HELPERS / "paused_evictor.py"), path, str(CAP)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _expect(evictor, "ready")
+
+        table = a._leases
+        assert table is not None
+        real_clear = table.clear_tombstones
+
+        def clear_after_the_other_evictor_marked() -> None:
+            _say(evictor)  # our transaction has ended: the other evictor takes the write lock
+            _expect(evictor, "marked")  # ... and has marked key(0) and re-checked the leases
+            real_clear()
+
+        monkeypatch.setattr(table, "clear_tombstones", clear_after_the_other_evictor_marked)
+        with pytest.raises(_Abort):
+            with a._writing() as w:
+                assert w.evict(1) > 0  # marks key(0), the LRU head, and removes it ...
+                raise _Abort  # ... in a transaction that aborts: key(0) stays
+        monkeypatch.undo()
+        assert a.contains(key(0), name(0))
+
+        pinned = a.pin_if_present(key(0), name(0), 60)
+        _say(evictor)  # the other evictor commits its removal of key(0)
+        assert evictor.stdout is not None
+        assert evictor.stdout.readline().startswith("evicted ")
+        assert evictor.wait(timeout=60) == 0
+        # A True answer guarantees that no process evicts the entry while leased.
+        assert not pinned or a.contains(key(0), name(0)), "pin_if_present said yes; the entry was evicted"
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        if evictor is not None and evictor.poll() is None:
+            evictor.kill()
+            evictor.wait()
+        a.close()
+
+
+def test_lease_taken_while_expired_rows_are_collected_survives(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``leased_keys`` (an evictor's step 1 and 3) reads the lease table,
+    then deletes, in a second transaction, the rows it found without a live
+    lease. A loader leasing one of those keys in between lost its fresh
+    lease with the row: eviction no longer saw it, and an entry the loader
+    was promised (``pin_if_present`` True) could be evicted under it. Rows
+    are deleted only if they are still as read."""
+    import ecstore.lmdb.leases as leases_mod
+
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP)
+    try:
+        for i in range(2):
+            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+            a.write_batch([req])
+            assert req.result == "stored"
+        a.lease([key(0)], 0)  # expired at once: its row is collected by the next leased_keys
+        a.lease([key(1)], 60)  # a live lease (read after key(0)'s row: keys in byte order)
+        assert key(0).encode() < key(1).encode()
+        real_alive = leases_mod._pid_alive
+        taken: list[bool] = []
+
+        def alive_and_a_loader_leases_key0(pid: int) -> bool:
+            # Called while leased_keys reads key(1)'s row, after it found key(0)'s
+            # row dead and before it deletes it: a loader pins key(0) now.
+            if not taken:
+                taken.append(a.pin_if_present(key(0), name(0), 60))
+            return real_alive(pid)
+
+        monkeypatch.setattr(leases_mod, "_pid_alive", alive_and_a_loader_leases_key0)
+        a.leased_keys()
+        monkeypatch.undo()
+        assert taken == [True]
+        assert key(0).encode() in a.leased_keys(), "the loader's fresh lease was deleted"
+        a._evict_to(0)  # evict everything evictable
+        assert a.contains(key(0), name(0)), "a leased entry was evicted"
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), -1.0, 1e12, 86400.5, "60", True])
+def test_a_lease_time_the_table_cannot_hold_is_an_invalid_entry_error(tmp_path: Path, ttl: object) -> None:
+    """``lease``/``pin_if_present`` took any ``ttl_s``: infinity, NaN, a
+    string or a time past the u64 nanosecond expiry escaped as
+    OverflowError, ValueError, TypeError or struct.error (none an
+    ECStoreError). They are refused with InvalidEntryError, as the config
+    refuses lease_seconds outside [0, 86400], and nothing is leased."""
+    import torch
+
+    from ecstore import ECStore, ECStoreConfig, InvalidEntryError
+
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp_path / "s"), max_local_disk_size=CAP / 2**30)
+    with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as store:
+        store.put("img", fc.entry_tensor(0, 4))
+        store.flush()
+        with pytest.raises(InvalidEntryError, match="ttl_s"):
+            store.lease(["img"], ttl)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEntryError, match="ttl_s"):
+            store.pin_if_present("img", ttl)  # type: ignore[arg-type]
+        assert store.disk is not None and store.disk.leased_keys() == set()
+        store.lease(["img"], 86400)  # the longest lease the config allows
+        assert store.pin_if_present("img", 0.0)
