@@ -8,6 +8,13 @@ key read since the last commit; typed results: a :class:`WriteResult` with a
 :class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
 the store reads the writer's counters (``write_errors``, queue sizes) and
 takes its errors at ``flush``.
+
+Tickets: every put and every read (touch) takes the next number of one
+counter (``ticket``). :meth:`Writer.drain` (``flush``) waits until nothing
+numbered at or before its call is still pending, so puts and reads made after
+the call, however many, never hold it up. After :meth:`Writer.stop` (``close``)
+a put is refused with "store is closed"; everything queued before is written
+before the thread exits.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class PendingPut:
     blob: codec.Blob | None = None
     order: int = 0  # position among this handle's puts and touches (writer ticket)
     mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
+    since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
 
 
 class Touch(NamedTuple):
@@ -53,12 +61,14 @@ class Touch(NamedTuple):
     identifier read, the hits to add, the newest read time (ns since the
     epoch), and ``orders``: the tickets of the reads between two puts, so the
     LMDB tier replays reads and puts in the order they were made (see
-    :meth:`LMDBTier.write_batch`)."""
+    :meth:`LMDBTier.write_batch`). ``since``: the ticket of the oldest read
+    counted in ``hits`` (what :meth:`Writer.drain` waits for)."""
 
     identifier: str
     hits: int
     last_access_ns: int
     orders: tuple[int, ...]
+    since: int = 0
 
 
 class PutOutcome(enum.Enum):
@@ -89,7 +99,9 @@ class Writer(threading.Thread):
     queued tensor bytes would exceed ``max_bytes`` (back-pressure, not
     unbounded memory). Commits at most ``batch_bytes`` of blobs per LMDB
     transaction, with the LRU touches made before them. Every method is
-    thread-safe (one condition, ``cv``, guards all state); the thread itself
+    thread-safe (one condition, ``cv``, guards all state); :meth:`drain`
+    waits for what was submitted before its call only (see the module doc);
+    :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
     only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
     lines) and records failures: :attr:`write_errors` counts them and
     :meth:`take_errors` hands them to ``flush``.
@@ -122,16 +134,25 @@ class Writer(threading.Thread):
         self.errors: list[BaseException] = []
         self.write_errors = 0  # failed puts since start
         self.busy = False
+        self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
+        self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
 
     def submit(self, key: str, item: PendingPut) -> None:
+        """Queue ``item`` under ``key``; blocks while the queue is over
+        ``max_bytes`` (back-pressure). Raises ECStoreError "store is closed"
+        once :meth:`stop` began (the thread might not write it any more): a
+        put that returns was queued before, and the thread writes it."""
         with self.cv:
             while self.queue and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
                 self.cv.wait()
+            if self.stopping:
+                raise ECStoreError("store is closed")
             self.ticket += 1
-            item.order = self.last_put_ticket = self.ticket
+            item.order = item.since = self.last_put_ticket = self.ticket
             replaced = self.queue.get(key)
             if replaced is not None:  # two puts of one key passed the presence check at once
                 self.queued_bytes -= replaced.nbytes
+                item.since = replaced.since  # flushes waiting for the replaced put wait for this one
             self.queue[key] = item
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
@@ -151,9 +172,9 @@ class Writer(threading.Thread):
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
             self.ticket += 1
-            held, hits, _, orders = self.touches.get(key, (identifier, 0, 0, ()))
+            held, hits, _, orders, since = self.touches.get(key, (identifier, 0, 0, (), self.ticket))
             if held != identifier:  # the key changed hands (delete + put of another identifier)
-                hits, orders = 0, ()
+                hits, orders, since = 0, (), self.ticket
             if orders and orders[-1] > self.last_put_ticket:
                 orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
             else:
@@ -161,7 +182,7 @@ class Writer(threading.Thread):
             first = not self.touches
             if first:
                 self.touch_since = time.monotonic()
-            self.touches[key] = Touch(identifier, hits + 1, time.time_ns(), orders)
+            self.touches[key] = Touch(identifier, hits + 1, time.time_ns(), orders, since)
             # Touches ride along with the next put batch, or go alone after
             # TOUCH_DELAY_S (each commit is an fsync): wake the writer only for
             # the first one of a burst, so it starts that timer.
@@ -201,18 +222,41 @@ class Writer(threading.Thread):
                 del self.touches[key]
             while key in self.inflight:
                 self.cv.wait()
+            self.progress += 1
             self.cv.notify_all()
 
     def drain(self) -> None:
-        """Block until everything queued before the call has been written."""
+        """Block until every put submitted and every touch recorded before the
+        call has been written (committed, or failed: see :meth:`take_errors`).
+        Puts and reads made after the call do not hold it up: each batch takes
+        the oldest queued puts, so the writer reaches the last earlier one
+        after a bounded number of batches; while a drainer waits, the writer
+        also writes pending touches at once."""
         with self.cv:
+            target = self.ticket
             self.drainers += 1
+            self.cv.notify_all()  # the writer writes pending touches now
             try:
-                while self.queue or self.inflight or self.touches or self.busy:
-                    self.cv.notify_all()
+                seen = -1
+                while True:
+                    if seen != self.progress:  # only a finished batch or a cancel can settle ours
+                        seen = self.progress
+                        oldest = self._oldest_pending()
+                        if oldest is None or oldest > target:
+                            return
                     self.cv.wait()
             finally:
                 self.drainers -= 1
+
+    def _oldest_pending(self) -> int | None:
+        """The smallest ticket of a put or touch not yet written (queued or
+        in the batch being written), None when there is none. Holds ``cv``."""
+        tickets = [it.since for it in self.queue.values()]
+        tickets += [it.since for it in self.inflight.values()]
+        tickets += [t.since for t in self.touches.values()]
+        if self.busy_since is not None:
+            tickets.append(self.busy_since)
+        return min(tickets, default=None)
 
     def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
         """(reads for this batch, reads to keep): when puts stay queued for a
@@ -222,16 +266,18 @@ class Writer(threading.Thread):
         cutoff = next(iter(self.queue.values())).order
         now: dict[str, Touch] = {}
         later: dict[str, Touch] = {}
-        for key, (identifier, hits, last_ns, orders) in self.touches.items():
+        for key, (identifier, hits, last_ns, orders, since) in self.touches.items():
             early = tuple(o for o in orders if o < cutoff)
             late = orders[len(early):]
             if early:
-                now[key] = Touch(identifier, 0 if late else hits, last_ns, early)
-            if late:
-                later[key] = Touch(identifier, hits, last_ns, late)
+                now[key] = Touch(identifier, 0 if late else hits, last_ns, early, since)
+            if late:  # carries the hits of the early reads too: a drainer waits for it as well
+                later[key] = Touch(identifier, hits, last_ns, late, since)
         return now, later
 
     def stop(self) -> None:
+        """Refuse further puts (:meth:`submit` raises), write everything
+        queued and every pending touch, and end the thread (joined)."""
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
@@ -260,6 +306,7 @@ class Writer(threading.Thread):
                     self.inflight[key] = item
                 touches, self.touches = self._split_touches()
                 self.busy = True
+                self.busy_since = min((t.since for t in touches.values()), default=None)
             try:
                 self._write(batch, touches)
             except BaseException as e:  # never let the writer die silently
@@ -271,6 +318,8 @@ class Writer(threading.Thread):
                         self.inflight.pop(key, None)
                         self.queued_bytes -= item.nbytes
                     self.busy = False
+                    self.busy_since = None
+                    self.progress += 1
                     self.cv.notify_all()
 
     def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> None:

@@ -1,0 +1,176 @@
+"""The background writer against concurrent callers (ecstore/writer.py).
+
+Interleavings are forced with events and a hook around the real
+``LMDBTier.write_batch`` (real LMDB underneath), never with sleeps; the
+timeouts below only keep a broken build from hanging the suite.
+
+* ``flush()`` waits for what was put (and read) before the call, not for a
+  moment with nothing queued: other threads that keep putting or reading
+  cannot hold it up, and what it covered is committed when it returns.
+* A ``put`` racing ``close()`` is written by close, or raises
+  "store is closed": never a True answer for an entry that is never written.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import ecstore
+from ecstore import writer as writer_mod
+from ecstore.errors import ECStoreError
+
+#: Safety bound (s) on every wait: reached only by a broken build.
+BOUND_S = 60.0
+
+
+def _config(path) -> ecstore.ECStoreConfig:
+    return ecstore.ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=0.05)
+
+
+def _open(path) -> ecstore.ECStore:
+    return ecstore.ECStore(_config(path), model="m", dtype=torch.float32)
+
+
+def _tensor(i: int) -> torch.Tensor:
+    return torch.full((4, 4), float(i))
+
+
+def _committed(path, names: list[str], hits_of: str) -> tuple[list[bool], int]:
+    """What another process sees in the store at ``path``: for each name
+    whether it is stored, and the hit count the file holds for ``hits_of``."""
+    code = (
+        "import sys, torch, ecstore\n"
+        "cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=sys.argv[1], max_local_disk_size=0.05)\n"
+        "with ecstore.ECStore(cfg, model='m', dtype=torch.float32, readonly=True) as s:\n"
+        "    print(','.join(str(int(s.contains(n))) for n in sys.argv[3:]))\n"
+        "    print(s.disk.record(s.key(sys.argv[2])).hits)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path), hits_of, *names], check=True,
+                         capture_output=True, text=True, timeout=BOUND_S).stdout.split()
+    return [c == "1" for c in out[0].split(",")], int(out[1])
+
+
+@pytest.mark.parametrize("feed", ["puts", "reads"])
+def test_flush_returns_while_other_threads_keep_putting_or_reading(tmp_path, monkeypatch, feed):
+    """A flusher waits for what came before its call: the batch holding that
+    is committed, then every later batch finds new work queued by another
+    thread (a put, or a read whose LRU touch is pending). The flush must
+    return while that next batch is still held, and another process must
+    then see the entry put and the hit read before the call."""
+    monkeypatch.setattr(writer_mod, "TOUCH_DELAY_S", 3600.0)  # touches go only with puts or flushes
+    path = tmp_path / "s"
+    s = _open(path)
+    s.put("a", _tensor(0))
+    s.flush()
+    w, real_write = s._writer, s.disk.write_batch
+    in_first, go_first, returned, release = (threading.Event() for _ in range(4))
+    batches = 0
+    fed: list[str] = []
+
+    def feed_one() -> None:  # new work after the flush call: a put, or a read (an LRU touch)
+        if feed == "puts":
+            name = f"f{len(fed)}"
+            assert s.put(name, _tensor(len(fed) + 1))
+        else:
+            name = "a"
+            assert s.get("a") is not None
+        fed.append(name)
+
+    def hooked(puts, touches=None):
+        nonlocal batches
+        batches += 1
+        if batches == 1:  # the batch of everything before the flush call
+            in_first.set()
+            assert go_first.wait(BOUND_S)
+        elif not release.is_set():
+            feed_one()  # the writer will find work queued after this batch too
+            release.wait(BOUND_S)  # held until the flush returned (or the test gave up)
+        return real_write(puts, touches)
+
+    s.disk.write_batch = hooked
+    try:
+        assert s.get("a") is not None  # a read before the flush call ...
+        assert s.put("p0", _tensor(9))  # ... and a put: both ride in the first batch
+        assert in_first.wait(BOUND_S)
+        errors: list[BaseException] = []
+
+        def flusher() -> None:
+            try:
+                s.flush()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            returned.set()
+
+        th = threading.Thread(target=flusher)
+        th.start()
+        with w.cv:  # the flush call has begun (it waits in the writer's drain)
+            assert w.cv.wait_for(lambda: w.drainers == 1, timeout=BOUND_S)
+        feed_one()  # after the call: must not hold the flush up
+        go_first.set()
+        flushed = returned.wait(BOUND_S)
+        if flushed:
+            seen, hits = _committed(path, ["a", "p0"], "a")
+        release.set()
+        th.join(BOUND_S)
+        assert flushed, f"flush() did not return while another thread kept {feed} going"
+        assert not errors
+        assert seen == [True, True]
+        assert hits == 1  # the read before the flush call is in the file; the later one not yet
+    finally:
+        release.set()
+        go_first.set()
+        s.disk.write_batch = real_write
+        s.close()
+    with _open(path) as s:  # close wrote the rest
+        assert all(s.contains(n) for n in fed)
+        assert s.disk.record(s.key("a")).hits == (1 + len(fed) if feed == "reads" else 1)
+
+
+def test_put_racing_close_is_written_or_refused(tmp_path):
+    """A put that passed the closed check hands its entry to the writer only
+    after close() stopped it: the put must raise "store is closed", or return
+    True and the entry be in the store afterwards (it was lost: True, never
+    written)."""
+    path = tmp_path / "s"
+    s = _open(path)
+    w = s._writer
+    real_submit = w.submit
+    at_submit, closed = threading.Event(), threading.Event()
+
+    def hooked(key, item):
+        at_submit.set()
+        assert closed.wait(BOUND_S)
+        return real_submit(key, item)
+
+    w.submit = hooked
+    outcome: list[object] = []
+
+    def putter() -> None:
+        try:
+            outcome.append(s.put("x", _tensor(1)))
+        except ECStoreError as e:
+            outcome.append(e)
+
+    th = threading.Thread(target=putter)
+    th.start()
+    try:
+        assert at_submit.wait(BOUND_S)
+        s.close()
+        assert not w.is_alive()
+    finally:
+        closed.set()
+        th.join(BOUND_S)
+    assert len(outcome) == 1
+    with _open(path) as s2:
+        stored = s2.contains("x")
+    if isinstance(outcome[0], ECStoreError):
+        assert "store is closed" in str(outcome[0])
+        assert not stored
+    else:
+        assert outcome[0] is True and stored, "put returned True but the entry was never written"
+
