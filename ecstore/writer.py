@@ -96,8 +96,8 @@ class Writer(threading.Thread):
     """Background LMDB writer: drains puts and LRU touches in batches.
 
     Bounded by bytes: :meth:`submit` (``ECStore.put``) blocks while the
-    queued tensor bytes would exceed ``max_bytes`` (back-pressure, not
-    unbounded memory). Commits at most ``batch_bytes`` of blobs per LMDB
+    tensor bytes not yet written (queued, and the batch being written) would
+    exceed ``max_bytes`` (back-pressure, not unbounded memory). Commits at most ``batch_bytes`` of blobs per LMDB
     transaction, with the LRU touches made before them. Every method is
     thread-safe (one condition, ``cv``, guards all state); :meth:`drain`
     waits for what was submitted before its call only (see the module doc);
@@ -138,12 +138,15 @@ class Writer(threading.Thread):
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
 
     def submit(self, key: str, item: PendingPut) -> None:
-        """Queue ``item`` under ``key``; blocks while the queue is over
-        ``max_bytes`` (back-pressure). Raises ECStoreError "store is closed"
-        once :meth:`stop` began (the thread might not write it any more): a
-        put that returns was queued before, and the thread writes it."""
+        """Queue ``item`` under ``key``; blocks while the bytes not yet
+        written (queued, and the batch being written) plus ``item.nbytes``
+        would exceed ``max_bytes`` (back-pressure; an item larger than
+        ``max_bytes`` waits until nothing else is pending). Raises
+        ECStoreError "store is closed" once :meth:`stop` began (the thread
+        might not write it any more): a put that returns was queued before,
+        and the thread writes it."""
         with self.cv:
-            while self.queue and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
+            while self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
                 self.cv.wait()
             if self.stopping:
                 raise ECStoreError("store is closed")

@@ -174,3 +174,61 @@ def test_put_racing_close_is_written_or_refused(tmp_path):
     else:
         assert outcome[0] is True and stored, "put returned True but the entry was never written"
 
+
+def test_back_pressure_counts_the_batch_being_written(tmp_path):
+    """``max_write_queue_size`` bounds the bytes waiting for the writer,
+    including the batch it is writing: a put that would exceed it waits for
+    that batch (it was let in whenever nothing else was queued, holding
+    twice the bound). The writer is held inside its batch; the second put
+    must wait on the writer's condition, not be admitted."""
+    path = tmp_path / "s"
+    bound = 1024  # bytes; each tensor below holds 800
+    s = _open(path)
+    w = s._writer
+    w.max_bytes = bound
+    real_write = s.disk.write_batch
+    in_batch, go = threading.Event(), threading.Event()
+
+    def hooked(puts, touches=None):
+        if any(p.identifier.endswith("/a") for p in puts):
+            in_batch.set()
+            assert go.wait(BOUND_S)
+        return real_write(puts, touches)
+
+    s.disk.write_batch = hooked
+    settled = threading.Event()  # the second put was admitted, or waits for room
+    seen: list[tuple[str, int]] = []
+
+    def put_b() -> None:
+        def tracer(frame, event, arg):
+            if (event == "call" and frame.f_code is threading.Condition.wait.__code__
+                    and frame.f_locals.get("self") is w.cv and not settled.is_set()):
+                seen.append(("waited", w.queued_bytes))
+                settled.set()
+            return None
+
+        sys.settrace(tracer)
+        try:
+            assert s.put("b", torch.ones(200, 1))
+        finally:
+            sys.settrace(None)
+        if not settled.is_set():
+            seen.append(("admitted", w.queued_bytes))
+            settled.set()
+
+    try:
+        assert s.put("a", torch.ones(200, 1))
+        assert in_batch.wait(BOUND_S)
+        th = threading.Thread(target=put_b)
+        th.start()
+        assert settled.wait(BOUND_S)
+        go.set()
+        th.join(BOUND_S)
+        assert seen and seen[0][0] == "waited", f"admitted past the bound: {seen}"
+        s.flush()
+    finally:
+        go.set()
+        s.disk.write_batch = real_write
+        s.close()
+    with _open(path) as s:
+        assert s.contains("a") and s.contains("b")
