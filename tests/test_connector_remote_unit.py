@@ -148,3 +148,15 @@ def test_unallocated_remote_yes_releases_no_lease(connectors, tmp_path: Path, re
     sched.build_connector_meta(SchedulerOutput.make_empty())
     assert leases_on(sched, A) == 1
 
+
+def test_overlong_client_uuid_with_a_remote_is_a_miss(connectors, tmp_path: Path,
+                                                      redis_server: RedisServer) -> None:
+    """With share_client_uuids a client names items by any string; one that
+    is no valid identifier (e.g. longer than 4096 bytes) is a miss, not an
+    exception out of has_cache_item into vLLM's scheduler (the remote lookup
+    built its key outside the guarded local lookup)."""
+    uuid = "u" * 5000
+    for extra in ({"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01},
+                  {"local_cpu": True, "max_local_cpu_size": 0.01}):
+        sched, _ = connectors("ec_both", {**extra, "share_client_uuids": True, "remote_url": redis_server.url})
+        assert sched.has_cache_item(uuid) is False

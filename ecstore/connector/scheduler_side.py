@@ -145,7 +145,11 @@ class SchedulerSide:
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
         if not local and self.store is not None and self.store.remote is not None:
-            found = self.store.remote_contains(identifier)  # bounded; never raises
+            try:
+                found = self.store.remote_contains(identifier)  # bounded; no remote failure raises
+            except ECStoreError as e:  # an identifier no key can be made of (share_client_uuids)
+                log.warning("ecstore: remote lookup of %.200s failed, treated as a miss: %s", identifier, e)
+                found = False
             if found:
                 self.stats.add("remote_lookup_hits")
         if found:
