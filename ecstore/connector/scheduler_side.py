@@ -142,6 +142,8 @@ class SchedulerSide:
                 found = pinned = local and self._fits(identifier)
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
+                if local:  # pinned, then its record could not be checked: let go
+                    self._release([identifier])
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
         if not local and self.store is not None and self.store.remote is not None:
