@@ -386,6 +386,23 @@ def test_each_announced_load_holds_its_own_lease(connectors, disk_extra):
     assert leased(sched, A) == set()
 
 
+def test_unreadable_record_is_a_miss_that_keeps_no_lease(connectors, disk_extra):
+    """An entry whose identifier reads but whose record does not (damaged
+    after the identifier): has_cache_item pins it, then cannot check its
+    shape. A miss, and the pin is let go (it was kept for lease_seconds,
+    one more per ask, sparing the damaged entry from eviction meanwhile)."""
+    sched, _ = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    with open_store(sched) as st:
+        k = st.key(A).encode()
+        with st.disk.env.begin(write=True) as txn:
+            txn.put(k, bytes(txn.get(k, db=st.disk._entries)) + b"\x00", db=st.disk._entries)
+        assert st.disk.contains(st.key(A), st.stored_name(A))  # the identifier still reads
+    assert sched.has_cache_item(A) is False
+    assert sched.has_cache_item(A) is False
+    assert leased(sched, A) == set()
+
+
 def test_shutdown_releases_pending_leases(connectors, disk_extra):
     sched, _ = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1), B: embedding(2)})

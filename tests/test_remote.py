@@ -8,6 +8,7 @@ never errors; the circuit breaker is driven with a fake clock (no sleeps).
 from __future__ import annotations
 
 import io
+import time
 import logging
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -448,6 +449,45 @@ def test_cluster_shares_entries_across_slots_and_survives_a_dead_master(tmp_path
                 assert any(g is None for g in got)
                 assert c.stats().remote_errors >= 1
             assert same_tensor(b.get("img-0"), tensors["img-0"])  # B's local tiers still serve
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_cluster_down_at_open_is_misses_then_used_once_back(tmp_path: Path) -> None:
+    """A cluster no seed node of which answers when the store opens (e.g. a
+    vLLM engine starting during a Redis outage): the store opens and the
+    remote is a miss (redis-py's RedisCluster connects when built, and its
+    RedisClusterException escaped ECStore(), failing the engine's start);
+    once the nodes are back, the remote is used after the back-off."""
+    from ecstore.testing.redis_server import start_cluster
+
+    nodes = start_cluster(tmp_path / "cluster")
+    try:
+        for n in nodes:
+            n.kill()
+        clock = FakeClock()
+        t = make_tensor(16, rows=16, cols=64)
+        with open_store(tmp_path, "a", f"redis+cluster://127.0.0.1:{nodes[0].port}", clock=clock,
+                        remote_timeout_seconds=2) as a:
+            assert a.get("img") is None and not a.remote_contains("img")
+            assert a.put("img", t)
+            a.flush()
+            st = a.stats()
+            assert st.remote_errors >= 1 and st.remote_puts == 0
+            assert same_tensor(a.get("img"), t)  # the local tiers serve meanwhile
+            for n in nodes:
+                n.restart()  # same ports and nodes.conf: the cluster comes back (empty)
+            deadline = time.monotonic() + 60
+            while not all(b"cluster_state:ok" in n.client().execute_command("CLUSTER", "INFO") for n in nodes):
+                assert time.monotonic() < deadline, "the restarted cluster did not become ok"
+                time.sleep(0.05)  # polling a condition with a bound
+            clock.advance(a.remote.breaker.max_backoff_s)
+            assert not a.remote_contains("other")  # the probe builds the client
+            assert a.remote.breaker.state is BreakerState.CLOSED
+            assert a.put("img-2", t)
+            a.flush()
+            assert a.stats().remote_puts == 1
     finally:
         for n in nodes:
             n.kill()

@@ -85,7 +85,11 @@ class SchedulerSide:
                                  model=model, dtype=dtype, identity=identity)
         self.mirror: dict[str, int] = {}  # memory-only: identifier -> bytes held by workers
         self._acks: list[str] = []
-        self._step_hits: set[str] = set()  # has_cache_item said yes this step (pinned in disk mode)
+        # has_cache_item said yes this step: identifier -> whether that yes
+        # holds a lease of ours (a local disk hit) or not (memory-only mirror,
+        # remote tier). Only pinned yeses are ever released: a release drops
+        # "one lease of this process", which could otherwise be another load's.
+        self._step_hits: dict[str, bool] = {}
         self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
         self._producer_allocated: set[str] = set()  # producer-only: allocated this step
         self._req_items: dict[str, list[str]] = {}  # producer-only: req_id -> its item identifiers
@@ -98,7 +102,8 @@ class SchedulerSide:
             except OSError as e:
                 log.warning("ecstore: worker counters will not be reported (stats record: %s)", e)
         self._loads: list[LoadSpec] = []
-        self._inflight: dict[str, set[str]] = defaultdict(set)  # identifier -> req_ids awaiting load
+        # identifier -> req_ids whose announced load holds a lease on it
+        self._inflight: dict[str, set[str]] = defaultdict(set)
         self._unavailable: set[str] = set()
         # Identifiers whose load failed while vLLM's encoder cache may still
         # hold the worker's zero stand-in (see ensure_cache_available).
@@ -121,9 +126,11 @@ class SchedulerSide:
         if not self.is_consumer:
             return self._producer_has(identifier)
         if identifier in self._step_hits:
-            # Already answered yes this step (and pinned) for a request that
-            # was not allocated after all: the pin is still ours to hand on.
+            # Already answered yes this step (and pinned, if local) for a
+            # request that was not allocated after all: the pin is still ours
+            # to hand on.
             return True
+        pinned = False
         if self.memory_only or self.store is None:
             found = local = identifier in self.mirror
         else:
@@ -132,17 +139,23 @@ class SchedulerSide:
             found = local = False
             try:
                 local = self.store.pin_if_present(identifier)
-                found = local and self._fits(identifier)
+                found = pinned = local and self._fits(identifier)
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
+                if local:  # pinned, then its record could not be checked: let go
+                    self._release([identifier])
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
         if not local and self.store is not None and self.store.remote is not None:
-            found = self.store.remote_contains(identifier)  # bounded; never raises
+            try:
+                found = self.store.remote_contains(identifier)  # bounded; no remote failure raises
+            except ECStoreError as e:  # an identifier no key can be made of (share_client_uuids)
+                log.warning("ecstore: remote lookup of %.200s failed, treated as a miss: %s", identifier, e)
+                found = False
             if found:
                 self.stats.add("remote_lookup_hits")
         if found:
-            self._step_hits.add(identifier)
+            self._step_hits[identifier] = pinned  # a remote yes holds no lease
         return found
 
     def _kept_out(self, identifier: str) -> bool:
@@ -206,12 +219,13 @@ class SchedulerSide:
         # Announce a load exactly when has_cache_item said yes: then vLLM
         # did not schedule the encoder for it. Anything else is computed.
         if identifier in self._step_hits:
-            self._step_hits.discard(identifier)
+            pinned = self._step_hits.pop(identifier)
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
                                         self._width(feature.modality), index=index,
                                         recomputable=getattr(feature, "data", None) is not None))
-            self._inflight[identifier].add(request.request_id)
+            if pinned:  # its report (or the request's end) releases the lease
+                self._inflight[identifier].add(request.request_id)
             self.stats.add("hits")
         else:
             self.stats.add("misses")
@@ -265,11 +279,10 @@ class SchedulerSide:
                                         encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None),
                                         publish=self._to_publish(scheduler_output))
         self._loads, self._acks = [], []
-        if self._step_hits and self.store is not None:
-            # has_cache_item said yes but vLLM did not allocate (e.g. no KV
-            # space this step): let go; it will be asked again.
-            self._release(list(self._step_hits))
-        self._step_hits = set()
+        # has_cache_item said yes but vLLM did not allocate (e.g. no KV space
+        # this step): let go of the pins; it will be asked again.
+        self._release([i for i, pinned in self._step_hits.items() if pinned])
+        self._step_hits = {}
         self._producer_hits.clear()
         if self._poisoned:
             self._unpoison(getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
@@ -374,6 +387,7 @@ class SchedulerSide:
             self._shared.close(remove=True)
             self._shared = None
         if self.store is not None:
-            pending = [i for i, reqs in self._inflight.items() for _ in reqs] + list(self._step_hits)
+            pending = [i for i, reqs in self._inflight.items() for _ in reqs] + \
+                [i for i, pinned in self._step_hits.items() if pinned]
             self._release(pending)
             self.store.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from urllib.parse import parse_qs, urlsplit
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -115,26 +116,49 @@ class RedisBackend:
         self._secrets = (target.password,)
         common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                                   "username": target.username, "password": target.password}
+        self.is_cluster = target.cluster
+        self._client: Any = None
+        self._delete_script: Any = None
+        self._connect_lock = threading.Lock()
         if target.cluster:
             from redis.cluster import ClusterNode, RedisCluster
 
-            self.client: Any = RedisCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], ssl=target.tls,
-                retry=Retry(NoBackoff(), 1), **common, **_ssl_options(target.url))
+            # RedisCluster connects to the seed nodes when constructed (and
+            # raises if none answers): built at the first call instead, so an
+            # unreachable cluster is a failed call (a miss), not an error here.
+            def make() -> Any:
+                return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], ssl=target.tls,
+                                    retry=Retry(NoBackoff(), 1), **common, **_ssl_options(target.url))
+            self._make_client: Callable[[], Any] = make
         else:
             url = target.url
             for alias, real in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
                 if url.lower().startswith(alias):
                     url = real + url[len(alias):]
-            # from_url keeps TLS options given as query arguments (ssl_ca_certs=...).
-            self.client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **common)
-        self.is_cluster = target.cluster
-        self._delete_script = self.client.register_script(_DELETE_IF_UNCHANGED)
+            # from_url keeps TLS options given as query arguments (ssl_ca_certs=...); connects lazily.
+            self._make_client = lambda: redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **common)
+            _ = self.client
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def client(self) -> Any:
+        """The redis-py client, built at the first use (a cluster client
+        connects when built: raises the client's error if it cannot)."""
+        client = self._client
+        if client is None:
+            with self._connect_lock:
+                if self._client is None:
+                    made = self._make_client()
+                    self._delete_script = made.register_script(_DELETE_IF_UNCHANGED)
+                    self._client = made
+                client = self._client
+        return client
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (which reaches the client through :attr:`client`), its
+        failures as RemoteUnavailable / RemoteRefused."""
         r = self._redis
         try:
-            return fn(*args, **kwargs)
+            return fn()
         except (r.ConnectionError, r.TimeoutError, r.exceptions.ClusterError, OSError) as e:
             raise RemoteUnavailable(f"{self.description}: {redact(str(e), *self._secrets)}") from None
         except r.RedisError as e:  # the server answered with an error
@@ -144,11 +168,11 @@ class RedisBackend:
                                     f"{redact(str(e), *self._secrets)}") from None
 
     def get(self, key: str) -> bytes | None:
-        value = self._call(self.client.get, KEY_PREFIX + key)
+        value = self._call(lambda: self.client.get(KEY_PREFIX + key))
         return None if value is None else bytes(value) if not isinstance(value, bytes) else value
 
     def exists(self, key: str) -> bool:
-        return bool(self._call(self.client.exists, KEY_PREFIX + key))
+        return bool(self._call(lambda: self.client.exists(KEY_PREFIX + key)))
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         def run() -> list[bool]:
@@ -163,7 +187,7 @@ class RedisBackend:
         if not items:
             return []
         if not self.is_cluster:
-            return self._call(self._set_many_zero_copy, items, px)
+            return self._call(lambda: self._set_many_zero_copy(items, px))
 
         def run() -> list[bool]:
             pipe = self.client.pipeline(transaction=False)
@@ -195,14 +219,19 @@ class RedisBackend:
         raise AssertionError("unreachable")
 
     def delete(self, key: str) -> None:
-        self._call(self.client.delete, KEY_PREFIX + key)
+        self._call(lambda: self.client.delete(KEY_PREFIX + key))
 
     def delete_if_unchanged(self, key: str, value: bytes) -> bool:
         digest = hashlib.sha1(value).hexdigest()
-        return bool(self._call(self._delete_script, keys=[KEY_PREFIX + key], args=[len(value), digest]))
+        def run() -> Any:
+            _ = self.client  # builds the client and its script
+            return self._delete_script(keys=[KEY_PREFIX + key], args=[len(value), digest])
+        return bool(self._call(run))
 
     def close(self) -> None:
+        if self._client is None:
+            return
         try:
-            self.client.close()
+            self._client.close()
         except Exception as e:  # noqa: BLE001  (closing a client of a dead server)
             log.debug("ecstore: closing the remote client: %s", redact(str(e), *self._secrets))
