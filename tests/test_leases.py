@@ -252,21 +252,28 @@ def test_a_damaged_lease_file_in_use_by_another_process_is_refused_not_replaced(
         a.close()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "empty-meta"])
+@pytest.mark.parametrize("damage", ["garbage", "empty-meta", "truncated"])
 def test_a_damaged_unused_lease_file_is_recreated_once_for_all_processes(tmp_path: Path, damage: str) -> None:
     """Leases are ephemeral: a damaged ``leases.mdb`` that no process has
     open (e.g. after a machine crash: it is written without fsync) is
     recreated by the first process that opens the store. Two processes
     opening it at once end up on one new file (the repair is serialised),
-    and each sees the other's lease."""
+    and each sees the other's lease. A truncated lease file (shorter than
+    its meta page says) killed a process with SIGBUS at its first lease: it
+    counts as damaged."""
     path = str(tmp_path / "s")
-    LMDBTier(path, CAP).close()
+    a = LMDBTier(path, CAP)
+    a.lease([f"k{i}" for i in range(2000)], 600)  # a lease file of some pages
+    a.close()
     lpath = os.path.join(path, "leases.mdb")
+    assert os.path.getsize(lpath) > 16384
     with open(lpath, "r+b") as fh:
         if damage == "garbage":
             fh.write(b"\x5a" * 8192)
-        else:
+        elif damage == "empty-meta":
             fh.write(b"\x00" * 8192)  # both meta pages zeroed
+        else:
+            fh.truncate(8192)  # the meta pages only
     first = _opener(path, "plain", "hold", key(0))
     second = _opener(path, "plain", "hold", key(1))
     try:

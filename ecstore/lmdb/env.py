@@ -343,7 +343,8 @@ _LEASE_FILE_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismat
 def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
     """Open ``path``'s lease file, ``leases.mdb`` (read-write handles only).
 
-    A damaged lease file is recreated (leases are ephemeral) only if no
+    A damaged lease file (LMDB says so, or it is shorter than its meta
+    page says) is recreated (leases are ephemeral) only if no
     process has it open: a process that has keeps using the file it opened,
     so a new one beside it would split the leases in two and an eviction
     would no longer see the other file's (the lease guarantee of
@@ -367,8 +368,12 @@ def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
             fcntl.flock(dfd, fcntl.LOCK_EX)  # released when dfd is closed
         except OSError as e:
             raise StoreOpenError(f"cannot lock {path} to open its lease file: {e.strerror}") from None
+        damage: Exception
         try:
+            _check_data_file(lpath)  # truncated: LMDB would map it and die of SIGBUS on a read
             return _open_lease_env(path, policy)
+        except StoreOpenError as e:
+            damage = e
         except lmdb.Error as e:
             if not isinstance(e, _LEASE_FILE_DAMAGE):
                 raise StoreOpenError(
