@@ -16,6 +16,7 @@ hooks on the first handle's retry steps. No timing is involved.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import contextlib
@@ -28,6 +29,7 @@ from ecstore import StoreFullError
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
+from helpers.fault_fs import find_all as fc_find_all
 from helpers.tensors import assert_same
 
 MiB = 1 << 20
@@ -277,3 +279,36 @@ def test_eviction_that_finds_the_map_exhausted_waits_instead_of_failing(tmp_path
         reader.close()
         a.close()
         b.close()
+
+
+def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path: Path):
+    """write_batch finds the map full and evicts to make room; that eviction
+    walks the LRU index, whose leaf page is damaged (its page type made
+    invalid, as in test_faults' damaged-page test). LMDB answers
+    MDB_CORRUPTED there, and write_batch -- not wrapped like the other tier
+    methods -- let that lmdb.CorruptedError escape to the caller. Every error
+    ecstore raises is an ECStoreError: StoreOpenError, saying the store may
+    be damaged; the put fails with it and nothing is written."""
+    from ecstore import ECStoreError, StoreOpenError
+
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    assert _put(a, 0).result == "stored"
+    seq = a.record(key(0)).lru_seq
+    a.close()
+    data_file = Path(path) / "data.mdb"
+    hits = fc_find_all(data_file.read_bytes(), struct.pack(">Q", seq) + key(0).encode())
+    assert len(hits) == 1  # the LRU row of entry 0, in the LRU index's only leaf page
+    with open(data_file, "r+b") as fh:
+        fh.seek(hits[0] // 4096 * 4096 + 10)  # mp_flags of that page's header
+        fh.write(b"\xff\x7f")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    try:
+        req = PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, ROWS))
+        with pytest.raises(ECStoreError) as info:
+            a.write_batch([req])  # the map holds one such blob: full, so it evicts
+        assert isinstance(info.value, StoreOpenError) and "damaged" in str(info.value), info.value
+        assert req.result == "failed" and req.error is info.value
+        assert not a.contains(key(1), name(1))
+    finally:
+        a.close()
