@@ -312,3 +312,57 @@ def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path:
         assert not a.contains(key(1), name(1))
     finally:
         a.close()
+
+
+def _nested_txn_while_another_thread_adopts_a_grown_map(path: str) -> list[str]:
+    """Worker: this thread holds a read transaction (a tooling snapshot)
+    while another process grows the map; a second thread then meets
+    MDB_MAP_RESIZED and waits to adopt the new size until no transaction of
+    this process is open; this thread then begins a second transaction."""
+    import subprocess
+    import sys
+    import threading
+
+    from ecstore import ECStoreError
+
+    helpers = Path(__file__).resolve().parent / "helpers"
+    out: list[str] = []
+    t = LMDBTier(path, 1 * MiB)
+    try:
+        assert _put(t, 0, rows=64).result == "stored"
+        gate = t._shared.gate
+        with t.snapshot():
+            cp = subprocess.run([sys.executable, str(helpers / "grow_store.py"), path, "8"], capture_output=True,
+                                text=True, timeout=300)
+            assert cp.returncode == 0, cp.stderr
+            other = threading.Thread(target=lambda: out.append(f"thread {t.contains(key(0), name(0))}"))
+            other.start()
+            with gate._cv:  # until the other thread waits to adopt the new size (for our transaction)
+                while not gate._resizing:
+                    gate._cv.wait(0.01)
+            try:
+                out.append(f"nested {t.contains(key(0), name(0))}")
+            except ECStoreError as e:
+                out.append(f"nested {type(e).__name__}: {e}")
+        other.join()
+        out.append(f"after {t.contains(key(0), name(0))}")
+    finally:
+        t.close()
+    return out
+
+
+def test_nested_transaction_while_another_thread_adopts_a_grown_map_does_not_deadlock(tmp_path: Path):
+    """_TxnGate: a thread holding a transaction that begins another while a
+    second thread waits to adopt a map another process grew deadlocked (the
+    second thread waits for the first one's transaction to end; the first
+    waited for the resize). No production path nests transactions in one
+    thread (tooling does: a ``snapshot()`` or ``iter_records()`` loop calling
+    the tier). The nested begin now goes ahead (the resize cannot happen
+    while a transaction is open) and, meeting MDB_MAP_RESIZED itself, raises
+    a StoreOpenError saying to retry; everything works once it ended."""
+    from ecstore.testing.faults import run_forked
+
+    res = run_forked(_nested_txn_while_another_thread_adopts_a_grown_map, str(tmp_path / "s"), timeout=120)
+    out = res.ok()
+    assert out[0].startswith("nested StoreOpenError") and "retry" in out[0], out
+    assert out[1:] == ["thread True", "after True"], out

@@ -78,10 +78,13 @@ class _TxnGate:
     transaction of this process is open (their pages would be unmapped under
     them). Every transaction enters the gate (shared); a resize waits until
     none is open and holds new ones back meanwhile (exclusive). A thread
-    that itself holds a transaction of the environment cannot wait for that:
-    it gets StoreOpenError (an ECStoreError) instead and may retry once its
-    transaction ended. Thread-safe; costs one uncontended lock per begin and
-    end.
+    that itself holds a transaction of the environment (nested transactions:
+    tooling only, e.g. a ``snapshot()`` or ``iter_records()`` loop calling
+    the tier; no serving path nests) cannot wait for that: it is not held
+    back by a pending resize (it would deadlock with the resizer), and when
+    it meets ``MDB_MAP_RESIZED`` itself it gets StoreOpenError (an
+    ECStoreError) and may retry once its transaction ended. Thread-safe;
+    costs one uncontended lock per begin and end.
     """
 
     def __init__(self) -> None:
@@ -91,11 +94,16 @@ class _TxnGate:
         self._mine = threading.local()
 
     def enter(self) -> None:
+        mine = getattr(self._mine, "depth", 0)
         with self._cv:
-            while self._resizing:
+            # A thread that holds a transaction does not wait for a pending
+            # resize: the resize waits for that very transaction to end. It
+            # is safe to let it in while any transaction is open, as the
+            # resize happens only once none is (under this condition's lock).
+            while self._resizing and not (mine > 0 and self._active > 0):
                 self._cv.wait()
             self._active += 1
-        self._mine.depth = getattr(self._mine, "depth", 0) + 1
+        self._mine.depth = mine + 1
 
     def leave(self) -> None:
         # max(): a transaction of an abandoned generator may be finalized by
