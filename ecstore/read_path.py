@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import codec
+from .errors import CorruptEntryError
 from .stats import HitTier
 from .writer import PendingPut
 
@@ -121,10 +122,16 @@ class ReadPath:
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:
         """The shape the LMDB tier's entry under ``key`` holds, from its
-        record only (no blob read), if it is ``name``'s; else None."""
+        record only (no blob read), if it is ``name``'s; else None. An
+        unreadable record is a miss: logged and removed, like a corrupt
+        entry met by :meth:`find`."""
         if self.disk is None:
             return None
-        rec = self.disk.record(key)
+        try:
+            rec = self.disk.record(key)
+        except CorruptEntryError as e:  # a miss, dropped as get drops it
+            self.disk.drop_corrupt(key, e)
+            return None
         if rec is None or rec.identifier != name or rec.version != self.disk.record_version:
             return None
         return rec.shape

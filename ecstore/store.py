@@ -208,8 +208,9 @@ class ECStore:
 
     def stored_shape(self, mm_hash: str) -> tuple[int, ...] | None:
         """The shape the disk tier's entry of ``mm_hash`` (under this handle's
-        identity) holds, from its record (no blob read); None if there is none.
-        Lets a caller refuse an entry before committing to load it."""
+        identity) holds, from its record (no blob read); None if there is none,
+        or if its record is unreadable (a miss: the entry is dropped, as by
+        :meth:`get`). Lets a caller refuse an entry before committing to load it."""
         self._check()
         return self._reads.stored_shape(self.key(mm_hash), self.stored_name(mm_hash))
 

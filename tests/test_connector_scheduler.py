@@ -163,3 +163,39 @@ def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_mo
     with open_store(eng.connector) as st:  # a good copy replaced the corrupt one
         assert torch.equal(st.get(A), encoder_output(A))
     assert leased(eng.connector, A, C, D) == set()
+
+
+def test_entry_whose_record_is_damaged_past_its_identifier_is_computed_and_not_left_leased(
+        tiny_model_dir, disk_extra, engines, caplog):
+    """A record whose identifier still reads (so ``pin_if_present`` leases
+    the entry and says yes) but whose rest does not: the shape check then
+    raised CorruptEntryError, has_cache_item treated that as a miss, and the
+    lease stayed until lease_seconds ran out (pinning a corrupt entry against
+    eviction). The damaged entry is a miss: dropped, the pin let go, the
+    item computed (and saved again)."""
+    from ecstore.errors import CorruptEntryError
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+        key = st.key(A).encode()
+        assert st.disk is not None
+        with st.disk.env.begin(write=True) as txn:
+            raw = txn.get(key, db=st.disk._entries)
+            txn.put(key, raw + b"\x00", db=st.disk._entries)  # identifier intact, length wrong
+        assert st.contains(A)
+        with pytest.raises(CorruptEntryError):
+            st.disk.record(st.key(A))
+
+    eng.scheduler.add_request(vo.make_request("r1", [A]))
+    out = eng.step()
+    assert out.scheduled_encoder_inputs == {"r1": [0]} and load_specs(out) == []
+    assert leased(eng.connector, A) == set(), "the pin on the corrupt entry was kept"
+    assert any("corrupt entry" in r.getMessage() and "removed" in r.getMessage() for r in caplog.records)
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.LENGTH}
+    tot = eng.totals()
+    assert (tot["misses"], tot.get("hits", 0), tot.get("rejected", 0)) == (1, 0, 0)
+    eng.worker.worker_side.store.flush()
+    with open_store(eng.connector) as st:  # the damaged entry was replaced by a good copy
+        assert torch.equal(st.get(A), encoder_output(A))

@@ -8,6 +8,8 @@ on when told; this process's steps are hooked. No timing is involved.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +167,124 @@ def test_a_lease_time_the_table_cannot_hold_is_an_invalid_entry_error(tmp_path: 
         assert store.disk is not None and store.disk.leased_keys() == set()
         store.lease(["img"], 86400)  # the longest lease the config allows
         assert store.pin_if_present("img", 0.0)
+
+
+# ------------------------------------------------------ the lease file itself
+def _opener(path: str, mode: str, *hold: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(HELPERS / "lease_file_opener.py"), path, str(CAP), mode, *hold],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _report(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"opener exited {proc.wait(timeout=60)} without a report"
+    out = json.loads(line)
+    assert "foreign" not in out, f"a non-ECStoreError escaped: {out['foreign']}"
+    return out
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=120) == 0
+
+
+def _two_entries_first_pinned(path: str) -> LMDBTier:
+    a = LMDBTier(path, CAP)
+    for i in range(2):
+        req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+        a.write_batch([req])
+        assert req.result == "stored"
+    assert a.pin_if_present(key(0), name(0), 600)
+    return a
+
+
+def test_a_transient_error_opening_the_lease_file_never_deletes_it(tmp_path: Path) -> None:
+    """Opening ``leases.mdb`` deleted it (and its lock file) on any LMDB
+    error, here "too many open files" in another process: this process's
+    lease stayed in the unlinked file, that process made a new one, and its
+    eviction took the entry this process had pinned. A lease file is
+    recreated only when it is damaged and unused; any other error is a
+    StoreOpenError and nothing is deleted."""
+    path = str(tmp_path / "s")
+    a = _two_entries_first_pinned(path)
+    try:
+        inode = os.stat(os.path.join(path, "leases.mdb")).st_ino
+        out = _report(_opener(path, "scarce-fds"))
+        assert out["opened"]
+        # One attempt got as far as the lease file (the scenario happened) ...
+        assert any("leases.mdb" in msg for _, msg in out["errors"]), out["errors"]
+        assert all(t == "StoreOpenError" for t, _ in out["errors"]), out["errors"]
+        # ... and left it alone: one lease file, shared by both processes.
+        assert not out["inode_changed"] and out["leases_inode"] == inode
+        assert out["evicted"] == 1
+        assert a.contains(key(0), name(0)), "the entry pinned by pin_if_present was evicted"
+        assert not a.contains(key(1), name(1))
+        fc.audit(path, CAP, tier=a).check()
+    finally:
+        a.close()
+
+
+def test_a_damaged_lease_file_in_use_by_another_process_is_refused_not_replaced(tmp_path: Path) -> None:
+    """``leases.mdb`` unreadable for a new process (here replaced under a
+    running one, which keeps its open file) while another process still
+    holds leases in the file it has open: deleting and recreating it split
+    the leases across two files, and the new process evicted the pinned
+    entry. The new process gets a StoreOpenError naming the file and what
+    to do; nothing is deleted or evicted."""
+    path = str(tmp_path / "s")
+    a = _two_entries_first_pinned(path)
+    try:
+        lpath = os.path.join(path, "leases.mdb")
+        with open(lpath + ".new", "wb") as fh:
+            fh.write(b"\xa5" * 16384)
+        os.replace(lpath + ".new", lpath)
+        damaged = os.stat(lpath).st_ino
+        out = _report(_opener(path, "plain"))
+        assert not out["opened"] and out["evicted"] == 0
+        [(kind, msg)] = out["errors"]
+        assert kind == "StoreOpenError" and "leases.mdb" in msg and "in use" in msg, msg
+        assert os.stat(lpath).st_ino == damaged  # left for the operator, as the message says
+        assert a.contains(key(0), name(0)) and a.contains(key(1), name(1))
+        assert key(0).encode() in a.leased_keys()
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty-meta", "truncated"])
+def test_a_damaged_unused_lease_file_is_recreated_once_for_all_processes(tmp_path: Path, damage: str) -> None:
+    """Leases are ephemeral: a damaged ``leases.mdb`` that no process has
+    open (e.g. after a machine crash: it is written without fsync) is
+    recreated by the first process that opens the store. Two processes
+    opening it at once end up on one new file (the repair is serialised),
+    and each sees the other's lease. A truncated lease file (shorter than
+    its meta page says) killed a process with SIGBUS at its first lease: it
+    counts as damaged."""
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP)
+    a.lease([f"k{i}" for i in range(2000)], 600)  # a lease file of some pages
+    a.close()
+    lpath = os.path.join(path, "leases.mdb")
+    assert os.path.getsize(lpath) > 16384
+    with open(lpath, "r+b") as fh:
+        if damage == "garbage":
+            fh.write(b"\x5a" * 8192)
+        elif damage == "empty-meta":
+            fh.write(b"\x00" * 8192)  # both meta pages zeroed
+        else:
+            fh.truncate(8192)  # the meta pages only
+    first = _opener(path, "plain", "hold", key(0))
+    second = _opener(path, "plain", "hold", key(1))
+    try:
+        got = [_report(first), _report(second)]
+        assert all(o["opened"] and not o["errors"] for o in got), got
+        assert got[0]["leases_inode"] == got[1]["leases_inode"] == os.stat(lpath).st_ino
+        a = LMDBTier(path, CAP)
+        try:
+            assert {key(0).encode(), key(1).encode()} <= a.leased_keys()
+        finally:
+            a.close()
+    finally:
+        _finish(first)
+        _finish(second)

@@ -16,6 +16,7 @@ hooks on the first handle's retry steps. No timing is involved.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import contextlib
@@ -28,6 +29,7 @@ from ecstore import StoreFullError
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
+from helpers.fault_fs import find_all as fc_find_all
 from helpers.tensors import assert_same
 
 MiB = 1 << 20
@@ -277,3 +279,90 @@ def test_eviction_that_finds_the_map_exhausted_waits_instead_of_failing(tmp_path
         reader.close()
         a.close()
         b.close()
+
+
+def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path: Path):
+    """write_batch finds the map full and evicts to make room; that eviction
+    walks the LRU index, whose leaf page is damaged (its page type made
+    invalid, as in test_faults' damaged-page test). LMDB answers
+    MDB_CORRUPTED there, and write_batch -- not wrapped like the other tier
+    methods -- let that lmdb.CorruptedError escape to the caller. Every error
+    ecstore raises is an ECStoreError: StoreOpenError, saying the store may
+    be damaged; the put fails with it and nothing is written."""
+    from ecstore import ECStoreError, StoreOpenError
+
+    path = str(tmp_path / "s")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    assert _put(a, 0).result == "stored"
+    seq = a.record(key(0)).lru_seq
+    a.close()
+    data_file = Path(path) / "data.mdb"
+    hits = fc_find_all(data_file.read_bytes(), struct.pack(">Q", seq) + key(0).encode())
+    assert len(hits) == 1  # the LRU row of entry 0, in the LRU index's only leaf page
+    with open(data_file, "r+b") as fh:
+        fh.seek(hits[0] // 4096 * 4096 + 10)  # mp_flags of that page's header
+        fh.write(b"\xff\x7f")
+    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    try:
+        req = PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, ROWS))
+        with pytest.raises(ECStoreError) as info:
+            a.write_batch([req])  # the map holds one such blob: full, so it evicts
+        assert isinstance(info.value, StoreOpenError) and "damaged" in str(info.value), info.value
+        assert req.result == "failed" and req.error is info.value
+        assert not a.contains(key(1), name(1))
+    finally:
+        a.close()
+
+
+def _nested_txn_while_another_thread_adopts_a_grown_map(path: str) -> list[str]:
+    """Worker: this thread holds a read transaction (a tooling snapshot)
+    while another process grows the map; a second thread then meets
+    MDB_MAP_RESIZED and waits to adopt the new size until no transaction of
+    this process is open; this thread then begins a second transaction."""
+    import subprocess
+    import sys
+    import threading
+
+    from ecstore import ECStoreError
+
+    helpers = Path(__file__).resolve().parent / "helpers"
+    out: list[str] = []
+    t = LMDBTier(path, 1 * MiB)
+    try:
+        assert _put(t, 0, rows=64).result == "stored"
+        gate = t._shared.gate
+        with t.snapshot():
+            cp = subprocess.run([sys.executable, str(helpers / "grow_store.py"), path, "8"], capture_output=True,
+                                text=True, timeout=300)
+            assert cp.returncode == 0, cp.stderr
+            other = threading.Thread(target=lambda: out.append(f"thread {t.contains(key(0), name(0))}"))
+            other.start()
+            with gate._cv:  # until the other thread waits to adopt the new size (for our transaction)
+                while not gate._resizing:
+                    gate._cv.wait(0.01)
+            try:
+                out.append(f"nested {t.contains(key(0), name(0))}")
+            except ECStoreError as e:
+                out.append(f"nested {type(e).__name__}: {e}")
+        other.join()
+        out.append(f"after {t.contains(key(0), name(0))}")
+    finally:
+        t.close()
+    return out
+
+
+def test_nested_transaction_while_another_thread_adopts_a_grown_map_does_not_deadlock(tmp_path: Path):
+    """_TxnGate: a thread holding a transaction that begins another while a
+    second thread waits to adopt a map another process grew deadlocked (the
+    second thread waits for the first one's transaction to end; the first
+    waited for the resize). No production path nests transactions in one
+    thread (tooling does: a ``snapshot()`` or ``iter_records()`` loop calling
+    the tier). The nested begin now goes ahead (the resize cannot happen
+    while a transaction is open) and, meeting MDB_MAP_RESIZED itself, raises
+    a StoreOpenError saying to retry; everything works once it ended."""
+    from ecstore.testing.faults import run_forked
+
+    res = run_forked(_nested_txn_while_another_thread_adopts_a_grown_map, str(tmp_path / "s"), timeout=120)
+    out = res.ok()
+    assert out[0].startswith("nested StoreOpenError") and "retry" in out[0], out
+    assert out[1:] == ["thread True", "after True"], out

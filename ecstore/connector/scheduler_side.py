@@ -142,8 +142,9 @@ class SchedulerSide:
                 found = pinned = local and self._fits(identifier)
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
-                if local:  # pinned, then its record could not be checked: let go
+                if local:  # pinned, then found unusable: the pin must not outlive the answer
                     self._release([identifier])
+                    local = False
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
         if not local and self.store is not None and self.store.remote is not None:
@@ -170,12 +171,19 @@ class SchedulerSide:
         """Whether the pinned entry's shape fits what the request expects
         (rows, and the encoder width where vLLM measured it). A misfit (e.g.
         a client uuid reused for an image of another size) is a miss: the
-        pin is let go and vLLM runs the encoder; nothing is loaded."""
+        pin is let go and vLLM runs the encoder; nothing is loaded. So is an
+        entry gone since the pin (its record unreadable: dropped; deleted),
+        without counting as a misfit."""
         assert self.store is not None
         shape = self.store.stored_shape(identifier)
+        if shape is None:
+            # Pinned, so not evicted: its record was unreadable (dropped by
+            # stored_shape, a miss) or another process deleted it.
+            self._release([identifier])
+            return False
         rows = self._expected_rows.get(identifier)
         widths = set(self._widths().values())
-        ok = shape is not None and len(shape) == 2 and (rows is None or shape[0] == rows) \
+        ok = len(shape) == 2 and (rows is None or shape[0] == rows) \
             and (not widths or shape[1] in widths)
         if not ok:
             self._release([identifier])

@@ -11,7 +11,8 @@ pass before LMDB maps them.
   another process grew (``MDB_MAP_RESIZED``); :meth:`_SharedEnv.txn` is the
   one way ecstore begins a data transaction.
 * :func:`_open_env` / :func:`_check_data_file` / :func:`_open_leases`: the
-  file checks (types, owner and mode, truncation) and the ``lmdb.open`` calls.
+  file checks (types, owner and mode, truncation) and the ``lmdb.open`` calls;
+  a damaged lease file is recreated only while no process has it open.
 * :func:`map_size_for` and the map headroom constants: the map size bounds
   the data file (see the design notes of :mod:`ecstore.lmdb`).
 
@@ -21,6 +22,8 @@ Thread-safe: the registry is guarded by a class lock; see each class.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import struct
@@ -75,10 +78,13 @@ class _TxnGate:
     transaction of this process is open (their pages would be unmapped under
     them). Every transaction enters the gate (shared); a resize waits until
     none is open and holds new ones back meanwhile (exclusive). A thread
-    that itself holds a transaction of the environment cannot wait for that:
-    it gets StoreOpenError (an ECStoreError) instead and may retry once its
-    transaction ended. Thread-safe; costs one uncontended lock per begin and
-    end.
+    that itself holds a transaction of the environment (nested transactions:
+    tooling only, e.g. a ``snapshot()`` or ``iter_records()`` loop calling
+    the tier; no serving path nests) cannot wait for that: it is not held
+    back by a pending resize (it would deadlock with the resizer), and when
+    it meets ``MDB_MAP_RESIZED`` itself it gets StoreOpenError (an
+    ECStoreError) and may retry once its transaction ended. Thread-safe;
+    costs one uncontended lock per begin and end.
     """
 
     def __init__(self) -> None:
@@ -88,11 +94,16 @@ class _TxnGate:
         self._mine = threading.local()
 
     def enter(self) -> None:
+        mine = getattr(self._mine, "depth", 0)
         with self._cv:
-            while self._resizing:
+            # A thread that holds a transaction does not wait for a pending
+            # resize: the resize waits for that very transaction to end. It
+            # is safe to let it in while any transaction is open, as the
+            # resize happens only once none is (under this condition's lock).
+            while self._resizing and not (mine > 0 and self._active > 0):
                 self._cv.wait()
             self._active += 1
-        self._mine.depth = getattr(self._mine, "depth", 0) + 1
+        self._mine.depth = mine + 1
 
     def leave(self) -> None:
         # max(): a transaction of an abandoned generator may be finalized by
@@ -329,24 +340,97 @@ def _open_env(path: str, map_size: int, readonly: bool, create: bool, policy: Fi
     return env, None
 
 
-def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
-    lpath = os.path.join(path, "leases.mdb")
-    for attempt in (1, 2):
-        created = missing_files(path, ("leases.mdb", "leases.mdb-lock"))
-        try:
-            env = lmdb.open(lpath, subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
-                            metasync=False, lock=True, max_readers=256, mode=policy.file_mode)
-            fix_created_modes(path, created, policy)
-            return env
-        except lmdb.Error:
-            if attempt == 2:
-                raise
-            # Leases are ephemeral: a damaged lease file is simply recreated.
-            log.warning("ecstore: lease file %s unreadable; recreating it", lpath)
-            for p in (lpath, lpath + "-lock"):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-    raise AssertionError("unreachable")
+#: LMDB errors opening ``leases.mdb`` that prove the file itself damaged
+#: (not an LMDB file, a corrupt or unknown-format meta page): only these
+#: let a process recreate it. Anything else (too many open files, no
+#: memory, permissions, a full reader table) says nothing about the file.
+_LEASE_FILE_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+                      lmdb.PageNotFoundError, lmdb.PanicError)
 
+
+def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
+    """Open ``path``'s lease file, ``leases.mdb`` (read-write handles only).
+
+    A damaged lease file (LMDB says so, or it is shorter than its meta
+    page says) is recreated (leases are ephemeral) only if no
+    process has it open: a process that has keeps using the file it opened,
+    so a new one beside it would split the leases in two and an eviction
+    would no longer see the other file's (the lease guarantee of
+    :mod:`ecstore.lmdb.leases`). "No process has it open" is LMDB's own
+    test: each process with the environment open holds a shared fcntl lock
+    on byte 0 of ``leases.mdb-lock``, so an exclusive one is free exactly
+    when none does. Opens of the lease file are serialised across processes
+    by an flock on the store directory, so no process is half-way into
+    opening the old files while another replaces them, and two processes
+    meeting the same damage recreate it once. Otherwise StoreOpenError
+    (nothing deleted): damaged and in use (stop the store's processes; the
+    next open recreates it), or any other LMDB error.
+    """
+    lpath = os.path.join(path, "leases.mdb")
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise StoreOpenError(f"cannot open the lease file {lpath}: {e.strerror}; nothing was changed") from None
+    try:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)  # released when dfd is closed
+        except OSError as e:
+            raise StoreOpenError(f"cannot lock {path} to open its lease file: {e.strerror}") from None
+        damage: Exception
+        try:
+            _check_data_file(lpath)  # truncated: LMDB would map it and die of SIGBUS on a read
+            return _open_lease_env(path, policy)
+        except StoreOpenError as e:
+            damage = e
+        except lmdb.Error as e:
+            if not isinstance(e, _LEASE_FILE_DAMAGE):
+                raise StoreOpenError(
+                    f"cannot open the lease file {lpath}: {e}; nothing was changed (if this persists, stop "
+                    f"every process using the store, then delete leases.mdb and leases.mdb-lock)") from None
+            damage = e
+        if not _lease_file_unused(lpath + "-lock"):
+            raise StoreOpenError(
+                f"the lease file {lpath} is damaged or of another LMDB version ({damage}) and in use by "
+                f"another process; stop every process using the store (vLLM, ecstore-dump), then open it "
+                f"again: the lease file is recreated")
+        log.warning("ecstore: lease file %s is damaged (%s) and unused; recreating it", lpath, damage)
+        for p in (lpath, lpath + "-lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        try:
+            return _open_lease_env(path, policy)
+        except lmdb.Error as e:
+            raise StoreOpenError(f"cannot create the lease file {lpath}: {e}") from None
+    finally:
+        os.close(dfd)
+
+
+def _open_lease_env(path: str, policy: FilePolicy) -> lmdb.Environment:
+    created = missing_files(path, ("leases.mdb", "leases.mdb-lock"))
+    env = lmdb.open(os.path.join(path, "leases.mdb"), subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
+                    metasync=False, lock=True, max_readers=256, mode=policy.file_mode)
+    fix_created_modes(path, created, policy)
+    return env
+
+
+def _lease_file_unused(lock_path: str) -> bool:
+    """Whether no process has the lease environment open: LMDB's shared lock
+    on byte 0 of its lock file can be taken exclusively (then let go: the
+    caller holds the open flock, so nobody opens it meanwhile). This process
+    has no descriptor of the file open (one lease environment per directory
+    per process), so closing the probe's drops no lock LMDB holds."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        raise StoreOpenError(f"cannot check whether {lock_path} is in use: {e.strerror}") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise StoreOpenError(f"cannot check whether {lock_path} is in use: {e.strerror}") from None
+    finally:
+        os.close(fd)

@@ -34,6 +34,13 @@ from .txn import Dbs, TierCounters, WriteTxn
 _T = TypeVar("_T")
 
 
+def lmdb_store_error(path: str, e: lmdb.Error) -> StoreOpenError:
+    """The StoreOpenError an LMDB error ``e`` on the store at ``path`` is
+    reported as (see :func:`_lmdb_errors_as_store_errors`)."""
+    return StoreOpenError(f"LMDB error on store {path} ({type(e).__name__}: {e}); "
+                          f"the store may be damaged: check it with ecstore-dump verify")
+
+
 def _lmdb_errors_as_store_errors(method: Any) -> Any:
     """An LMDB error escaping a public tier method (a damaged B-tree page,
     an I/O error) becomes StoreOpenError, an ECStoreError: callers (the vLLM
@@ -44,8 +51,7 @@ def _lmdb_errors_as_store_errors(method: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except lmdb.Error as e:
-            raise StoreOpenError(f"LMDB error on store {self.path} ({type(e).__name__}: {e}); "
-                                 f"the store may be damaged: check it with ecstore-dump verify") from e
+            raise lmdb_store_error(self.path, e) from e
     return wrapper
 
 

@@ -3,7 +3,8 @@
 A loader that is about to read an entry pins it with a *lease* so that no
 process evicts it meanwhile. Leases live in a second, tiny LMDB file next to
 the store, ``leases.mdb``, opened without fsync: they are ephemeral (a
-damaged lease file is simply recreated), and keeping them apart means a
+damaged lease file that no process has open is recreated, see
+:func:`ecstore.lmdb.env._open_leases`), and keeping them apart means a
 scheduler taking a lease never waits behind a writer committing a 100 MB
 blob.
 

@@ -81,19 +81,30 @@ class TierReads(StoreHandle):
                 return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
             except CorruptBlobError as e:
                 err = e
-        log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, err, self.path,
+        self.drop_corrupt(key, err, None if rec is None else rec.checksum)
+        return None
+
+    @_lmdb_errors_as_store_errors
+    def drop_corrupt(self, key: str, why: object, checksum: int | None = None) -> None:
+        """``key``'s entry failed a check (``why``): log it as a miss and
+        remove it (unless the handle is read-only, or the entry was replaced
+        meanwhile: see :meth:`_drop_corrupt`). ``checksum``: the record's, if
+        the record itself was readable. A full map leaves it for the next
+        get or eviction (logged)."""
+        log.warning("ecstore: corrupt entry %s (%s) at %s: treated as a miss%s", key, why, self.path,
                     "" if self.readonly else ", removed")
         if not self.readonly:
             try:
-                self._write_retrying(lambda: self._drop_corrupt(k, None if rec is None else rec.checksum),
+                self._write_retrying(lambda: self._drop_corrupt(self._k(key), checksum),
                                      f"drop the corrupt entry {key}")
             except StoreFullError as e:  # still a miss; the next get or eviction drops it
                 log.warning("ecstore: %s", e)
-        return None
 
     def _drop_corrupt(self, k: bytes, raw_expected: int | None) -> None:
-        """Remove the damaged entry under ``k`` unless it was replaced by one
-        with another checksum than ``raw_expected`` meanwhile."""
+        """Remove the damaged entry under ``k`` unless it was replaced
+        meanwhile: its record now reads with another checksum than
+        ``raw_expected``, or reads at all where it did not (``raw_expected``
+        None: the record was the damage)."""
         with self._writing() as w:
             raw = w.txn.get(k, db=self._entries)
             if raw is None:
@@ -102,7 +113,7 @@ class TierReads(StoreHandle):
                 rec = codec.unpack_record(raw)
             except CorruptBlobError:
                 rec = None
-            if rec is not None and raw_expected is not None and rec.checksum != raw_expected:
+            if rec is not None and (raw_expected is None or rec.checksum != raw_expected):
                 return  # replaced by a fresh entry meanwhile
             w.remove(k, rec)
             self.counters.corrupt_dropped += 1

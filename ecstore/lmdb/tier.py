@@ -27,7 +27,7 @@ from ..errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullErro
 from .batch import PutOp, PutRequest, in_call_order
 from .env import MiB
 from .full import MapFullRetry, space_hint
-from .handle import _lmdb_errors_as_store_errors
+from .handle import _lmdb_errors_as_store_errors, lmdb_store_error
 from .reads import TierReads
 
 log = logging.getLogger("ecstore")
@@ -153,6 +153,7 @@ class LMDBTier(TierReads):
         with self._writing() as w:
             return w.evict_to(target_bytes, extra)
 
+    @_lmdb_errors_as_store_errors
     def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None) -> None:
         """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
         last_access_ns[, orders])) in one transaction, evicting LRU entries to
@@ -160,7 +161,9 @@ class LMDBTier(TierReads):
         single bad entry. Raises StoreFullError only if the whole batch could
         not be committed (disk full, or the map full with nothing more to
         evict: see :class:`~ecstore.lmdb.full.MapFullRetry`), with nothing
-        written; SchemaError if another process migrated the store.
+        written; SchemaError if another process migrated the store;
+        StoreOpenError (every pending put failed with it) for any other LMDB
+        error, e.g. a damaged page met by the eviction a full map makes.
 
         Order: when every put has an ``order`` and every touch a tuple of
         ``orders`` (the positions at which the key was read), puts and touches
@@ -198,8 +201,14 @@ class LMDBTier(TierReads):
                     p.result, p.error = "failed", e
                 raise
             except lmdb.MapFullError:
-                if not retry.again(evict):
-                    break
+                try:
+                    if not retry.again(evict):
+                        break
+                except lmdb.Error as e:  # the eviction or empty commit: a damaged page, EIO...
+                    err_open = lmdb_store_error(self.path, e)
+                    for p in todo:
+                        p.result, p.error = "failed", err_open
+                    raise err_open from e
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
                 hint = space_hint(self.path, sum(len(p.encoded) for p in todo))
