@@ -403,6 +403,24 @@ def test_unreadable_record_is_a_miss_that_keeps_no_lease(connectors, disk_extra)
     assert leased(sched, A) == set()
 
 
+def test_unreadable_record_is_dropped_so_the_item_can_be_stored_again(connectors, disk_extra):
+    """The damaged entry does not keep its key: a put of the item (the
+    producer after re-encoding it) would be refused as already held, and the
+    item re-encoded on every request until the entry's eviction."""
+    sched, _ = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    with open_store(sched) as st:
+        k = st.key(A).encode()
+        with st.disk.env.begin(write=True) as txn:
+            txn.put(k, bytes(txn.get(k, db=st.disk._entries)) + b"\x00", db=st.disk._entries)
+    assert sched.has_cache_item(A) is False
+    with open_store(sched) as st:
+        assert not st.disk.contains(st.key(A), st.stored_name(A))  # dropped
+        assert st.put(A, embedding(2)) is True  # stored again
+        st.flush()
+    assert sched.has_cache_item(A) is True
+
+
 def test_shutdown_releases_pending_leases(connectors, disk_extra):
     sched, _ = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1), B: embedding(2)})
