@@ -417,6 +417,24 @@ def test_dump_list_stats_verify_a_remote(tmp_path: Path, monkeypatch: pytest.Mon
         server.kill()
 
 
+@pytest.mark.parametrize("command", ["list", "stats", "verify"])
+def test_dump_of_an_unreachable_remote_is_one_clear_error(tmp_path: Path, command: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A server that is down (its port closed after it stopped): exit 2 and
+    one line naming the server, password masked; no traceback of the redis
+    client (it escaped as redis.exceptions.ConnectionError before)."""
+    server = RedisServer(tmp_path / "redis", password=SECRET)
+    server.workdir.mkdir()
+    server.start()
+    url = server.url
+    server.kill()
+    rc, out = dump(command, url)
+    err = capsys.readouterr().err
+    assert rc == 2 and out == ""
+    assert err.startswith("ecstore-dump: error: redis://:***@127.0.0.1") and SECRET not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 # --------------------------------------------------------------------------
 # A real Redis Cluster (three masters)
 # --------------------------------------------------------------------------

@@ -156,16 +156,24 @@ class RedisBackend:
     def _call(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` (which reaches the client through :attr:`client`), its
         failures as RemoteUnavailable / RemoteRefused."""
-        r = self._redis
         try:
             return fn()
-        except (r.ConnectionError, r.TimeoutError, r.exceptions.ClusterError, OSError) as e:
-            raise RemoteUnavailable(f"{self.description}: {redact(str(e), *self._secrets)}") from None
-        except r.RedisError as e:  # the server answered with an error
-            raise RemoteRefused(f"{self.description}: {redact(str(e), *self._secrets)}") from None
         except Exception as e:  # noqa: BLE001  (cluster topology errors, malformed replies...)
-            raise RemoteUnavailable(f"{self.description}: {type(e).__name__}: "
-                                    f"{redact(str(e), *self._secrets)}") from None
+            raise self.error_of(e) from None
+
+    def error_of(self, e: Exception) -> ECStoreError:
+        """The ECStoreError a failure of the client stands for, its message
+        naming the server (password masked): RemoteUnavailable (unreachable,
+        timed out, cluster or reply trouble) or RemoteRefused (the server
+        answered with an error). For callers that use :attr:`client`
+        directly (``ecstore.remote.inspect``)."""
+        r = self._redis
+        text = redact(str(e), *self._secrets)
+        if isinstance(e, (r.ConnectionError, r.TimeoutError, r.exceptions.ClusterError, OSError)):
+            return RemoteUnavailable(f"{self.description}: {text}")
+        if isinstance(e, r.RedisError):  # the server answered with an error
+            return RemoteRefused(f"{self.description}: {text}")
+        return RemoteUnavailable(f"{self.description}: {type(e).__name__}: {text}")
 
     def get(self, key: str) -> bytes | None:
         value = self._call(lambda: self.client.get(KEY_PREFIX + key))

@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import codec
 from ..codec import CorruptBlobError
+from ..errors import ECStoreError
 from ..key import parse_key
 from . import frame
 from .backend import KEY_PREFIX, RedisBackend
@@ -70,7 +71,18 @@ def _info(raw_key: bytes, head: bytes, size: int, pttl: int) -> RemoteEntryInfo:
 
 
 def iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
-    """Every ecstore value on the server (SCAN; a few KiB read per value)."""
+    """Every ecstore value on the server (SCAN; a few KiB read per value).
+    A server that cannot be reached or fails raises RemoteUnavailable /
+    RemoteRefused (ECStoreErrors), as every function here does."""
+    try:
+        yield from _iter_entries(backend)
+    except ECStoreError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the client's errors)
+        raise backend.error_of(e) from None
+
+
+def _iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
     client = backend.client
     batch: list[bytes] = []
 
@@ -101,7 +113,7 @@ def iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
 def server_info(backend: RedisBackend) -> dict[str, Any]:
     """Memory, eviction policy and eviction counters of the server (INFO)."""
     info: dict[str, Any] = {}
-    raw = backend.client.info()
+    raw = backend._call(lambda: backend.client.info())
     nodes = raw.values() if backend.is_cluster else [raw]  # a cluster answers per node
     for node in nodes:
         for field in ("redis_version", "maxmemory_policy"):
@@ -124,6 +136,15 @@ class VerifyResult:
 
 def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
     """Read every value in full and check framing, record, checksum and header."""
+    try:
+        return _verify(backend, delete_bad)
+    except ECStoreError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the client's errors)
+        raise backend.error_of(e) from None
+
+
+def _verify(backend: RedisBackend, delete_bad: bool) -> VerifyResult:
     result = VerifyResult(bad=[])
     assert result.bad is not None
     for k in backend.client.scan_iter(match=KEY_PREFIX + "*", count=1000):
