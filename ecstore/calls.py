@@ -59,6 +59,7 @@ class CallGate:
         self.closing = False  # close() began: new calls are refused
         self.closed = False  # the teardown finished (or failed)
         self._deferred: Callable[[], None] | None = None  # teardown left to the last call to leave
+        self.waiting_closers = 0  # close() calls waiting for another one's teardown (diagnostics, tests)
 
     def enter(self) -> int:
         """Admit a call of the current thread; ECStoreError once closing began."""
@@ -97,7 +98,12 @@ class CallGate:
             inside = me in self._running
             if self.closing:  # another caller performs the teardown
                 if not inside:
-                    self._cv.wait_for(lambda: self.closed)
+                    self.waiting_closers += 1
+                    self._cv.notify_all()
+                    try:
+                        self._cv.wait_for(lambda: self.closed)
+                    finally:
+                        self.waiting_closers -= 1
                 return
             self.closing = True
             self._cv.notify_all()

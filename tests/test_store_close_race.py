@@ -130,3 +130,74 @@ def test_close_from_within_a_call_closes_when_the_call_returns(tmp_path):
     s.close()  # idempotent
     with ecstore.ECStore(_config(tmp_path / "s"), model="m", dtype=torch.float32) as s2:
         assert torch.equal(s2.get("a"), torch.ones(4, 4))
+
+
+def test_two_threads_closing_at_once_tear_down_once(tmp_path):
+    """Two threads call ``close()`` on one handle while another handle of
+    the same directory is open in this process. Exactly one performs the
+    teardown; the other waits for it and returns without error (before:
+    both passed the closed check, and the second flushed a handle the first
+    had closed: StoreOpenError out of close). The shared environment is
+    released once, so the other handle keeps working."""
+    import threading
+
+    path = tmp_path / "s"
+    s1 = ecstore.ECStore(_config(path), model="m", dtype=torch.float32)
+    s2 = ecstore.ECStore(_config(path), model="m", dtype=torch.float32)
+    shared = s1.disk._shared
+    assert shared is s2.disk._shared and shared.refs == 2
+    assert s1.put("a", torch.ones(4, 4))
+    w, real_drain = s1._writer, s1._writer.drain
+    cv = threading.Condition()
+    in_drain = 0
+    go, a_done = threading.Event(), threading.Event()
+
+    def held_drain() -> None:  # the first closer holds here, mid-teardown; a second one until the first is done
+        nonlocal in_drain
+        with cv:
+            in_drain += 1
+            first = in_drain == 1
+            cv.notify_all()
+        assert (go if first else a_done).wait(BOUND_S)
+        real_drain()
+
+    w.drain = held_drain
+    errors: list[BaseException] = []
+
+    def closer(done: threading.Event | None = None) -> None:
+        try:
+            s1.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            if done is not None:
+                done.set()
+
+    a, b = threading.Thread(target=closer, args=(a_done,)), threading.Thread(target=closer)
+    try:
+        a.start()
+        with cv:
+            assert cv.wait_for(lambda: in_drain == 1, BOUND_S)
+        b.start()
+        gate = getattr(s1, "_calls", None)
+        if gate is None:  # a build without a call gate: the second closer gets into the teardown too
+            with cv:
+                assert cv.wait_for(lambda: in_drain == 2, BOUND_S)
+        else:  # the second closer waits for the first one's teardown
+            with gate._cv:
+                assert gate._cv.wait_for(lambda: gate.waiting_closers == 1, BOUND_S)
+            assert in_drain == 1
+    finally:
+        go.set()
+        a.join(BOUND_S)
+        a_done.set()
+        if b.ident is not None:
+            b.join(BOUND_S)
+    try:
+        assert not errors, errors
+        assert shared.refs == 1  # released once: s2's reference stands
+        assert torch.equal(s2.get("a"), torch.ones(4, 4))  # s1's close flushed; s2 reads the open map
+        with pytest.raises(ECStoreError, match="store is closed"):
+            s1.get("a")
+    finally:
+        s2.close()
