@@ -18,7 +18,10 @@ A handle is bound to one (model, dtype). Several handles, threads and
 processes may use one ``local_disk`` directory at once.
 
 Threading: every public method may be called from any thread, concurrently
-with the background writer. Processes: each process has its own memory tier
+with the background writer, and with ``close``: a call that began before
+``close`` runs to its end on open tiers (``close`` waits for it), a call
+after it raises ECStoreError("store is closed"), and concurrent ``close``
+calls tear down once (see :mod:`ecstore.calls`). Processes: each process has its own memory tier
 and pending map; the LMDB tier is shared, so an entry committed by one
 process is visible to ``contains``/``get`` in every other. A handle must not
 be used in a child after ``fork()`` (ForkedStoreError), and a forked child
@@ -28,14 +31,16 @@ that need the store should be started with ``spawn``/``forkserver``.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
 from . import codec
+from .calls import CallGate
 from .config import ECStoreConfig
 from .errors import ECStoreError, StoreFullError, check_same_process
 from .identity import EncoderIdentity, library_identity, qualify
@@ -57,6 +62,25 @@ HEADER_ESTIMATE = 1024
 #: at most an eighth of the disk cap (a batch near the cap would have to evict
 #: the very entries it just wrote, and fragments the map).
 MAX_BATCH_BYTES = 256 << 20
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _gated(method: _F) -> _F:
+    """A public method of :class:`ECStore` run inside the handle's
+    :class:`~ecstore.calls.CallGate` (``close`` waits for it; after ``close``
+    it raises ECStoreError "store is closed"), in the process that opened
+    the handle only (ForkedStoreError)."""
+    @functools.wraps(method)
+    def call(self: "ECStore", *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != self._pid:
+            check_same_process(self._pid, repr(self))
+        me = self._calls.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._calls.leave(me)
+    return cast(_F, call)
 
 
 class ECStore:
@@ -89,6 +113,8 @@ class ECStore:
                  _remote_clock: Callable[[], float] | None = None) -> None:
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
+        self._calls = CallGate()  # the running calls close() waits for
+        self._pid = os.getpid()
         self.config = config
         self.model = check_model(model)
         self.dtype = dtype
@@ -99,8 +125,6 @@ class ECStore:
         self.namespace = self.identity.namespace
         self._hash = chunk_hasher or chunk_hash
         self._counters = Counters()
-        self._pid = os.getpid()
-        self._closed = False
         self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
         self.disk: LMDBTier | None = None
         self._writer: Writer | None = None
@@ -141,11 +165,6 @@ class ECStore:
         return (f"ECStore(model={self.model!r}, dtype={self.dtype_name}, "
                 f"local_disk={self.config.local_disk!r}, local_cpu={self.config.local_cpu})")
 
-    def _check(self) -> None:
-        check_same_process(self._pid, repr(self))
-        if self._closed:
-            raise ECStoreError("store is closed")
-
     def stored_name(self, mm_hash: str) -> str:
         """What an entry of ``mm_hash`` stores and reads compare:
         ``"<namespace>/<mm_hash>"`` (see :mod:`ecstore.identity`); the bare
@@ -165,22 +184,23 @@ class ECStore:
         return make_key(self.model, self._hash(name), self.dtype_name)
 
     # ------------------------------------------------------------------ reads
+    @_gated
     def contains(self, mm_hash: str) -> bool:
         """True if ``get(mm_hash)`` would (barring a later eviction) hit.
 
         Cheap: a dict lookup, or one short LMDB read transaction (~µs).
         Does not count as a hit and does not change LRU order.
         """
-        self._check()
         return self._reads.contains(self.key(mm_hash), self.stored_name(mm_hash))
 
+    @_gated
     def remote_contains(self, mm_hash: str) -> bool:
         """Does the remote tier hold ``mm_hash``? False without one, while it
         is unreachable, or when it said no less than a second ago. Bounded
         by ``remote_timeout_seconds``; never raises for remote failures."""
-        self._check()
         return self.remote is not None and self.remote.contains(self.key(mm_hash))
 
+    @_gated
     def get(self, mm_hash: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The stored tensor on ``device``, or None on a miss.
 
@@ -189,7 +209,6 @@ class ECStore:
         nothing else references (the memory tier keeps its own copy), so the
         caller may modify it. Corrupt entries are misses.
         """
-        self._check()
         name = self.stored_name(mm_hash)
         key = self.key(mm_hash)
         hit = self._reads.find(key, name, mm_hash)
@@ -206,15 +225,16 @@ class ECStore:
             t = t.to(device, non_blocking=False)
         return t
 
+    @_gated
     def stored_shape(self, mm_hash: str) -> tuple[int, ...] | None:
         """The shape the disk tier's entry of ``mm_hash`` (under this handle's
         identity) holds, from its record (no blob read); None if there is none,
         or if its record is unreadable (a miss: the entry is dropped, as by
         :meth:`get`). Lets a caller refuse an entry before committing to load it."""
-        self._check()
         return self._reads.stored_shape(self.key(mm_hash), self.stored_name(mm_hash))
 
     # ----------------------------------------------------------------- writes
+    @_gated
     def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:
         """Store ``tensor`` under ``mm_hash``.
 
@@ -232,7 +252,6 @@ class ECStore:
         on the background writer; ``flush()`` makes it durable. A later
         ``get``/``contains`` in this process sees the entry immediately.
         """
-        self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
         name = self.stored_name(mm_hash)
@@ -246,11 +265,11 @@ class ECStore:
         if self._writer is not None:
             self._writer.touches_now()
 
+    @_gated
     def delete(self, mm_hash: str) -> bool:
         """Remove an entry from every tier; True if it was present anywhere
         locally. With a remote tier the shared remote value is deleted too
         (for every node; best effort, not counted in the result)."""
-        self._check()
         if self.readonly:
             raise ECStoreError("store is open read-only")
         name = self.stored_name(mm_hash)
@@ -267,6 +286,7 @@ class ECStore:
             self.remote.delete(key)
         return found
 
+    @_gated
     def flush(self) -> None:
         """Block until every put made so far is committed and synced to disk.
 
@@ -274,7 +294,7 @@ class ECStore:
         flush (disk full...): those entries are not stored; earlier ones are
         intact.
         """
-        self.wait_committed()  # LMDB commits, and remote writes sent or dropped
+        self._wait_committed()  # LMDB commits, and remote writes sent or dropped
         if self._writer is None:
             return
         assert self.disk is not None
@@ -283,6 +303,7 @@ class ECStore:
         if errors:
             raise StoreFullError(f"{len(errors)} write(s) failed since the last flush: {errors[-1]}")
 
+    @_gated
     def wait_committed(self) -> None:
         """Block until every put this handle made so far is committed to LMDB.
 
@@ -298,17 +319,32 @@ class ECStore:
         by ``remote_timeout_seconds`` per batch, never raises), so that other
         nodes see them too. No-op without a disk or remote tier.
         """
-        self._check()
+        self._wait_committed()
+
+    def _wait_committed(self) -> None:
         if self._writer is not None:
             self._writer.drain()
         if self.remote is not None:
             self.remote.drain()
 
     def close(self) -> None:
-        """Flush pending writes and release the store. Idempotent."""
-        if self._closed or os.getpid() != self._pid:
-            self._closed = True
+        """Flush pending writes and release the store. Idempotent.
+
+        Thread-safe (see :mod:`ecstore.calls`): new calls raise "store is
+        closed" from the moment it begins; it waits for the calls already
+        running in other threads, then flushes and releases the tiers. Of
+        concurrent ``close`` calls exactly one does that; the others wait
+        until it is done and return. Called from within a call of this
+        handle (a callback), it returns at once and the call that is running
+        closes the store when it returns. In a forked child it only marks
+        the handle closed (the parent's tiers are not touched)."""
+        if os.getpid() != self._pid:
+            self._calls.abandon()
             return
+        self._calls.close(self._teardown)
+
+    def _teardown(self) -> None:
+        """Flush and release the tiers: :meth:`close`, once, with no call running."""
         try:
             if self._writer is not None:
                 self._writer.drain()
@@ -316,7 +352,6 @@ class ECStore:
                 if self.disk is not None:
                     self.disk.sync()
         finally:
-            self._closed = True
             remote, self.remote = getattr(self, "remote", None), None
             if getattr(self, "_reads", None) is not None:
                 self._reads.remote = None
@@ -326,32 +361,32 @@ class ECStore:
                 self.disk.close()
 
     # ----------------------------------------------------------------- leases
+    @_gated
     def lease(self, mm_hashes: list[str], ttl_s: float | None = None) -> None:
         """Pin entries against eviction by any process until :meth:`release`,
         ``ttl_s`` (default ``config.lease_seconds``) or this process's death."""
-        self._check()
         if self.disk is not None and not self.readonly:
             self.disk.lease([self.key(h) for h in mm_hashes],
                             self.config.lease_seconds if ttl_s is None else ttl_s)
 
+    @_gated
     def pin_if_present(self, mm_hash: str, ttl_s: float | None = None) -> bool:
         """Lease ``mm_hash`` and return True if the disk tier holds it; a True
         answer guarantees no process evicts it until :meth:`release` (or the
         lease expires, or this process dies). False: nothing stays leased.
         Memory-only stores answer :meth:`contains` (nothing to pin)."""
-        self._check()
         if self.disk is None or self.readonly:
-            return self.contains(mm_hash)
+            return self._reads.contains(self.key(mm_hash), self.stored_name(mm_hash))
         return self.disk.pin_if_present(self.key(mm_hash), self.stored_name(mm_hash),
                                         self.config.lease_seconds if ttl_s is None else ttl_s)
 
+    @_gated
     def release(self, mm_hashes: list[str]) -> None:
-        self._check()
         if self.disk is not None and not self.readonly:
             self.disk.release([self.key(h) for h in mm_hashes])
 
     # ------------------------------------------------------------------ stats
+    @_gated
     def stats(self) -> StoreStats:
         """A snapshot of this handle's counters and the tiers' occupancy."""
-        self._check()
         return self._counters.snapshot(memory=self.memory, disk=self.disk, writer=self._writer, remote=self.remote)

@@ -621,3 +621,76 @@ def test_every_storable_dtype_round_trips_bit_exact(tmp_path: Path, redis_server
         b.flush()
     with open_store(tmp_path, "b", None, dtype=dtype) as local:  # the promoted LMDB copy too
         assert same_tensor(local.get("d"), t)
+
+
+# --------------------------------------------------------------------------
+# The remote writer against concurrent putters
+# --------------------------------------------------------------------------
+
+def test_wait_committed_returns_while_other_threads_keep_putting(tmp_path: Path,
+                                                                  redis_server: RedisServer) -> None:
+    """``wait_committed``/``flush`` waits for the remote writes queued before
+    its call, not for an empty queue: the batch holding the put made before
+    the call is sent, then every later batch finds a new put queued by
+    another thread. The call must return while that next batch is still
+    held (hooked around the real pipelined send), with the earlier put on
+    the server. Events only; ``bound_s`` only bounds a broken build."""
+    import threading
+
+    bound_s = 60.0
+    t = make_tensor(3, rows=8, cols=32)
+    with open_store(tmp_path, None, redis_server.url) as a:
+        assert a.remote is not None
+        q = a.remote._writes
+        assert q is not None
+        real_send = q._send
+        in_first, go_first, returned, release = (threading.Event() for _ in range(4))
+        batches = 0
+        fed: list[str] = []
+
+        def feed_one() -> None:  # a put after the call
+            fed.append(f"f{len(fed)}")
+            assert a.put(fed[-1], t)
+
+        def hooked(batch) -> None:
+            nonlocal batches
+            batches += 1
+            if batches == 1:  # everything queued before the call
+                in_first.set()
+                assert go_first.wait(bound_s)
+            elif not release.is_set():
+                feed_one()  # the writer will find a put queued after this batch too
+                release.wait(bound_s)
+            real_send(batch)
+
+        q._send = hooked
+        errors: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                a.wait_committed()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            returned.set()
+
+        try:
+            assert a.put("p0", t)
+            assert in_first.wait(bound_s)
+            th = threading.Thread(target=waiter)
+            th.start()
+            with q._cv:  # the call has begun (it waits in the queue's drain)
+                assert q._cv.wait_for(lambda: q.drainers == 1, timeout=bound_s)
+            feed_one()
+            go_first.set()
+            done = returned.wait(bound_s)
+            on_server = redis_server.client().exists(KEY_PREFIX + a.key("p0")) if done else None
+            release.set()
+            th.join(bound_s)
+            assert done, "wait_committed() did not return while another thread kept putting"
+            assert not errors
+            assert on_server == 1
+        finally:
+            release.set()
+            go_first.set()
+    with open_store(tmp_path, "b", redis_server.url) as b:  # close sent the rest
+        assert all(b.remote_contains(n) for n in ["p0", *fed])

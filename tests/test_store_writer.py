@@ -133,9 +133,10 @@ def test_flush_returns_while_other_threads_keep_putting_or_reading(tmp_path, mon
 
 def test_put_racing_close_is_written_or_refused(tmp_path):
     """A put that passed the closed check hands its entry to the writer only
-    after close() stopped it: the put must raise "store is closed", or return
+    after close() began: the put must raise "store is closed", or return
     True and the entry be in the store afterwards (it was lost: True, never
-    written)."""
+    written). Since close() waits for running calls (ecstore/calls.py), the
+    put is written."""
     path = tmp_path / "s"
     s = _open(path)
     w = s._writer
@@ -158,13 +159,19 @@ def test_put_racing_close_is_written_or_refused(tmp_path):
 
     th = threading.Thread(target=putter)
     th.start()
+    closer = threading.Thread(target=s.close)
     try:
         assert at_submit.wait(BOUND_S)
-        s.close()
-        assert not w.is_alive()
+        closer.start()
+        gate = s._calls  # close() began: new calls refused; it waits for the running put
+        with gate._cv:
+            assert gate._cv.wait_for(lambda: gate.closing, BOUND_S)
     finally:
         closed.set()
         th.join(BOUND_S)
+        if closer.ident is not None:
+            closer.join(BOUND_S)
+    assert not w.is_alive()
     assert len(outcome) == 1
     with _open(path) as s2:
         stored = s2.contains("x")

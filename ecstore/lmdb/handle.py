@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from typing import Any, Callable, Iterator, Literal, TypeVar, overload
 
 import lmdb
@@ -66,6 +67,7 @@ class StoreHandle:
         self.capacity_bytes = int(capacity_bytes)
         self.readonly = readonly
         self.counters = TierCounters()
+        self._close_lock = threading.Lock()  # close(): one caller releases the environment
         map_size = map_size_for(self.capacity_bytes) if map_size_bytes is None else int(map_size_bytes)
         policy = FilePolicy() if file_mode is None else FilePolicy(file_mode)
         self._shared = _SharedEnv.acquire(path, map_size, readonly, create, policy,
@@ -136,11 +138,17 @@ class StoreHandle:
             raise StoreOpenError(f"store at {self.path} is closed")
 
     def close(self) -> None:
-        """Release this handle (the environment closes with its last one)."""
-        if not self._closed:
+        """Release this handle (the environment closes with its last one).
+        Idempotent and thread-safe: of concurrent calls exactly one releases
+        the shared environment (a second release would close it under
+        another open handle of the directory in this process); the others
+        return at once."""
+        with self._close_lock:
+            if self._closed:
+                return
             self._closed = True
-            if os.getpid() == self._pid:
-                self._shared.release()
+        if os.getpid() == self._pid:
+            self._shared.release()
 
     @staticmethod
     def _k(key: str) -> bytes:

@@ -16,8 +16,8 @@ Threading: every public method may be called from any thread. Writes are
 sent by one background thread per tier (:class:`~ecstore.remote.writer.WriteQueue`):
 ``submit`` blocks at most ``timeout_s`` when ``queue_bytes`` of values are
 already waiting (back-pressure), then drops the write, and drops it at once
-while the circuit is open. ``drain`` waits for the queue (bounded by the
-timeouts).
+while the circuit is open. ``drain`` waits for the writes queued before its
+call (bounded by the timeouts), not for an empty queue.
 """
 
 from __future__ import annotations

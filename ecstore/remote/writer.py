@@ -7,6 +7,13 @@ most BATCH_ITEMS entries / BATCH_BYTES bytes and hands each to ``send`` (one
 pipelined round trip); ``send`` must not raise (anything it does raise is
 logged and the batch counted by ``on_dropped``).
 
+Tickets: every queued write takes the next number of one counter. ``drain``
+(``ECStore.flush``/``wait_committed``) waits until no write numbered at or
+before its call is still queued or being sent, so writes submitted after the
+call, however many and however fast, never hold it up. After ``close`` began
+``submit`` drops (counted, returns False); a write queued before is sent
+before the thread exits.
+
 Threading: every method may be called from any thread.
 """
 
@@ -37,6 +44,7 @@ class PendingWrite:
     tensor: torch.Tensor
     blob: Any
     nbytes: int
+    ticket: int = 0  # set by WriteQueue.submit: the order it was queued in
 
 
 Batch = list[tuple[str, PendingWrite]]
@@ -61,7 +69,9 @@ class WriteQueue:
         self._cv = threading.Condition()
         self._queue: OrderedDict[str, PendingWrite] = OrderedDict()
         self._queued_bytes = 0
-        self._busy = False
+        self._busy_since: int | None = None  # oldest ticket of the batch being sent (None: none)
+        self._ticket = 0  # the ticket of the newest queued write
+        self.drainers = 0  # threads waiting in drain()
         self._stopping = False
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="ecstore-remote-writer", daemon=True)
@@ -80,7 +90,9 @@ class WriteQueue:
             if self._refusing() or self._stopping:
                 self._on_dropped(1)
                 return False
-            if key not in self._queue:
+            if key not in self._queue:  # else the queued one (older ticket) stands for it
+                self._ticket += 1
+                item.ticket = self._ticket
                 self._queue[key] = item
                 self._queued_bytes += item.nbytes
                 self._cv.notify_all()
@@ -95,10 +107,30 @@ class WriteQueue:
                 self._cv.notify_all()
 
     def drain(self) -> None:
-        """Wait until every write queued before the call was sent or dropped."""
+        """Wait until every write queued before the call was sent or dropped.
+        Writes queued after the call do not hold it up (see the module doc):
+        batches are taken oldest first, so the last earlier write is sent
+        after a bounded number of batches."""
         with self._cv:
-            while self._queue or self._busy:
-                self._cv.wait()
+            target = self._ticket
+            self.drainers += 1
+            try:
+                while True:
+                    oldest = self._oldest_pending()
+                    if oldest is None or oldest > target:
+                        return
+                    self._cv.wait()
+            finally:
+                self.drainers -= 1
+
+    def _oldest_pending(self) -> int | None:
+        """The smallest ticket of a write queued or being sent (None: none).
+        The queue is in ticket order and the batch being sent was taken from
+        its front, so that is the batch's first ticket, else the queue's.
+        Holds ``_cv``."""
+        if self._busy_since is not None:
+            return self._busy_since
+        return next(iter(self._queue.values())).ticket if self._queue else None
 
     @property
     def pending(self) -> int:
@@ -134,7 +166,7 @@ class WriteQueue:
                 if not self._queue and self._stopping:
                     return
                 batch = self._take_batch()
-                self._busy = True
+                self._busy_since = batch[0][1].ticket
             try:
                 self._send(batch)
             except Exception as e:  # noqa: BLE001  (never let the writer die)
@@ -143,5 +175,5 @@ class WriteQueue:
             finally:
                 with self._cv:
                     self._queued_bytes -= sum(item.nbytes for _, item in batch)
-                    self._busy = False
+                    self._busy_since = None
                     self._cv.notify_all()
