@@ -191,7 +191,8 @@ class ECStore:
         Cheap: a dict lookup, or one short LMDB read transaction (~µs).
         Does not count as a hit and does not change LRU order.
         """
-        return self._reads.contains(self.key(mm_hash), self.stored_name(mm_hash))
+        name = self.stored_name(mm_hash)
+        return self._reads.contains(self._key_of(name), name)
 
     @_gated
     def remote_contains(self, mm_hash: str) -> bool:
@@ -231,7 +232,8 @@ class ECStore:
         identity) holds, from its record (no blob read); None if there is none,
         or if its record is unreadable (a miss: the entry is dropped, as by
         :meth:`get`). Lets a caller refuse an entry before committing to load it."""
-        return self._reads.stored_shape(self.key(mm_hash), self.stored_name(mm_hash))
+        name = self.stored_name(mm_hash)
+        return self._reads.stored_shape(self._key_of(name), name)
 
     # ----------------------------------------------------------------- writes
     @_gated
@@ -375,9 +377,10 @@ class ECStore:
         answer guarantees no process evicts it until :meth:`release` (or the
         lease expires, or this process dies). False: nothing stays leased.
         Memory-only stores answer :meth:`contains` (nothing to pin)."""
+        name = self.stored_name(mm_hash)
         if self.disk is None or self.readonly:
-            return self._reads.contains(self.key(mm_hash), self.stored_name(mm_hash))
-        return self.disk.pin_if_present(self.key(mm_hash), self.stored_name(mm_hash),
+            return self._reads.contains(self._key_of(name), name)
+        return self.disk.pin_if_present(self._key_of(name), name,
                                         self.config.lease_seconds if ttl_s is None else ttl_s)
 
     @_gated

@@ -5,7 +5,9 @@ the disk goes through :class:`~ecstore.lmdb.tier.LMDBTier`. One job per
 module:
 
 * :mod:`~ecstore.lmdb.env`: the per-process environment registry, map
-  sizing, ``MDB_MAP_RESIZED`` handling, the data-file checks.
+  sizing, the data-file and lease-file checks.
+* :mod:`~ecstore.lmdb.txngate`: how a transaction begins, and
+  ``MDB_MAP_RESIZED`` handling (a map another process grew).
 * :mod:`~ecstore.lmdb.leases`: the lease table (``leases.mdb``) and its
   eviction-marker (tombstone) protocol.
 * :mod:`~ecstore.lmdb.txn`: :class:`~ecstore.lmdb.txn.WriteTxn`, the write

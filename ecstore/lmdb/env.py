@@ -28,7 +28,6 @@ import logging
 import os
 import struct
 import threading
-from typing import Iterator
 
 import lmdb
 
@@ -36,6 +35,7 @@ from ..errors import StoreOpenError
 from ..store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
                            fix_created_modes, missing_files, readonly_needs_nolock)
 from .leases import LeaseTable
+from .txngate import _Txn, _TxnGate
 
 log = logging.getLogger("ecstore")
 
@@ -64,78 +64,6 @@ def _reader_txnids(table: str) -> list[int]:
     return ids
 
 
-#: How often a transaction is retried after adopting a map another process
-#: grew (each retry needs that process to grow the map again meanwhile).
-MAX_MAP_RESIZED_RETRIES = 16
-
-
-class _TxnGate:
-    """Transactions of one environment in this process versus a map resize.
-
-    Another process may grow the LMDB map past this process's: beginning a
-    transaction then fails with ``MDB_MAP_RESIZED``, and LMDB's remedy,
-    ``mdb_env_set_mapsize(0)``, remaps the file, which is only safe while no
-    transaction of this process is open (their pages would be unmapped under
-    them). Every transaction enters the gate (shared); a resize waits until
-    none is open and holds new ones back meanwhile (exclusive). A thread
-    that itself holds a transaction of the environment (nested transactions:
-    tooling only, e.g. a ``snapshot()`` or ``iter_records()`` loop calling
-    the tier; no serving path nests) cannot wait for that: it is not held
-    back by a pending resize (it would deadlock with the resizer), and when
-    it meets ``MDB_MAP_RESIZED`` itself it gets StoreOpenError (an
-    ECStoreError) and may retry once its transaction ended. Thread-safe;
-    costs one uncontended lock per begin and end.
-    """
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._active = 0
-        self._resizing = False
-        self._mine = threading.local()
-
-    def enter(self) -> None:
-        mine = getattr(self._mine, "depth", 0)
-        with self._cv:
-            # A thread that holds a transaction does not wait for a pending
-            # resize: the resize waits for that very transaction to end. It
-            # is safe to let it in while any transaction is open, as the
-            # resize happens only once none is (under this condition's lock).
-            while self._resizing and not (mine > 0 and self._active > 0):
-                self._cv.wait()
-            self._active += 1
-        self._mine.depth = mine + 1
-
-    def leave(self) -> None:
-        # max(): a transaction of an abandoned generator may be finalized by
-        # the garbage collector in another thread.
-        self._mine.depth = max(0, getattr(self._mine, "depth", 0) - 1)
-        with self._cv:
-            self._active -= 1
-            if self._active == 0:
-                self._cv.notify_all()
-
-    def adopt_new_size(self, env: lmdb.Environment, path: str) -> None:
-        """``env.set_mapsize(0)`` (adopt the size another process set) once no
-        transaction of this process is open."""
-        if getattr(self._mine, "depth", 0) > 0:
-            raise StoreOpenError(
-                f"the LMDB map of {path} was grown by another process while this thread holds a "
-                f"transaction of it; retry the call")
-        with self._cv:
-            if self._resizing:  # another thread is adopting it: wait for that, then retry
-                while self._resizing:
-                    self._cv.wait()
-                return
-            self._resizing = True
-            try:
-                while self._active:
-                    self._cv.wait()
-                env.set_mapsize(0)
-            finally:
-                self._resizing = False
-                self._cv.notify_all()
-
-
 class _SharedEnv:
     """One lmdb.Environment per directory per process, reference counted."""
 
@@ -159,33 +87,14 @@ class _SharedEnv:
         #: The lease table on ``leases`` (set with it; see :mod:`ecstore.lmdb.leases`).
         self.lease_table: LeaseTable | None = None if leases is None else LeaseTable(leases)
 
-    @contextlib.contextmanager
-    def txn(self, write: bool = False, buffers: bool = False) -> Iterator[lmdb.Transaction]:
-        """A transaction of the data environment: committed when the block
-        ends normally, aborted on an exception. The one way ecstore begins
-        one: when another process grew the map (``MDB_MAP_RESIZED``), adopts
-        the new size (see :class:`_TxnGate`) and retries. Write transactions
-        must be begun under ``write_lock``."""
-        for _ in range(MAX_MAP_RESIZED_RETRIES):
-            self.gate.enter()
-            try:
-                txn: lmdb.Transaction = (self.env.begin(write=write, buffers=True) if buffers
-                                         else self.env.begin(write=write))
-            except lmdb.MapResizedError:
-                self.gate.leave()
-                self.gate.adopt_new_size(self.env, self.path)
-                continue
-            except BaseException:
-                self.gate.leave()
-                raise
-            break
-        else:
-            raise StoreOpenError(f"the LMDB map of {self.path} keeps growing under this process; retry")
-        try:
-            with txn:
-                yield txn
-        finally:
-            self.gate.leave()
+    def txn(self, write: bool = False, buffers: bool = False) -> "_Txn":
+        """A transaction of the data environment (``with shared.txn() as
+        txn``): committed when the block ends normally, aborted on an
+        exception. The one way ecstore begins one: when another process grew
+        the map (``MDB_MAP_RESIZED``), adopts the new size (see
+        :class:`_TxnGate`) and retries. Write transactions must be begun
+        under ``write_lock``."""
+        return _Txn(self, write, buffers)
 
     @classmethod
     def acquire(cls, path: str, map_size: int, readonly: bool, create: bool,

@@ -34,11 +34,14 @@ class TierReads(StoreHandle):
     @_lmdb_errors_as_store_errors
     def contains(self, key: str, identifier: str) -> bool:
         """Whether ``key`` holds an entry of ``identifier`` (one read)."""
-        return self.identifier_at(key) == identifier
+        return self._identifier_at(key) == identifier
 
     @_lmdb_errors_as_store_errors
     def identifier_at(self, key: str) -> str | None:
         """The full identifier stored under ``key``, or None if absent."""
+        return self._identifier_at(key)
+
+    def _identifier_at(self, key: str) -> str | None:
         self._check()
         with self._begin(buffers=True) as txn:
             raw = txn.get(self._k(key), db=self._entries)
