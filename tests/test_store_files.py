@@ -302,3 +302,45 @@ def test_schema_version_damaged_while_open_is_an_ecstore_error(tmp_path: Path, v
         with tier._shared.write_lock, tier._begin(write=True) as txn:  # repaired: the handle works again
             txn.put(b"schema_version", str(tier.schema_version).encode(), db=tier._meta)
         assert s.delete("img-0")
+
+
+_GROW = """
+import lmdb, sys
+env = lmdb.open(sys.argv[1], map_size=64 << 20, subdir=False, lock=True)
+for i in range(2):  # two commits: both meta pages then name the grown file
+    with env.begin(write=True) as txn:
+        txn.put(b"grow-%d" % i, b"x" * (2 << 20))
+env.close()
+"""
+
+
+def test_size_check_does_not_mistake_a_file_growing_meanwhile_for_a_truncated_one(tmp_path, monkeypatch):
+    """The truncation check of data.mdb / leases.mdb reads the file's size
+    and its two meta pages while other processes may commit. It took the size
+    between the two meta reads: a commit growing the file in that window
+    (here a real second process, run right after the size was taken) made a
+    healthy, busy file look truncated (StoreOpenError, e.g. a vLLM engine
+    failing to start next to busy ones). The size is now taken after both
+    meta pages are read (a live LMDB file only grows)."""
+    from ecstore.lmdb import env as envmod
+
+    path = tmp_path / "busy.mdb"
+    e = lmdb.open(str(path), map_size=64 << 20, subdir=False, lock=True)
+    with e.begin(write=True) as txn:
+        txn.put(b"k", b"v")
+    e.close()
+
+    real_os = envmod.os
+
+    class OsDuringACommit:
+        def __getattr__(self, name: str):
+            return getattr(real_os, name)
+
+        def fstat(self, fd: int):
+            st = real_os.fstat(fd)
+            subprocess.run([sys.executable, "-c", _GROW, str(path)], check=True, timeout=120)
+            return st
+
+    monkeypatch.setattr(envmod, "os", OsDuringACommit())
+    envmod._check_data_file(str(path))  # must not raise
+    assert real_os.path.getsize(path) > 4 << 20  # the other process did grow it

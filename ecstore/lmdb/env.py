@@ -172,7 +172,6 @@ def _check_data_file(data: str) -> None:
     try:
         with open(data, "rb") as fh:
             head = fh.read(256)
-            size = os.fstat(fh.fileno()).st_size
             if len(head) < 152:
                 return
             magic, _ = _META.unpack_from(head, 16)
@@ -183,6 +182,12 @@ def _check_data_file(data: str) -> None:
                 return
             fh.seek(psize)
             second = fh.read(152)
+            # The size last: another process may commit meanwhile, and a live
+            # LMDB file only grows (data pages are written before the meta
+            # page that names them), so the size taken after both meta pages
+            # covers what they say; taken between them, a commit growing the
+            # file looked like truncation.
+            size = os.fstat(fh.fileno()).st_size
     except OSError:
         return  # let LMDB report it
     pages = [struct.unpack_from("<Q", head, 136)[0]]
