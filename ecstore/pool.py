@@ -105,9 +105,12 @@ class BufferPool:
         """A writable uint8 numpy array of ``nbytes`` (> 0) that nothing else
         references, its memory a slab of the pool when one of its class is
         free (else a new slab; below ``min_bytes`` plain ``torch.empty``
-        memory). The slab returns to the pool once this array and everything
-        built on it (numpy views, ``torch.frombuffer`` tensors and their
-        views) are gone. ``pinned`` as in :meth:`empty`."""
+        memory). The slab returns to the pool once this array is gone:
+        ``torch.frombuffer`` tensors (and their views) and memoryviews
+        of it keep it alive, but a numpy view does NOT (numpy points a view's
+        ``base`` at the slab, past this array): callers keep this array, or a
+        tensor over it, for as long as they use its memory (ecstore's blobs
+        do). ``pinned`` as in :meth:`empty`."""
         if nbytes < self.min_bytes:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).numpy()
         cls = size_class(nbytes)
