@@ -61,14 +61,17 @@ class Touch(NamedTuple):
     identifier read, the hits to add, the newest read time (ns since the
     epoch), and ``orders``: the tickets of the reads between two puts, so the
     LMDB tier replays reads and puts in the order they were made (see
-    :meth:`LMDBTier.write_batch`). ``since``: the ticket of the oldest read
-    counted in ``hits`` (what :meth:`Writer.drain` waits for)."""
+    :meth:`LMDBTier.write_batch`). ``since``: a ticket no later than the
+    oldest read counted in ``hits`` (what :meth:`Writer.drain` waits for).
+    ``counts``: the reads behind each of ``orders`` (reads with no put
+    between them share one order), so that a split keeps each part's hits."""
 
     identifier: str
     hits: int
     last_access_ns: int
     orders: tuple[int, ...]
     since: int = 0
+    counts: tuple[int, ...] = ()
 
 
 class PutOutcome(enum.Enum):
@@ -175,17 +178,21 @@ class Writer(threading.Thread):
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
             self.ticket += 1
-            held, hits, _, orders, since = self.touches.get(key, (identifier, 0, 0, (), self.ticket))
+            held, hits, _, orders, since, counts = self.touches.get(
+                key, Touch(identifier, 0, 0, (), self.ticket, ()))
             if held != identifier:  # the key changed hands (delete + put of another identifier)
-                hits, orders, since = 0, (), self.ticket
+                hits, orders, since, counts = 0, (), self.ticket, ()
             if orders and orders[-1] > self.last_put_ticket:
-                orders = orders[:-1] + (self.ticket,)  # no put since: only the latest read matters
+                # No put since: only the latest read's position matters.
+                orders = orders[:-1] + (self.ticket,)
+                counts = counts[:-1] + (counts[-1] + 1,)
             else:
                 orders = orders + (self.ticket,)
+                counts = counts + (1,)
             first = not self.touches
             if first:
                 self.touch_since = time.monotonic()
-            self.touches[key] = Touch(identifier, hits + 1, time.time_ns(), orders, since)
+            self.touches[key] = Touch(identifier, hits + 1, time.time_ns(), orders, since, counts)
             # Touches ride along with the next put batch, or go alone after
             # TOUCH_DELAY_S (each commit is an fsync): wake the writer only for
             # the first one of a burst, so it starts that timer.
@@ -269,13 +276,22 @@ class Writer(threading.Thread):
         cutoff = next(iter(self.queue.values())).order
         now: dict[str, Touch] = {}
         later: dict[str, Touch] = {}
-        for key, (identifier, hits, last_ns, orders, since) in self.touches.items():
+        for key, (identifier, hits, last_ns, orders, since, counts) in self.touches.items():
             early = tuple(o for o in orders if o < cutoff)
             late = orders[len(early):]
+            if not late:
+                now[key] = Touch(identifier, hits, last_ns, orders, since, counts)
+                continue
+            # Each part with its own reads' hits (reads sharing an order have no
+            # put between them, so none straddles the cutoff). The reads kept
+            # for later were all made after the put at ``cutoff``: that ticket
+            # bounds them from below, so a drain that began before that put
+            # does not wait for them, and one after it does.
+            late_hits = sum(counts[len(early):])
             if early:
-                now[key] = Touch(identifier, 0 if late else hits, last_ns, early, since)
-            if late:  # carries the hits of the early reads too: a drainer waits for it as well
-                later[key] = Touch(identifier, hits, last_ns, late, since)
+                now[key] = Touch(identifier, hits - late_hits, last_ns, early, since, counts[:len(early)])
+            later[key] = Touch(identifier, late_hits, last_ns, late, cutoff if early else since,
+                               counts[len(early):])
         return now, later
 
     def stop(self) -> None:

@@ -239,3 +239,78 @@ def test_back_pressure_counts_the_batch_being_written(tmp_path):
         s.close()
     with _open(path) as s:
         assert s.contains("a") and s.contains("b")
+
+
+def test_flush_returns_while_a_hot_entry_is_read_after_every_put(tmp_path, monkeypatch):
+    """One put per batch (4 MiB puts, batches of at most cap/8) and an entry
+    read after every put: at each batch the entry's pending reads straddle
+    the first put still queued, so its LRU touch is split. The kept part
+    carried the ticket of the entry's very first read, so a flush waited
+    until the feeding stopped (here: never returned while a batch was held).
+    It must return once what came before its call is committed."""
+    monkeypatch.setattr(writer_mod, "TOUCH_DELAY_S", 3600.0)
+    path = tmp_path / "s"
+    s = _open(path)
+    s.put("a", _tensor(0))
+    s.flush()
+    w, real_write = s._writer, s.disk.write_batch
+    assert w.batch_bytes < 8 << 20  # two 4 MiB puts never share a batch
+    big = torch.zeros(1024, 1024)  # 4 MiB
+    in_first, go_first, returned = (threading.Event() for _ in range(3))
+    batches = 0
+    fed: list[str] = []
+
+    def feed_one() -> None:  # a put, then a read of the hot entry
+        name = f"f{len(fed)}"
+        assert s.put(name, big)
+        assert s.get("a") is not None
+        fed.append(name)
+
+    def hooked(puts, touches=None):
+        nonlocal batches
+        batches += 1
+        if batches == 1:
+            in_first.set()
+            assert go_first.wait(BOUND_S)
+        elif batches in (2, 3):
+            feed_one()
+        else:
+            returned.wait(BOUND_S)  # held until the flush returned (or the test gave up)
+        return real_write(puts, touches)
+
+    s.disk.write_batch = hooked
+    try:
+        assert s.put("x0", big)  # the held first batch
+        assert in_first.wait(BOUND_S)
+        assert s.get("a") is not None
+        assert s.put("p1", big) and s.put("p2", big)
+        assert s.get("a") is not None  # read after the last queued put
+        errors: list[BaseException] = []
+
+        def flusher() -> None:
+            try:
+                s.flush()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            returned.set()
+
+        th = threading.Thread(target=flusher)
+        th.start()
+        with w.cv:
+            assert w.cv.wait_for(lambda: w.drainers == 1, timeout=BOUND_S)
+        go_first.set()
+        flushed = returned.wait(BOUND_S)
+        if flushed:
+            seen, _ = _committed(path, ["x0", "p1", "p2"], "a")
+        th.join(BOUND_S)
+        assert flushed, "flush() did not return while a hot entry was read after every put"
+        assert not errors
+        assert seen == [True, True, True]
+    finally:
+        returned.set()
+        go_first.set()
+        s.disk.write_batch = real_write
+        s.close()
+    with _open(path) as s:
+        assert all(s.contains(n) for n in fed)
+        assert s.disk.record(s.key("a")).hits == 2 + len(fed)  # every read counted once
