@@ -694,3 +694,39 @@ def test_wait_committed_returns_while_other_threads_keep_putting(tmp_path: Path,
             go_first.set()
     with open_store(tmp_path, "b", redis_server.url) as b:  # close sent the rest
         assert all(b.remote_contains(n) for n in ["p0", *fed])
+
+
+def test_remote_back_pressure_counts_the_batch_being_sent(tmp_path: Path, redis_server: RedisServer) -> None:
+    """``remote_max_queue`` bounds the tensor bytes waiting for the remote,
+    the batch being sent included: while one entry's worth is in flight, a
+    put finds no room (here it is dropped at once: no wait allowed). It was
+    queued as soon as the queue itself was empty (up to twice the bound held
+    in memory)."""
+    import threading
+
+    t = make_tensor(3, rows=8, cols=32)
+    with open_store(tmp_path, None, redis_server.url) as a:
+        assert a.remote is not None
+        q = a.remote._writes
+        assert q is not None
+        real_send = q._send
+        in_first, go = threading.Event(), threading.Event()
+
+        def hooked(batch) -> None:
+            in_first.set()
+            assert go.wait(60.0)
+            real_send(batch)
+
+        q._send = hooked
+        q.max_bytes = t.numel() * t.element_size()  # room for one entry
+        q.wait_s = 0.0
+        try:
+            assert a.put("p0", t)
+            assert in_first.wait(60.0)  # p0 is being sent; nothing else is queued
+            assert a.put("p1", t)  # stored locally; the remote write finds no room
+            assert q.pending == 0
+        finally:
+            go.set()
+        a.wait_committed()
+    with open_store(tmp_path, "b", redis_server.url) as b:
+        assert b.remote_contains("p0") and not b.remote_contains("p1")

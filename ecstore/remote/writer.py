@@ -81,7 +81,10 @@ class WriteQueue:
         """Queue ``item`` under ``key``; False if it was dropped."""
         deadline = time.monotonic() + self.wait_s
         with self._cv:
-            while self._queue and self._queued_bytes + item.nbytes > self.max_bytes:
+            # _queued_bytes counts the batch being sent too (until it is sent):
+            # an empty queue with a batch in flight has no more room than that.
+            while ((self._queue or self._busy_since is not None)
+                   and self._queued_bytes + item.nbytes > self.max_bytes):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopping or self._refusing():
                     self._on_dropped(1)
