@@ -102,3 +102,30 @@ def engines():
     yield make
     for eng in made:
         eng.close()
+
+
+@pytest.fixture
+def connectors(tiny_model_dir: Path):
+    """``connectors(role, extra) -> (scheduler connector, worker connector)``,
+    created by vLLM's factory from a real VllmConfig of the tiny model
+    (``role``: ec_producer / ec_consumer / ec_both; ``extra``: the
+    connector's extra config); every connector made is shut down afterwards."""
+    from helpers import vllm_objects as vo
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from ecstore.connector import ECStoreConnector
+
+    made: list[ECStoreConnector] = []
+
+    def make(role: str, extra: dict) -> tuple[ECStoreConnector, ECStoreConnector]:
+        cfg = vo.vllm_config(tiny_model_dir, role, extra)
+        sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
+        worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+        made.extend([sched, worker])
+        assert isinstance(sched, ECStoreConnector) and isinstance(worker, ECStoreConnector)
+        return sched, worker
+
+    yield make
+    for conn in made:
+        conn.shutdown()

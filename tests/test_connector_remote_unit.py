@@ -20,8 +20,6 @@ from helpers import vllm_objects as vo
 from ecstore import ECStore
 from ecstore.connector import ECStoreConnector, ECStoreConnectorMetadata, ECStoreWorkerMetadata
 from ecstore.testing.redis_server import RedisServer
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 
@@ -39,24 +37,6 @@ def embedding(seed: int) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _no_outside_config(no_lmcache_env):
     """Only the test's ec_connector_extra_config configures the connector."""
-
-
-@pytest.fixture
-def connectors(tiny_model_dir: Path):
-    """connectors(role, extra) -> (scheduler connector, worker connector); shut down afterwards."""
-    made: list[ECStoreConnector] = []
-
-    def make(role: str, extra: dict) -> tuple[ECStoreConnector, ECStoreConnector]:
-        cfg = vo.vllm_config(tiny_model_dir, role, extra)
-        sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
-        worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
-        made.extend([sched, worker])
-        assert isinstance(sched, ECStoreConnector) and isinstance(worker, ECStoreConnector)
-        return sched, worker
-
-    yield make
-    for conn in made:
-        conn.shutdown()
 
 
 def other_node(conn: ECStoreConnector, tmp_path: Path) -> ECStore:

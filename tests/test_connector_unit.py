@@ -34,7 +34,6 @@ from ecstore.connector import (
 )
 from ecstore.connector.connector import config_from_vllm
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
@@ -66,25 +65,6 @@ def store_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def disk_extra(store_dir: Path) -> dict:
     return {"local_disk": str(store_dir), "max_local_disk_size": 0.01, "lease_seconds": 600}
-
-
-@pytest.fixture
-def connectors(tiny_model_dir: Path):
-    """connectors(role, extra) -> (scheduler connector, worker connector),
-    created by vLLM's factory from a real VllmConfig; shut down afterwards."""
-    made: list[ECStoreConnector] = []
-
-    def make(role: str, extra: dict) -> tuple[ECStoreConnector, ECStoreConnector]:
-        cfg = vo.vllm_config(tiny_model_dir, role, extra)
-        sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
-        worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
-        made.extend([sched, worker])
-        assert isinstance(sched, ECStoreConnector) and isinstance(worker, ECStoreConnector)
-        return sched, worker
-
-    yield make
-    for conn in made:
-        conn.shutdown()
 
 
 def seed_store(sched: ECStoreConnector, entries: dict[str, torch.Tensor]) -> None:

@@ -55,6 +55,23 @@ def _committed(path, names: list[str], hits_of: str) -> tuple[list[bool], int]:
     return [c == "1" for c in out[0].split(",")], int(out[1])
 
 
+def _flush_in_thread(s: ecstore.ECStore, returned: threading.Event) -> tuple[threading.Thread, list[BaseException]]:
+    """``s.flush()`` on a new thread (started); ``returned`` is set when it
+    returns, and what it raised is in the list."""
+    errors: list[BaseException] = []
+
+    def flusher() -> None:
+        try:
+            s.flush()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+        returned.set()
+
+    th = threading.Thread(target=flusher)
+    th.start()
+    return th, errors
+
+
 @pytest.mark.parametrize("feed", ["puts", "reads"])
 def test_flush_returns_while_other_threads_keep_putting_or_reading(tmp_path, monkeypatch, feed):
     """A flusher waits for what came before its call: the batch holding that
@@ -97,17 +114,7 @@ def test_flush_returns_while_other_threads_keep_putting_or_reading(tmp_path, mon
         assert s.get("a") is not None  # a read before the flush call ...
         assert s.put("p0", _tensor(9))  # ... and a put: both ride in the first batch
         assert in_first.wait(BOUND_S)
-        errors: list[BaseException] = []
-
-        def flusher() -> None:
-            try:
-                s.flush()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-            returned.set()
-
-        th = threading.Thread(target=flusher)
-        th.start()
+        th, errors = _flush_in_thread(s, returned)
         with w.cv:  # the flush call has begun (it waits in the writer's drain)
             assert w.cv.wait_for(lambda: w.drainers == 1, timeout=BOUND_S)
         feed_one()  # after the call: must not hold the flush up
@@ -285,17 +292,7 @@ def test_flush_returns_while_a_hot_entry_is_read_after_every_put(tmp_path, monke
         assert s.get("a") is not None
         assert s.put("p1", big) and s.put("p2", big)
         assert s.get("a") is not None  # read after the last queued put
-        errors: list[BaseException] = []
-
-        def flusher() -> None:
-            try:
-                s.flush()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-            returned.set()
-
-        th = threading.Thread(target=flusher)
-        th.start()
+        th, errors = _flush_in_thread(s, returned)
         with w.cv:
             assert w.cv.wait_for(lambda: w.drainers == 1, timeout=BOUND_S)
         go_first.set()

@@ -340,11 +340,28 @@ def _lease_file_unused(lock_path: str) -> bool:
     except OSError as e:
         raise StoreOpenError(f"cannot check whether {lock_path} is in use: {e.strerror}") from None
     try:
+        return try_exclusive(fd)
+    except OSError as e:
+        raise StoreOpenError(f"cannot check whether {lock_path} is in use: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def try_exclusive(fd: int) -> bool:
+    """Try to take LMDB's environment lock (byte 0 of a lock file, open as
+    ``fd``) exclusively; False if another process holds it.
+
+    Every process with the environment open holds a shared fcntl lock on
+    that byte (LMDB's ``mdb_env_excl_lock``), so this fails exactly when
+    another process has the environment open, read-only or not, in any
+    container on this kernel. POSIX locks never conflict within one
+    process, so this also upgrades this process's own shared lock. Other
+    failures raise OSError.
+    """
+    try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return False
-        raise StoreOpenError(f"cannot check whether {lock_path} is in use: {e.strerror}") from None
-    finally:
-        os.close(fd)
+        raise

@@ -23,8 +23,6 @@ the /proc scan is Linux-only and best-effort.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import shutil
 import stat
@@ -37,7 +35,7 @@ import lmdb
 
 from ..errors import ECStoreError, StoreOpenError
 from ..lmdb import LMDBTier
-from ..lmdb.env import _SharedEnv
+from ..lmdb.env import _SharedEnv, try_exclusive
 from .entries import open_readonly
 from .inspect import page_stats
 from .progress import ProgressFactory
@@ -66,24 +64,6 @@ class CompactResult:
     before: int
     after: int
     entries: int
-
-
-def try_exclusive(fd: int) -> bool:
-    """Try to take LMDB's environment lock (byte 0 of lock.mdb) exclusively.
-
-    Every process with the environment open holds a shared fcntl lock on
-    that byte (LMDB's ``mdb_env_excl_lock``), so this fails exactly when
-    another process has the store open, read-only or not, in any container
-    on this kernel. POSIX locks never conflict within one process, so this
-    also upgrades this process's own shared lock.
-    """
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-        return True
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
 
 
 def proc_users(path: str) -> list[tuple[int, str]]:
