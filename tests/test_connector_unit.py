@@ -366,18 +366,24 @@ def test_each_announced_load_holds_its_own_lease(connectors, disk_extra):
     assert leased(sched, A) == set()
 
 
+def seed_damaged_record(sched: ECStoreConnector, identifier: str) -> None:
+    """An entry of ``identifier`` whose record is damaged after the
+    identifier (one byte appended): the identifier still reads, the rest not."""
+    seed_store(sched, {identifier: embedding(1)})
+    with open_store(sched) as st:
+        k = st.key(identifier).encode()
+        with st.disk.env.begin(write=True) as txn:
+            txn.put(k, bytes(txn.get(k, db=st.disk._entries)) + b"\x00", db=st.disk._entries)
+        assert st.disk.contains(st.key(identifier), st.stored_name(identifier))  # the identifier still reads
+
+
 def test_unreadable_record_is_a_miss_that_keeps_no_lease(connectors, disk_extra):
     """An entry whose identifier reads but whose record does not (damaged
     after the identifier): has_cache_item pins it, then cannot check its
     shape. A miss, and the pin is let go (it was kept for lease_seconds,
     one more per ask, sparing the damaged entry from eviction meanwhile)."""
     sched, _ = connectors("ec_both", disk_extra)
-    seed_store(sched, {A: embedding(1)})
-    with open_store(sched) as st:
-        k = st.key(A).encode()
-        with st.disk.env.begin(write=True) as txn:
-            txn.put(k, bytes(txn.get(k, db=st.disk._entries)) + b"\x00", db=st.disk._entries)
-        assert st.disk.contains(st.key(A), st.stored_name(A))  # the identifier still reads
+    seed_damaged_record(sched, A)
     assert sched.has_cache_item(A) is False
     assert sched.has_cache_item(A) is False
     assert leased(sched, A) == set()
@@ -388,11 +394,7 @@ def test_unreadable_record_is_dropped_so_the_item_can_be_stored_again(connectors
     producer after re-encoding it) would be refused as already held, and the
     item re-encoded on every request until the entry's eviction."""
     sched, _ = connectors("ec_both", disk_extra)
-    seed_store(sched, {A: embedding(1)})
-    with open_store(sched) as st:
-        k = st.key(A).encode()
-        with st.disk.env.begin(write=True) as txn:
-            txn.put(k, bytes(txn.get(k, db=st.disk._entries)) + b"\x00", db=st.disk._entries)
+    seed_damaged_record(sched, A)
     assert sched.has_cache_item(A) is False
     with open_store(sched) as st:
         assert not st.disk.contains(st.key(A), st.stored_name(A))  # dropped
