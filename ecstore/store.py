@@ -211,7 +211,7 @@ class ECStore:
         caller may modify it. Corrupt entries are misses.
         """
         name = self.stored_name(mm_hash)
-        key = self.key(mm_hash)
+        key = self._key_of(name)
         hit = self._reads.find(key, name, mm_hash)
         if hit is None:
             self._counters.miss()
@@ -275,7 +275,7 @@ class ECStore:
         if self.readonly:
             raise ECStoreError("store is open read-only")
         name = self.stored_name(mm_hash)
-        key = self.key(mm_hash)
+        key = self._key_of(name)
         found = False
         if self._writer is not None:
             found = self._writer.lookup(key, name) is not None

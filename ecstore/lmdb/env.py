@@ -7,9 +7,9 @@ pass before LMDB maps them.
   process), with the process's write lock and the lease environment
   (``leases.mdb``, see :mod:`ecstore.lmdb.leases`). It remembers environments
   inherited across ``fork()`` so a forked child gets a clear StoreOpenError.
-* :class:`_TxnGate`: transactions of this process versus adopting a map
-  another process grew (``MDB_MAP_RESIZED``); :meth:`_SharedEnv.txn` is the
-  one way ecstore begins a data transaction.
+* :meth:`_SharedEnv.txn`: the one way ecstore begins a data transaction
+  (:mod:`ecstore.lmdb.txngate`: how it meets a map another process grew,
+  ``MDB_MAP_RESIZED``).
 * :func:`_open_env` / :func:`_check_data_file` / :func:`_open_leases`: the
   file checks (types, owner and mode, truncation) and the ``lmdb.open`` calls;
   a damaged lease file is recreated only while no process has it open.
