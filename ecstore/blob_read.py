@@ -23,20 +23,29 @@ from .pool import POOL
 from .record import Record
 
 
+def _destination(blob: Any, hdr: BlobHeader) -> tuple[torch.Tensor, np.ndarray]:
+    """The tensor ``hdr``'s data is copied into (pool memory nothing else
+    references) and a uint8 numpy view of its bytes, once the header's
+    dtype and sizes are checked against ``blob``."""
+    dt = storable_dtype(hdr.dtype)
+    if dt is None:
+        raise CorruptBlobError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
+    if hdr.data_offset + hdr.data_nbytes != len(memoryview(blob).cast("B")):
+        raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
+    out = POOL.empty(hdr.shape, dt)
+    if tensor_nbytes(out) != hdr.data_nbytes:
+        raise CorruptBlobError("header sizes do not match the blob")
+    return out, _raw_bytes_view(out)
+
+
 def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
     """The tensor of a blob whose header ``hdr`` passed :func:`parse_header`,
     copied (one copy) into CPU memory nothing else references (never aliases
     ``blob``): reused, already-faulted memory from :data:`ecstore.pool.POOL`
     when a slab is free, which saves the page faults of fresh memory."""
-    dt = storable_dtype(hdr.dtype)
-    if dt is None:
-        raise CorruptBlobError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
-    out = POOL.empty(hdr.shape, dt)
-    if tensor_nbytes(out) != hdr.data_nbytes or hdr.data_offset + hdr.data_nbytes != len(memoryview(blob).cast("B")):
-        raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
+    out, dst = _destination(blob, hdr)
     if hdr.data_nbytes:
-        _raw_bytes_view(out)[:] = np.frombuffer(blob, dtype=np.uint8, count=hdr.data_nbytes,
-                                                offset=hdr.data_offset)
+        dst[:] = np.frombuffer(blob, dtype=np.uint8, count=hdr.data_nbytes, offset=hdr.data_offset)
     return out
 
 
@@ -57,8 +66,8 @@ def read_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: 
 
     An entry larger than ``2 * FUSED_CHUNK`` is checked without its checksum
     first, then copied out chunk by chunk, each chunk fed to the checksum
-    after the copy; a mismatch at the end raises (the copy is dropped).
-    Copies use torch, which releases the GIL."""
+    after the copy (``ctypes.memmove``, which releases the GIL); a mismatch
+    at the end raises (the copy is dropped)."""
     if rec.nbytes <= 2 * FUSED_CHUNK:
         return copy_out(blob, check_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key))
     hdr = check_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key,
@@ -75,14 +84,8 @@ def _copy_out_hashed(blob: Any, hdr: BlobHeader, expected: int) -> torch.Tensor 
     it equals ``expected``. ``ctypes.memmove`` releases the GIL and, unlike a
     torch tensor over ``blob`` (a read-only view of the LMDB map), needs no
     writable buffer."""
-    dt = storable_dtype(hdr.dtype)
+    out, dst = _destination(blob, hdr)
     mv = memoryview(blob).cast("B")
-    if dt is None or hdr.data_offset + hdr.data_nbytes != len(mv):
-        raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
-    out = POOL.empty(hdr.shape, dt)
-    dst = _raw_bytes_view(out)
-    if dst.nbytes != hdr.data_nbytes:
-        raise CorruptBlobError("header sizes do not match the blob")
     h = xxhash.xxh3_64(mv[:hdr.data_offset])
     src_addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data + hdr.data_offset
     dst_addr = dst.ctypes.data
