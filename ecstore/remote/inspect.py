@@ -11,6 +11,7 @@ never printed (URLs are shown masked).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,8 +75,16 @@ def iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
     """Every ecstore value on the server (SCAN; a few KiB read per value).
     A server that cannot be reached or fails raises RemoteUnavailable /
     RemoteRefused (ECStoreErrors), as every function here does."""
-    try:
+    with _client_errors(backend):
         yield from _iter_entries(backend)
+
+
+@contextlib.contextmanager
+def _client_errors(backend: RedisBackend) -> Iterator[None]:
+    """The redis client's errors inside the block as the ECStoreError they
+    stand for (:meth:`RedisBackend.error_of`); ECStoreErrors pass as they are."""
+    try:
+        yield
     except ECStoreError:
         raise
     except Exception as e:  # noqa: BLE001  (the client's errors)
@@ -113,7 +122,8 @@ def _iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
 def server_info(backend: RedisBackend) -> dict[str, Any]:
     """Memory, eviction policy and eviction counters of the server (INFO)."""
     info: dict[str, Any] = {}
-    raw = backend._call(lambda: backend.client.info())
+    with _client_errors(backend):
+        raw = backend.client.info()
     nodes = raw.values() if backend.is_cluster else [raw]  # a cluster answers per node
     for node in nodes:
         for field in ("redis_version", "maxmemory_policy"):
@@ -136,12 +146,8 @@ class VerifyResult:
 
 def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
     """Read every value in full and check framing, record, checksum and header."""
-    try:
+    with _client_errors(backend):
         return _verify(backend, delete_bad)
-    except ECStoreError:
-        raise
-    except Exception as e:  # noqa: BLE001  (the client's errors)
-        raise backend.error_of(e) from None
 
 
 def _verify(backend: RedisBackend, delete_bad: bool) -> VerifyResult:
