@@ -24,6 +24,7 @@ from ecstore.cli import main as dump_main
 from ecstore.config import ECStoreConfig
 from ecstore.remote.backend import KEY_PREFIX
 from ecstore.remote.breaker import BreakerState
+from ecstore.remote.writer import WriteQueue
 
 MODEL = "org/tiny-vlm"
 DTYPE = torch.bfloat16
@@ -627,6 +628,12 @@ def test_every_storable_dtype_round_trips_bit_exact(tmp_path: Path, redis_server
 # The remote writer against concurrent putters
 # --------------------------------------------------------------------------
 
+def write_queue(store: ECStore) -> WriteQueue:
+    """The remote tier's write queue of ``store`` (tests hook its send)."""
+    assert store.remote is not None and store.remote._writes is not None
+    return store.remote._writes
+
+
 def test_wait_committed_returns_while_other_threads_keep_putting(tmp_path: Path,
                                                                   redis_server: RedisServer) -> None:
     """``wait_committed``/``flush`` waits for the remote writes queued before
@@ -640,9 +647,7 @@ def test_wait_committed_returns_while_other_threads_keep_putting(tmp_path: Path,
     bound_s = 60.0
     t = make_tensor(3, rows=8, cols=32)
     with open_store(tmp_path, None, redis_server.url) as a:
-        assert a.remote is not None
-        q = a.remote._writes
-        assert q is not None
+        q = write_queue(a)
         real_send = q._send
         in_first, go_first, returned, release = (threading.Event() for _ in range(4))
         batches = 0
@@ -706,9 +711,7 @@ def test_remote_back_pressure_counts_the_batch_being_sent(tmp_path: Path, redis_
 
     t = make_tensor(3, rows=8, cols=32)
     with open_store(tmp_path, None, redis_server.url) as a:
-        assert a.remote is not None
-        q = a.remote._writes
-        assert q is not None
+        q = write_queue(a)
         real_send = q._send
         in_first, go = threading.Event(), threading.Event()
 
