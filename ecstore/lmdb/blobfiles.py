@@ -1,0 +1,321 @@
+"""Large blobs as plain files in ``<store>/blobs/``, next to ``data.mdb``.
+
+LMDB keeps the record and, in place of the blob, a pointer (:func:`pack_ref`).
+A safetensors blob starts with its u64 LE header length (at most
+``codec.MAX_HEADER_BYTES``), so its bytes 4..7 are zero: a value starting with
+:data:`POINTER_MAGIC` (bytes 4..7 ``ECFP``) is never an inline blob.
+
+Files are written once, never changed: :meth:`BlobFiles.write` creates
+``<token>-<n>.ecb`` (``O_EXCL``) and ``fdatasync``-s it; the caller calls
+:meth:`BlobFiles.sync_dir` before the LMDB commit that references the files
+and :meth:`BlobFiles.discard` after a commit that failed. A file is only ever
+referenced by commits of the live writer that created it.
+
+Leftovers (a writer killed before its commit, an unlink that failed) are
+removed by :meth:`BlobFiles.sweep`. Each handle takes a random token on its
+first write and holds an exclusive ``flock`` on ``blobs/<token>.lock`` until
+:meth:`BlobFiles.close`. flock belongs to the open file description: it
+conflicts between processes and between handles of one process, and the
+kernel drops it when the process dies. A token whose lock can be taken, or
+whose lock file is gone, is dead: its unreferenced files are garbage.
+
+Threads: ``write``/``discard``/``open``/``sync_dir`` may run in several
+threads of one handle (counter and token under a lock); ``close`` must not
+race a ``write`` of the same handle. Processes: any number may ``sweep`` one
+directory concurrently (a file vanishing meanwhile is no error); a live
+writer's files are never removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from ..codec import CorruptBlobError
+from ..errors import ECStoreError, InvalidEntryError, StoreFullError, StoreOpenError, check_same_process
+from ..store_files import DEFAULT_FILE_MODE, FilePolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger("ecstore")
+
+#: First 8 bytes of a pointer value (never the start of a safetensors blob).
+POINTER_MAGIC = b"\xff\xff\xff\xffECFP"
+_SIZE = struct.Struct("<Q")
+_HEAD = len(POINTER_MAGIC) + _SIZE.size
+#: A blob file's name: ``<token>-<counter>.ecb`` (token: 16 lowercase hex digits).
+_NAME = re.compile(r"[0-9a-f]{16}-[0-9]{1,19}\.ecb", re.ASCII)
+#: The token of any file of the directory: a blob file, a partial one, a lock file.
+_TOKEN_OF = re.compile(r"([0-9a-f]{16})(?:-|\.lock\Z)", re.ASCII)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A blob stored as a file: ``name`` inside ``blobs/``, ``size`` bytes."""
+
+    name: str
+    size: int
+
+
+def pack_ref(ref: FileRef) -> bytes:
+    """The LMDB value pointing at ``ref``: magic, u64 LE size, ascii name."""
+    return POINTER_MAGIC + _SIZE.pack(ref.size) + ref.name.encode("ascii")
+
+
+def unpack_ref(value: bytes | memoryview) -> FileRef | None:
+    """The :class:`FileRef` an LMDB value points at; None if the value does
+    not start with :data:`POINTER_MAGIC` (an inline blob). CorruptBlobError
+    if it does but is malformed (short, a name that is not a blob file's)."""
+    mv = memoryview(value)
+    if mv[:len(POINTER_MAGIC)] != POINTER_MAGIC:
+        return None
+    if len(mv) <= _HEAD:
+        raise CorruptBlobError(f"blob file pointer of {len(mv)} bytes is too short")
+    raw = bytes(mv[_HEAD:])
+    try:
+        name = raw.decode("ascii")
+    except UnicodeDecodeError:
+        name = ""
+    if not _NAME.fullmatch(name):
+        raise CorruptBlobError(f"blob file pointer names no blob file: {raw[:80]!r}")
+    return FileRef(name, _SIZE.unpack_from(mv, len(POINTER_MAGIC))[0])
+
+
+def _write_error(what: str, path: str, e: OSError) -> StoreFullError:
+    reason = e.strerror or str(e)
+    if e.errno in _FULL_ERRNOS:
+        limit = " (file size limit, RLIMIT_FSIZE)" if e.errno == errno.EFBIG else ""
+        return StoreFullError(f"disk full while writing {what} {path}: {reason}{limit}")
+    return StoreFullError(f"cannot write {what} {path}: {reason}")
+
+
+def _unlink(path: str) -> bool:
+    """Remove ``path``: True if this call removed it; gone already: False;
+    any other error is logged (the file stays a leftover), never raised."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        log.warning("ecstore: cannot remove %s: %s", path, e.strerror or e)
+        return False
+
+
+class BlobFiles:
+    """The blob files of one store handle (one per LMDBTier; a process may
+    hold several, each with its own token). See the module docstring."""
+
+    def __init__(self, store_dir: str, *, readonly: bool, file_mode: int | None = None) -> None:
+        self.dir = os.path.join(store_dir, "blobs")
+        self.readonly = readonly
+        self._policy = FilePolicy(DEFAULT_FILE_MODE if file_mode is None else file_mode)
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+        self._token: str | None = None
+        self._lock_fd: int | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        self._logged: set[int] = set()  # errnos open() has logged
+        if not readonly:
+            self._make_dir()
+
+    def _make_dir(self) -> None:
+        """Create ``blobs/`` with exactly the store's directory mode; an
+        existing one must be a real directory (not a symlink)."""
+        try:
+            try:
+                os.mkdir(self.dir, self._policy.dir_mode)
+                os.chmod(self.dir, self._policy.dir_mode)  # the umask may have removed group bits
+            except FileExistsError:
+                pass
+            st = os.lstat(self.dir)
+        except OSError as e:
+            raise StoreOpenError(f"cannot create the blob directory {self.dir}: {e.strerror or e}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise StoreOpenError(f"{self.dir} is not a directory (a symlink or a file); the store is damaged: "
+                                 f"move it away if you did not put it there")
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _new_file(self, path: str, flags: int) -> int:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self._policy.file_mode)
+        if self._policy.file_mode & 0o070:
+            os.fchmod(fd, self._policy.file_mode)  # the umask may have removed group bits
+        return fd
+
+    def _take_token(self) -> str:
+        """This handle's token, taken on first use (call under ``_lock``).
+        The lock file is created, flocked, then checked to still be the file
+        at its name: a sweeper that took the lock between creation and flock
+        removed it (so its files could never look dead); then a new token."""
+        if self._closed or self.readonly:
+            raise ECStoreError(f"blob files of {self.dir} are {'closed' if self._closed else 'read-only'}")
+        if self._token is not None:
+            return self._token
+        while True:
+            token = secrets.token_hex(8)
+            path = self._path(token + ".lock")
+            try:
+                fd = self._new_file(path, os.O_RDWR)
+            except OSError as e:
+                raise _write_error("the blob writer lock", path, e) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a sweeper about to remove it
+                st, own = os.lstat(path), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+                    self._token, self._lock_fd = token, fd
+                    return token
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                os.close(fd)
+                raise _write_error("the blob writer lock", path, e) from None
+            os.close(fd)
+
+    def write(self, blob: Buffer) -> FileRef:
+        """Write ``blob`` (any C-contiguous buffer) to a new file and
+        ``fdatasync`` it (not the directory: :meth:`sync_dir`). StoreFullError
+        on any OS error ("disk full while writing ..." for ENOSPC/EFBIG/EDQUOT),
+        with no partial file left; InvalidEntryError for a non-contiguous buffer."""
+        check_same_process(self._pid, f"blob files of {self.dir}")
+        try:
+            data = memoryview(blob).cast("B")
+        except (TypeError, ValueError) as e:
+            raise InvalidEntryError(f"a blob must be a C-contiguous buffer: {e}") from None
+        with self._lock:
+            name = f"{self._take_token()}-{next(self._counter)}.ecb"
+        path = self._path(name)
+        try:
+            fd = self._new_file(path, os.O_WRONLY)
+        except OSError as e:
+            raise _write_error("blob file", path, e) from None
+        done, size = 0, len(data)
+        try:
+            try:
+                while done < size:
+                    n = os.write(fd, data[done:])  # short writes: once the disk or RLIMIT_FSIZE is reached
+                    if n <= 0:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    done += n
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.discard([name])
+            raise _write_error("blob file", path, e) from None
+        return FileRef(name, size)
+
+    def sync_dir(self) -> None:
+        """``fsync`` the blob directory: the names of files written so far
+        are durable. StoreFullError on an OS error."""
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _write_error("the blob directory", self.dir, e) from None
+
+    def discard(self, names: Iterable[str]) -> None:
+        """Unlink the named blob files; one already gone is no error, any
+        other failure is logged (the file is a leftover :meth:`sweep` removes
+        once this handle closed). Never raises an OSError."""
+        for name in names:
+            if _NAME.fullmatch(name):
+                _unlink(self._path(name))
+            else:
+                log.warning("ecstore: not discarding %r: not a blob file name", name)
+
+    def open(self, ref: FileRef) -> int | None:
+        """A read-only descriptor (``O_CLOEXEC``) of ``ref``'s file, which the
+        caller closes; None if it does not exist, or cannot be opened (then
+        logged once per handle and errno)."""
+        path = self._path(ref.name)
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno not in self._logged:
+                self._logged.add(e.errno or 0)
+                log.warning("ecstore: cannot open blob file %s: %s (read as a miss)", path, e.strerror or e)
+            return None
+
+    def _dead(self, token: str) -> bool:
+        """Whether ``token``'s writer is gone: its lock file is missing, or
+        can be flocked (then it is removed under the lock, so a writer that
+        created it but had not flocked it yet takes a new token)."""
+        path = self._path(token + ".lock")
+        fd = None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except FileNotFoundError:
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.warning("ecstore: cannot check blob writer lock %s: %s", path, e.strerror or e)
+            if fd is not None:
+                os.close(fd)
+            return False
+        _unlink(path)  # under the lock: see the docstring
+        os.close(fd)
+        return True
+
+    def sweep(self, referenced: Callable[[], set[str]]) -> int:
+        """Remove the files of dead writers that no committed entry
+        references (``referenced()``: the blob file names of the store's
+        entries, called only if a dead writer left files); returns how many
+        blob or partial files were removed (lock files not counted). A
+        read-only handle sweeps nothing (0). Never raises for a file that
+        vanished meanwhile (another process sweeping)."""
+        if self.readonly:
+            return 0
+        check_same_process(self._pid, f"blob files of {self.dir}")
+        try:
+            names = os.listdir(self.dir)
+        except OSError as e:
+            log.warning("ecstore: cannot list blob directory %s: %s", self.dir, e.strerror or e)
+            return 0
+        by_token: dict[str, list[str]] = {}
+        for name in names:
+            m = _TOKEN_OF.match(name)
+            if m and m.group(1) != self._token:
+                files = by_token.setdefault(m.group(1), [])
+                if name[len(m.group(1))] == "-":
+                    files.append(name)
+        # A listing taken while files are created may miss a lock file but
+        # show a later file: _dead looks at the lock file itself.
+        garbage = [n for token, files in by_token.items() if self._dead(token) for n in files]
+        if not garbage:
+            return 0
+        keep = referenced()
+        return sum(_unlink(self._path(name)) for name in garbage if name not in keep)
+
+    def close(self) -> None:
+        """Release the token: remove and close the lock file (the files this
+        handle wrote stay). Idempotent; in a forked child only the inherited
+        descriptor is closed (the parent still holds the token)."""
+        with self._lock:
+            self._closed = True
+            fd, self._lock_fd = self._lock_fd, None
+            if fd is None:
+                return
+            if os.getpid() == self._pid and self._token is not None:
+                _unlink(self._path(self._token + ".lock"))
+            os.close(fd)
