@@ -291,7 +291,7 @@ def test_an_unlocked_lock_file_is_a_dead_writer(store):
 def test_two_processes_sweeping_concurrently_both_succeed(store):
     names: list[str] = []
     for _ in range(3):
-        with child("write", store, "10", "2000") as (p, written):
+        with child("write", store, "30", "2000") as (p, written):
             assert isinstance(written, list)
             names += written
             p.kill()
@@ -341,3 +341,26 @@ def test_blob_dir_that_is_a_symlink_is_refused(store, tmp_path):
     os.symlink(tmp_path / "elsewhere", Path(store) / "blobs")
     with pytest.raises(ECStoreError, match="not a directory"):
         BlobFiles(store, readonly=False)
+
+
+def test_forked_child_neither_writes_nor_releases_the_parents_token(store):
+    files = BlobFiles(store, readonly=False)
+    ref = files.write(b"parent")
+    lock = os.path.join(files.dir, ref.name.split("-")[0] + ".lock")
+    pid = os.fork()
+    if pid == 0:  # the child: only os-level calls, then _exit with a verdict
+        code = 0
+        try:
+            files.write(b"child")
+            code = 1
+        except ECStoreError as e:
+            code = 0 if "forked child" in str(e) else 2
+        files.close()
+        os._exit(code if os.path.exists(lock) else 3)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.path.exists(lock)  # still the parent's: its files are not swept
+    sweeper = BlobFiles(store, readonly=False)
+    assert sweeper.sweep(Referenced(set())) == 0 and read_file(files, ref) == b"parent"
+    files.close()
+    assert sweeper.sweep(Referenced(set())) == 1
+    sweeper.close()
