@@ -255,8 +255,12 @@ def _shape_of(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def parse_header(blob: Any) -> BlobHeader:
+def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
     """Parse and strictly check a blob's safetensors header (no data read).
+
+    ``size``: the whole blob's length (bytes) when ``blob`` holds only its
+    beginning (at least the length prefix and the header: a blob kept in a
+    file, whose data is read later); default ``len(blob)``.
 
     Accepts exactly what :func:`encode` writes: one tensor ``"ec"`` plus
     ``__metadata__`` whose values are strings; a canonical, storable dtype
@@ -270,10 +274,11 @@ def parse_header(blob: Any) -> BlobHeader:
         mv = memoryview(blob).cast("B")
     except (TypeError, ValueError) as e:
         raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
-    if len(mv) < 8:
+    total = len(mv) if size is None else size
+    if len(mv) < 8 or total < 8:
         raise CorruptBlobError("blob shorter than its length prefix")
     (hlen,) = struct.unpack_from("<Q", mv, 0)
-    if hlen > len(mv) - 8 or hlen > MAX_HEADER_BYTES:
+    if hlen > len(mv) - 8 or hlen > total - 8 or hlen > MAX_HEADER_BYTES:
         raise CorruptBlobError(f"header length {hlen} out of range")
     try:
         header = json.loads(bytes(mv[8 : 8 + hlen]).decode("utf-8"))
@@ -300,7 +305,7 @@ def parse_header(blob: Any) -> BlobHeader:
         raise CorruptBlobError(f"malformed __metadata__ shape: {e}") from None
     offsets = info["data_offsets"]
     data_offset = 8 + hlen
-    nbytes = len(mv) - data_offset
+    nbytes = total - data_offset
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
         raise CorruptBlobError("data_offsets must be two integers")
     if offsets != [0, nbytes]:
@@ -316,7 +321,7 @@ def parse_header(blob: Any) -> BlobHeader:
 
 def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: str | None = None,
                 dtype: torch.dtype | str | None = None, key: str | None = None,
-                checksum_by_caller: bool = False) -> BlobHeader:
+                checksum_by_caller: bool = False, size: int | None = None) -> BlobHeader:
     """Check one stored entry (its record and blob) before any byte of it is
     used; returns the blob's parsed header. The one entry check: ``get()``
     and ``ecstore-dump verify/show/export`` all use it.
@@ -330,18 +335,22 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
     :class:`CorruptBlobError` naming the first mismatch, never another
     exception. ``checksum_by_caller``: skip the checksum (the header is
     parsed unverified, which :func:`parse_header` allows): the caller
-    verifies it before using any byte (:func:`ecstore.blob_read.read_entry`). Pure function;
-    thread-safe.
+    verifies it before using any byte (:func:`ecstore.blob_read.read_entry`).
+    ``size``: the blob's length (bytes) when ``blob`` is only its beginning
+    (a blob kept in a file: see :func:`parse_header`); needs
+    ``checksum_by_caller``. Pure function; thread-safe.
     """
+    assert size is None or checksum_by_caller, "a blob's beginning has no checksum of its own"
     try:
-        size = len(memoryview(blob).cast("B"))
+        held = len(memoryview(blob).cast("B"))
     except (TypeError, ValueError) as e:
         raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
+    size = held if size is None else size
     if size != rec.blob_size:
         raise CorruptBlobError(f"blob is {size} bytes, its record says {rec.blob_size}")
     if not checksum_by_caller and checksum(blob) != rec.checksum:
         raise CorruptBlobError("checksum mismatch")
-    hdr = parse_header(blob)
+    hdr = parse_header(blob, size)
     if hdr.identifier != rec.identifier:
         raise CorruptBlobError("identifier in blob does not match the record")
     if (hdr.dtype, hdr.shape, hdr.data_nbytes) != (rec.dtype, rec.shape, rec.nbytes):

@@ -132,7 +132,7 @@ class ECStore:
         if config.local_disk:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes,
-                                 file_mode=config.file_mode)
+                                 file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes)
             self._legacy = self.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
                 self._writer = Writer(self.disk, self.model, config.write_queue_bytes,

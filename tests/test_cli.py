@@ -388,7 +388,7 @@ def test_stats_json(template: Template, console: Console) -> None:
     assert st["entries"] == TOTAL_N and st["bytes"] == total == st["accounted_bytes"]
     assert st["cap_bytes"] == 2 * 2**30 and st["cap_source"] == f"{cfg}:2"
     assert st["cap_used"] == pytest.approx(total / 2**31)
-    assert st["schema_version"] == 3 == st["schema_supported"]
+    assert st["schema_version"] == 4 == st["schema_supported"]
     # one encoder identity per (model, dtype) here, each registered by its writer
     assert sorted((n["identity"]["model"], n["identity"]["dtype"], n["entries"]) for n in st["by_namespace"]) \
         == sorted((g["model"], g["dtype"], g["entries"]) for g in st["by_model"])

@@ -24,8 +24,8 @@ from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
           "max_write_queue_size", "lease_seconds", "file_mode", "namespace", "share_client_uuids",
-          "pooled_blobs", "remote_url", "remote_password", "remote_timeout_seconds", "remote_ttl_seconds",
-          "max_remote_queue_size"]
+          "pooled_blobs", "min_file_blob_size", "remote_url", "remote_password", "remote_timeout_seconds",
+          "remote_ttl_seconds", "max_remote_queue_size"]
 
 SEED_YAML = """\
 chunk_size: 256
@@ -91,7 +91,8 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "namespace": "default",
         "share_client_uuids": "default",
         "pooled_blobs": "default",
-        **{key: "default" for key in FIELDS[10:]},  # the remote tier's keys
+        "min_file_blob_size": "default",
+        **{key: "default" for key in FIELDS[11:]},  # the remote tier's keys
         "__file__": path,
         "config_file": "argument path",
     }
@@ -123,7 +124,23 @@ def test_describe_config(tmp_path: Path) -> None:
         ("namespace", None, "default"),
         ("share_client_uuids", False, "default"),
         ("pooled_blobs", True, "default"),
-    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[10:]]  # the remote tier's keys
+        ("min_file_blob_size", 4.0, "default"),
+    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[11:]]  # the remote tier's keys
+
+
+def test_min_file_blob_size_from_every_source(tmp_path: Path) -> None:
+    """The size from which blobs go to files of their own (MiB) is read like
+    any size: YAML (ec_ key wins), LMCACHE_EC_ variable, override; bytes
+    derived once."""
+    cfg = load_config(env={})
+    assert (cfg.min_file_blob_size, cfg.file_blobs_from_bytes) == (4.0, 4 << 20)
+    path = write(tmp_path, "min_file_blob_size: 8\nec_min_file_blob_size: 0.5\n")
+    cfg = load_config(env={"LMCACHE_CONFIG_FILE": path})
+    assert (cfg.file_blobs_from_bytes, cfg.source_of("min_file_blob_size")) == (1 << 19, f"{path}:2")
+    cfg = load_config(env={"LMCACHE_EC_MIN_FILE_BLOB_SIZE": "0"})
+    assert (cfg.file_blobs_from_bytes, cfg.source_of("min_file_blob_size")) == (0, "env LMCACHE_EC_MIN_FILE_BLOB_SIZE")
+    with pytest.raises(ConfigError, match="min_file_blob_size"):
+        load_config(env={"LMCACHE_EC_MIN_FILE_BLOB_SIZE": "-1"})
 
 
 def test_pooled_blobs_from_every_source(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import dataclasses
 import os
 import random
 import re
@@ -104,17 +105,25 @@ def test_power_loss_before_the_last_meta_page_is_synced_reverts_one_commit(tmp_p
 # Concurrency
 # ===========================================================================
 
-@pytest.mark.parametrize("mode", ["roomy", "evict"])
-def test_concurrent_processes_share_one_store(tmp_path, mode):
+@pytest.mark.parametrize("mode,file_blobs", [("roomy", False), ("evict", False), ("evict", True)])
+def test_concurrent_processes_share_one_store(tmp_path, mode, file_blobs):
     """4 processes x 300 operations put/get/delete/pin (and, evicting,
     shrink) on one store, all putting the same shared entries as
     tensor-parallel ranks do, while a reader checks accounting and the bound
     in every snapshot. No error, no wrong byte, no committed entry lost
-    (roomy), exact accounting at the end, ``ecstore-dump verify`` clean."""
-    s = stress_concurrency.run(procs=4, ops=300, seed=7, mode=mode, root=tmp_path, log=print)
+    (roomy), exact accounting at the end, ``ecstore-dump verify`` clean.
+    ``file_blobs``: every blob in a file of its own (``min_file_blob_size``
+    0): evictions and deletes of one process remove files other processes
+    are about to read; at the end no file is left that no entry references."""
+    s = stress_concurrency.run(procs=4, ops=300, seed=7, mode=mode, root=tmp_path, log=print,
+                               file_blob_bytes=0 if file_blobs else 4 * MiB)
     assert s["reader_checks"] > 0 and s["ops"]["hit"] > 0
     if mode == "evict":
         assert s["ops"]["shrink_evicted"] + s["disk_evictions"] > 0
+    if file_blobs:
+        a = fc.audit(tmp_path / "store-evict").check()
+        assert a.entries and not a.unreferenced_files
+        assert {n for n in os.listdir(tmp_path / "store-evict" / "blobs") if n.endswith(".ecb")}
 
 
 def test_opening_a_handle_while_another_commits_does_not_deadlock(tmp_path):
@@ -438,9 +447,11 @@ def test_full_map_evicts_and_proceeds(tmp_path):
 
 
 def test_entry_larger_than_the_map_fails_cleanly_and_keeps_the_rest(tmp_path, caplog):
+    """With every blob inside LMDB (``min_file_blob_size`` above the entry)."""
     path = tmp_path / "s"
     cap, map_size = 64 * MiB, 4 * MiB
-    with ECStore(cfg(path, cap), model=MODEL, dtype=torch.bfloat16, _map_size_bytes=map_size) as s:
+    inline = dataclasses.replace(cfg(path, cap), min_file_blob_size=64.0)
+    with ECStore(inline, model=MODEL, dtype=torch.bfloat16, _map_size_bytes=map_size) as s:
         for i in range(4):
             s.put(f"m{i}", blob_tensor(i, 256))
         s.flush()
@@ -456,21 +467,35 @@ def test_entry_larger_than_the_map_fails_cleanly_and_keeps_the_rest(tmp_path, ca
         fc.audit(path, cap, tier=s.disk).check()
 
 
+def test_entry_larger_than_the_map_is_stored_in_a_file(tmp_path):
+    """The same entry with the default ``min_file_blob_size`` (4 MiB): its
+    blob goes to a file of its own, so the LMDB map does not bound it."""
+    path = tmp_path / "s"
+    with ECStore(cfg(path, 64 * MiB), model=MODEL, dtype=torch.bfloat16, _map_size_bytes=4 * MiB) as s:
+        s.put("huge", blob_tensor(99, 6 * 1024))
+        s.flush()
+        assert_same(s.get("huge"), blob_tensor(99, 6 * 1024))
+        assert s.disk is not None and len(s.disk.referenced_files()) == 1
+        fc.audit(path, 64 * MiB, tier=s.disk).check()
+
+
 FULL_DISK = ["rlimit-fsize"] + (["tmpfs-enospc"] if fault_fs.can_mount() else [])
 
 
-@pytest.mark.parametrize("how", FULL_DISK)
+@pytest.mark.parametrize("how", FULL_DISK + (["tmpfs-enospc-files"] if fault_fs.can_mount() else []))
 def test_full_disk_fails_the_flush_clearly_and_keeps_earlier_entries(tmp_path, how):
     """``rlimit-fsize`` (data.mdb may not grow past its size + 3 MiB) runs
     everywhere; ``tmpfs-enospc`` (a real 6 MiB file system filling up) is
-    generated only where this process may mount (root)."""
+    generated only where this process may mount (root); ``-files``: every
+    blob in a file of its own (no partial file is left behind)."""
+    files = how.endswith("-files")
     if how == "rlimit-fsize":
         mount, path, headroom, why = contextlib.nullcontext(), tmp_path / "s", 3 * MiB, "file size limit"
     else:
         mount, path, headroom, why = (fault_fs.small_tmpfs(tmp_path / "mnt", 6 * MiB), tmp_path / "mnt" / "s",
                                       None, "disk full")
     with mount:
-        r = fc.run_forked(fw.fill_until_full, str(path), headroom, timeout=300).ok()
+        r = fc.run_forked(fw.fill_until_full, str(path), headroom, 0.0 if files else 4.0, timeout=300).ok()
         print(r["error"])
         assert r["error"].startswith("1 write(s) failed") and why in r["error"], r["error"]
         assert r["flushed"], "nothing fitted before the disk filled up"
@@ -482,7 +507,10 @@ def test_full_disk_fails_the_flush_clearly_and_keeps_earlier_entries(tmp_path, h
                 assert_same(s.get(f"full-{i}"), blob_tensor(100 + i, 512))
             assert s.get(f"full-{r['failed']}") is None
             assert_same(s.get("small-after"), blob_tensor(7, 4))
-            fc.audit(path, 256 * MiB, tier=s.disk).check()
+            a = fc.audit(path, 256 * MiB, tier=s.disk).check()
+            assert not a.unreferenced_files  # the failed put's partial file was removed
+            if files:
+                assert len(s.disk.referenced_files()) == 4 + len(r["flushed"]) + 1
 
 
 def test_readonly_handle_reads_and_changes_nothing(tmp_path):

@@ -42,7 +42,8 @@ import os, sys, torch
 os.umask(int(sys.argv[2], 8))
 from ecstore import ECStore, ECStoreConfig, cli
 store, mode = sys.argv[1], int(sys.argv[3], 8)
-cfg = ECStoreConfig(local_cpu=False, local_disk=store, max_local_disk_size=0.01, file_mode=mode)
+cfg = ECStoreConfig(local_cpu=False, local_disk=store, max_local_disk_size=0.01, file_mode=mode,
+                    min_file_blob_size=0)  # the blob in a file of its own: its mode is checked too
 with ECStore(cfg, model="sec/m", dtype=torch.float16) as s:
     s.put("img", torch.ones(4, 8, dtype=torch.float16))
     s.flush()
@@ -83,9 +84,13 @@ def test_modes_of_everything_ecstore_creates(tmp_path: Path, umask: str, file_mo
     assert r.returncode == 0, r.stderr
     assert mode_of(store) == dir_mode
     assert mode_of(store.parent) == dir_mode and mode_of(store.parent.parent) == dir_mode  # created too
-    assert sorted(p.name for p in store.iterdir()) == sorted(STORE_FILES)
+    assert sorted(p.name for p in store.iterdir()) == sorted(STORE_FILES + ["blobs"])
     for name in STORE_FILES:
         assert mode_of(store / name) == int(file_mode, 8), name
+    assert mode_of(store / "blobs") == dir_mode
+    blob_files = list((store / "blobs").iterdir())
+    assert [p.suffix for p in blob_files] == [".ecb"]  # the writer's lock file went with it
+    assert all(mode_of(p) == int(file_mode, 8) for p in blob_files)
     assert mode_of(out) == 0o600  # export output: private (no config names this store here)
 
 
@@ -210,7 +215,8 @@ def test_group_mode_on_purpose_shares_the_store(reachable: Path) -> None:
         s.flush()
     for p in [store, *store.iterdir()]:
         os.chown(p, 0, USERS_GID)
-    assert mode_of(store) == 0o770 and all(mode_of(p) == 0o660 for p in store.iterdir())
+    assert mode_of(store) == 0o770 and mode_of(store / "blobs") == 0o770
+    assert all(mode_of(p) == 0o660 for p in store.iterdir() if p.is_file())
     # Not in the group: refused (the store belongs to another user).
     r = as_nobody("put", str(store), "660", groups="-")
     assert r.returncode == 2 and "another user" in r.stdout, r.stdout + r.stderr

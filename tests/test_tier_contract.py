@@ -3,6 +3,7 @@ each tier: the memory tier and the LMDB tier (a real LMDB file)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,41 @@ class TestLMDBTier(DamageTests):
 
     def damage(self, tier: LMDBTier, key: str) -> None:
         corrupt_entry(tier, key, "blob")
+
+
+class TestLMDBTierFileBlobs(TestLMDBTier):
+    """The same contract with every blob kept in a file of its own
+    (``file_blobs_from=0``), plus the damage only a file can suffer."""
+
+    def make_tier(self, tmp_path: Path) -> LMDBTier:
+        return LMDBTier(str(tmp_path / "store"), 16 * MiB, file_blobs_from=0)
+
+    def insert(self, tier: LMDBTier, key: str, identifier: str, t: torch.Tensor) -> None:
+        super().insert(tier, key, identifier, t)
+        assert tier.referenced_files(), "the blob went into LMDB, not a file"
+
+    @pytest.mark.parametrize("part", ["file", "truncate", "blob"])
+    def test_missing_short_or_flipped_file_is_a_miss_and_dropped(self, tier: LMDBTier, part: str) -> None:
+        from ecstore.testing.tier_contract import KEY_A, NAME_A, tensor
+
+        self.insert(tier, KEY_A, NAME_A, tensor(1))
+        corrupt_entry(tier, KEY_A, part)
+        assert tier.get(KEY_A, NAME_A) is None
+        assert tier.identifier_at(KEY_A) is None  # dropped by the failed read
+        assert tier.total_bytes() == 0
+        assert [n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")] == []
+
+    def test_delete_and_eviction_remove_the_files(self, tier: LMDBTier) -> None:
+        from ecstore.testing.tier_contract import tensor
+
+        for i in range(6):  # 6 x ~2 MiB in a 16 MiB tier... then more than fits
+            self.insert(tier, f"org/model@1@0@h{i}@bfloat16", f"ns/h{i}", tensor(i, rows=1024, cols=1024))
+        for i in range(6, 12):
+            self.insert(tier, f"org/model@1@0@h{i}@bfloat16", f"ns/h{i}", tensor(i, rows=1024, cols=1024))
+        assert tier.evictions > 0
+        on_disk = {n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")}
+        assert on_disk == tier.referenced_files()
+        assert sum(os.path.getsize(os.path.join(tier.files.dir, n)) for n in on_disk) == tier.total_bytes()
+        assert tier.total_bytes() <= 16 * MiB
+        assert tier.delete("org/model@1@0@h11@bfloat16")
+        assert {n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")} == tier.referenced_files()

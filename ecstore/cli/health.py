@@ -73,6 +73,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if lm["tail_pages"]:
         out(f"tail pages:     {lm['tail_pages']} beyond the high-water mark")
     out(f"compact would reclaim about {human_size(lm['reclaimable_bytes'])}")
+    out(f"blob files:     {lm['blob_files']} ({human_size(lm['blob_file_bytes'])}) in blobs/: "
+        f"entries of at least min_file_blob_size")
     active = [r for r in readers if not r["this_process"]]
     pids = ", ".join(f"{r['pid']}{'' if r['alive'] else ' (dead)'}" for r in active) or "none"
     out(f"readers:        {len(active)} slot(s) held by other processes ({pids}); "

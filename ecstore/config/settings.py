@@ -70,6 +70,12 @@ class ECStoreConfig:
             fresh ``torch.empty`` memory, whose page faults cost ~3-6x a
             memcpy on the benchmark VM. Default true; false only to compare
             (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
+        min_file_blob_size: blobs (stored tensors plus their header) of at
+            least this many MiB are kept in files of their own in the
+            store's ``blobs/`` directory instead of inside LMDB: durable
+            writes then cost one copy into the page cache and an
+            ``fdatasync`` (docs/format.md, docs/benchmarks.md). 0 keeps
+            every blob in a file. Default 4.
         remote_url: the shared remote tier (Redis/Valkey, see
             docs/remote.md), or None. May hold a password: never logged
             (``repr`` leaves it out; :func:`describe_config` masks it).
@@ -99,6 +105,7 @@ class ECStoreConfig:
     namespace: str | None = None
     share_client_uuids: bool = False
     pooled_blobs: bool = True
+    min_file_blob_size: float = 4.0
     remote_url: str | None = field(default=None, repr=False)
     remote_password: str | None = field(default=None, repr=False)
     remote_timeout_seconds: float = 0.5
@@ -114,7 +121,7 @@ class ECStoreConfig:
                 raise ConfigError(f"{name} (from {src(name)}): expected true or false, "
                                   f"got {short_repr(getattr(self, name))}")
         for name in ("max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds",
-                     "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"):
+                     "min_file_blob_size", "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"):
             object.__setattr__(self, name, check_size(name, getattr(self, name), src(name)))
         object.__setattr__(self, "local_disk", normalize_local_disk(self.local_disk, src("local_disk")))
         try:
@@ -150,6 +157,11 @@ class ECStoreConfig:
     def cpu_capacity_bytes(self) -> int:
         """Memory-tier bound in bytes (0 when the memory tier is disabled)."""
         return int(self.max_local_cpu_size * GiB) if self.local_cpu else 0
+
+    @property
+    def file_blobs_from_bytes(self) -> int:
+        """``min_file_blob_size`` in bytes."""
+        return int(self.min_file_blob_size * (1 << 20))
 
     @property
     def disk_capacity_bytes(self) -> int:
@@ -251,6 +263,10 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: parse_bool(v),
         "build each put's blob in the pool of already-faulted memory (false: fresh memory, to compare)"),
+    "min_file_blob_size": KeySpec(
+        "float", "MiB", f"a size in MiB: a finite number >= 0, at most {MAX_SIZE_GIB} (e.g. 4 or 0.5)",
+        lambda v, _s: parse_number(v, "min_file_blob_size"),
+        "blobs of at least this size are kept in files of their own (0: every blob)"),
     "remote_url": KeySpec(
         "url", "-", "redis://host:port/db, rediss://, redis+cluster://h1:p1,h2:p2 or unix:///path",
         lambda v, s: parse_remote_url_setting(v, s),

@@ -12,6 +12,7 @@ from typing import Union
 import torch
 
 from .. import codec
+from .blobfiles import FileRef
 
 
 @dataclass
@@ -28,6 +29,9 @@ class PutRequest:
     #: Position of this put among the puts and touches of a batch (see
     #: :meth:`LMDBTier.write_batch`); None: in list order, before all touches.
     order: int | None = None
+    #: The file holding the blob, once written (blobs of at least the tier's
+    #: ``file_blobs_from`` bytes); None: the blob goes into LMDB itself.
+    ref: FileRef | None = None
 
     @property
     def encoded(self) -> codec.Blob:

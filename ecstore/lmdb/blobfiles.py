@@ -307,6 +307,23 @@ class BlobFiles:
         keep = referenced()
         return sum(_unlink(self._path(name)) for name in garbage if name not in keep)
 
+    def sizes(self) -> dict[str, int]:
+        """name -> bytes of every blob file in the directory (tooling:
+        ``ecstore-dump stats``); empty if there is no directory. Files
+        vanishing during the listing are left out."""
+        out: dict[str, int] = {}
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return out
+        for name in names:
+            if _NAME.fullmatch(name):
+                try:
+                    out[name] = os.stat(self._path(name)).st_size
+                except OSError:
+                    pass
+        return out
+
     def close(self) -> None:
         """Release the token: remove and close the lock file (the files this
         handle wrote stay). Idempotent; in a forked child only the inherited

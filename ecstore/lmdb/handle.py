@@ -27,12 +27,19 @@ import lmdb
 from .. import codec, schema
 from ..errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
 from ..store_files import FilePolicy
-from .env import _SharedEnv, map_size_for
+from .blobfiles import BlobFiles
+from .env import MiB, _SharedEnv, map_size_for
 from .full import MapFullRetry
 from .leases import LeaseTable
 from .txn import Dbs, TierCounters, WriteTxn
 
 _T = TypeVar("_T")
+
+#: Blobs of at least this many bytes are written to files of their own in the
+#: store's ``blobs/`` directory instead of LMDB's B-tree (bytes): one copy into
+#: the page cache and an ``fdatasync`` instead of LMDB's copy into freshly
+#: faulted memory plus ``pwrite`` (docs/benchmarks.md, durable writes).
+FILE_BLOBS_FROM = 4 * MiB
 
 
 def lmdb_store_error(path: str, e: lmdb.Error) -> StoreOpenError:
@@ -62,7 +69,8 @@ class StoreHandle:
 
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
-                 map_size_bytes: int | None = None, file_mode: int | None = None) -> None:
+                 map_size_bytes: int | None = None, file_mode: int | None = None,
+                 file_blobs_from: int | None = None) -> None:
         self.path = path
         self.capacity_bytes = int(capacity_bytes)
         self.readonly = readonly
@@ -93,6 +101,12 @@ class StoreHandle:
                 with self._shared.write_lock, self._shared.txn(write=True) as txn:
                     self._open_dbs(txn)  # nothing written: the commit makes the handles permanent
             self._shared.open_leases()
+            # Blobs of at least file_blobs_from bytes are kept in files
+            # (schema 4 on; see ecstore.lmdb.blobfiles); None: all inline.
+            self.files = BlobFiles(path, readonly=readonly or self.schema_version < 4, file_mode=file_mode)
+            self.file_blobs_from: int | None = (
+                (FILE_BLOBS_FROM if file_blobs_from is None else int(file_blobs_from))
+                if self.schema_version >= 4 else None)
         except lmdb.Error as e:
             self._shared.release()
             raise StoreOpenError(f"cannot open ecstore store at {path}: {e}") from None
@@ -148,6 +162,7 @@ class StoreHandle:
                 return
             self._closed = True
         if os.getpid() == self._pid:
+            self.files.close()
             self._shared.release()
 
     @staticmethod
@@ -215,7 +230,7 @@ class StoreHandle:
         :meth:`_write_txn` (counters written back at commit)."""
         return WriteTxn.open(self._write_txn(), self._dbs, path=self.path, leases=self._leases,
                              pinned=self.leased_keys, record_version=self.record_version,
-                             counters=self.counters)
+                             counters=self.counters, files=self.files)
 
     def _last_txnid(self) -> int:
         """The id of the newest committed write transaction of the environment

@@ -22,8 +22,9 @@ import torch
 from .. import blob_read, codec
 from ..codec import CorruptBlobError, Record
 from ..errors import StoreFullError
+from .blobfiles import FileRef, unpack_ref
 from .handle import StoreHandle, _lmdb_errors_as_store_errors
-from .txn import _U64
+from .txn import _U64, file_ref
 
 log = logging.getLogger("ecstore")
 
@@ -70,6 +71,7 @@ class TierReads(StoreHandle):
         self._check()
         k = self._k(key)
         rec: Record | None = None
+        ref: FileRef | None = None
         with self._begin(buffers=True) as txn:
             raw = txn.get(k, db=self._entries)
             if raw is None:
@@ -81,11 +83,42 @@ class TierReads(StoreHandle):
                 blob = txn.get(k, db=self._blobs)
                 if blob is None:
                     raise CorruptBlobError("record without blob")
-                return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
+                ref = unpack_ref(blob)
+                if ref is None:
+                    return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype,
+                                                key=key)
             except CorruptBlobError as e:
                 err = e
+        if ref is not None and rec is not None:  # read after the transaction: no snapshot held
+            try:
+                out = self._read_file(k, ref, rec, identifier=identifier, model=model, dtype=dtype, key=key)
+            except CorruptBlobError as e:
+                err = e
+            else:
+                if out is not None:
+                    return out
+                return None  # the entry was removed meanwhile: a plain miss
         self.drop_corrupt(key, err, None if rec is None else rec.checksum)
         return None
+
+    def _read_file(self, k: bytes, ref: FileRef, rec: Record, **expect: Any) -> torch.Tensor | None:
+        """The tensor of an entry whose blob is the file ``ref`` (checked like
+        an inline blob: :func:`~ecstore.blob_read.read_file_entry`); None if
+        the file is gone because the entry was removed after our read
+        transaction (eviction by another process: a plain miss);
+        CorruptBlobError if it is gone while the entry still points to it
+        (damage) or fails a check."""
+        fd = self.files.open(ref)
+        if fd is None:
+            with self._begin(buffers=True) as txn:
+                now = txn.get(k, db=self._blobs)
+                if now is None or file_ref(now) != ref:
+                    return None
+            raise CorruptBlobError(f"blob file {ref.name} is missing")
+        try:
+            return blob_read.read_file_entry(rec, fd, **expect)
+        finally:
+            os.close(fd)
 
     @_lmdb_errors_as_store_errors
     def drop_corrupt(self, key: str, why: object, checksum: int | None = None) -> None:
@@ -137,10 +170,44 @@ class TierReads(StoreHandle):
 
     @_lmdb_errors_as_store_errors
     def blob_bytes(self, key: str) -> bytes | None:
-        """A copy of an entry's raw blob (for export/verify tooling)."""
+        """A copy of an entry's raw blob (for export/verify tooling): the
+        file's contents for a blob kept in a file (b"" if it is missing)."""
         self._check()
         with self._begin() as txn:
-            return txn.get(self._k(key), db=self._blobs)
+            value = txn.get(self._k(key), db=self._blobs)
+        return None if value is None else bytes(self.resolve_blob(value))
+
+    def resolve_blob(self, value: bytes | memoryview) -> bytes | memoryview:
+        """A ``blobs`` value as the blob it stands for (tooling): an inline
+        blob as it is, a pointer as its file's contents (b"" if the file is
+        missing or unreadable: the entry checks then report it as damaged).
+        Reads the whole file: not for the serving path."""
+        ref = file_ref(value)
+        if ref is None:
+            return value
+        fd = self.files.open(ref)
+        if fd is None:
+            return b""
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read(ref.size + 1)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
+
+    @_lmdb_errors_as_store_errors
+    def referenced_files(self) -> set[str]:
+        """Names of the blob files committed entries point to (a scan of the
+        ``blobs`` sub-database in one read transaction: for the sweep)."""
+        self._check()
+        names: set[str] = set()
+        with self._begin(buffers=True) as txn, txn.cursor(db=self._blobs) as cur:
+            for value in cur.iternext(keys=False, values=True):
+                ref = file_ref(value)
+                if ref is not None:
+                    names.add(ref.name)
+        return names
 
     @_lmdb_errors_as_store_errors
     def lru_keys(self) -> list[str]:

@@ -56,7 +56,8 @@ class LMDBTier(TierReads):
 
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
-                 map_size_bytes: int | None = None, file_mode: int | None = None) -> None:
+                 map_size_bytes: int | None = None, file_mode: int | None = None,
+                 file_blobs_from: int | None = None) -> None:
         """``map_size_bytes`` overrides the LMDB map size (default
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
@@ -69,11 +70,18 @@ class LMDBTier(TierReads):
         0600, directory 0700) and the mode an existing store is checked
         against (see :mod:`ecstore.store_files`); None also means the caller
         does not know the configured mode: looser modes are then not warned
-        about, only refused where unsafe."""
+        about, only refused where unsafe.
+
+        ``file_blobs_from``: blobs of at least this many bytes are kept in
+        files of their own (default
+        :data:`~ecstore.lmdb.handle.FILE_BLOBS_FROM`; 0: every blob); a
+        read-write open also removes the blob files dead processes left
+        behind (:meth:`~ecstore.lmdb.blobfiles.BlobFiles.sweep`)."""
         super().__init__(path, capacity_bytes, readonly=readonly, create=create, schema_target=schema_target,
-                         map_size_bytes=map_size_bytes, file_mode=file_mode)
+                         map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from)
         if not readonly:
             self._initial_eviction()
+            self.sweep_files()
 
     def _initial_eviction(self) -> None:
         """Evict down to the cap at open (reopened with a smaller cap).
@@ -179,17 +187,49 @@ class LMDBTier(TierReads):
             if len(p.blob) > self.capacity_bytes:
                 p.result, p.error = "failed", StoreFullError(
                     f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
-            elif len(p.blob) > self._map_room():  # would evict everything, then fail anyway
+            elif not self._in_file(p) and len(p.blob) > self._map_room():  # would evict everything, then fail
                 p.result, p.error = "failed", StoreFullError(
                     f"entry of {len(p.blob)} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.result == "pending"]
+        try:
+            self._write_files(todo)
+            self._write_batch(todo, touches)
+        finally:  # files of puts that were not stored (present, full, failed) are nobody's
+            self.files.discard([p.ref.name for p in todo if p.ref is not None and p.result != "stored"])
+
+    def _in_file(self, p: PutRequest) -> bool:
+        """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
+        return self.file_blobs_from is not None and len(p.encoded) >= self.file_blobs_from
+
+    def _write_files(self, todo: list[PutRequest]) -> None:
+        """Write the blobs that go to files (each ``fdatasync``ed, then the
+        directory once), before the transaction that references them: a
+        committed entry's file is always complete and durable. Outside
+        LMDB's write lock, so other processes keep committing meanwhile.
+        StoreFullError (every put failed with it) if a file cannot be
+        written; files already written are discarded by the caller."""
+        try:
+            for p in todo:
+                if self._in_file(p):
+                    p.ref = self.files.write(p.encoded)  # type: ignore[arg-type]  # ndarray: a buffer
+            if any(p.ref is not None for p in todo):
+                self.files.sync_dir()
+        except ECStoreError as e:
+            for p in todo:
+                p.result, p.error = "failed", e
+            raise
+
+    def _write_batch(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
+        """:meth:`write_batch` once the blob files are written: the
+        transaction, retried while the map is full."""
         extra = 0
         retry = MapFullRetry(self)
 
         def evict() -> int:  # fragmentation: free more pages in a committed transaction
             nonlocal extra
-            extra = max(extra * 2, sum(len(p.encoded) for p in todo) + 4 * MiB)
+            in_map = sum(len(p.encoded) if p.ref is None else 4096 for p in todo)
+            extra = max(extra * 2, in_map + 4 * MiB)
             return self._evict_to(self.capacity_bytes, extra)
 
         while True:
@@ -250,7 +290,7 @@ class LMDBTier(TierReads):
                     continue
                 w.insert(k, blob, Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."),
                                          tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
-                                         codec.checksum(blob), now, now, 0, 0, self.record_version))
+                                         codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
                 results[op.index] = "stored"
         for p, r in zip(todo, results):
             if r == "full":
@@ -296,6 +336,16 @@ class LMDBTier(TierReads):
                     return None
                 return w.remove(k)
         return self._write_retrying(remove_once, f"remove {key}")
+
+    @_lmdb_errors_as_store_errors
+    def sweep_files(self) -> int:
+        """Remove blob files that dead processes left behind and no entry
+        references (a crash between writing a file and committing its entry,
+        or between an eviction's commit and its delete); returns how many.
+        Live processes' files are never touched. Runs at every read-write
+        open; ``ecstore-dump`` maintenance calls it too."""
+        self._check()
+        return 0 if self.readonly else self.files.sweep(self.referenced_files)
 
     @_lmdb_errors_as_store_errors
     def sync(self) -> None:

@@ -28,10 +28,27 @@ import lmdb
 from .. import codec
 from ..codec import CorruptBlobError, Record
 from ..errors import StoreOpenError
+from .blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from .leases import LeaseTable
 
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+
+
+def file_ref(value: bytes | memoryview) -> FileRef | None:
+    """The blob file a ``blobs`` value points to; None for an inline blob
+    and for a malformed pointer (damage: it is dropped like an inline blob)."""
+    try:
+        return unpack_ref(value)
+    except CorruptBlobError:
+        return None
+
+
+def stored_size(value: bytes | memoryview) -> int:
+    """The blob bytes a ``blobs`` value stands for (what ``total_bytes``
+    counted): a pointer's file size, else the inline blob's length."""
+    ref = file_ref(value)
+    return len(value) if ref is None else ref.size
 
 
 def _meta_value(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> bytes | memoryview:
@@ -83,7 +100,9 @@ class WriteTxn:
     def __init__(self, txn: lmdb.Transaction, dbs: Dbs, *, path: str, leases: LeaseTable | None,
                  pinned: Callable[[], set[bytes]], record_version: int, counters: TierCounters) -> None:
         """``leases``: the lease table evictions mark their victims in (None:
-        read-only handle); ``pinned()``: the keys eviction must spare now."""
+        read-only handle); ``pinned()``: the keys eviction must spare now.
+        ``unreferenced``: names of blob files whose entries this transaction
+        removed; they are deleted once it commits (:meth:`open`)."""
         self.txn = txn
         self.dbs = dbs
         self.path = path
@@ -94,21 +113,27 @@ class WriteTxn:
         self._total: int | None = None  # read on first use
         self._seq: int | None = None
         self._dirty = False
+        self.unreferenced: list[str] = []
 
     @classmethod
     @contextlib.contextmanager
     def open(cls, begin: contextlib.AbstractContextManager[lmdb.Transaction], dbs: Dbs, *, path: str,
              leases: LeaseTable | None, pinned: Callable[[], set[bytes]], record_version: int,
-             counters: TierCounters) -> Iterator["WriteTxn"]:
+             counters: TierCounters, files: BlobFiles | None = None) -> Iterator["WriteTxn"]:
         """``with WriteTxn.open(tier._write_txn(), ...) as w``: enters the
         write transaction ``begin``; when the block ends normally writes the
-        counters back (if anything changed) and commits; on an exception
-        aborts, counters included."""
+        counters back (if anything changed) and commits, then deletes the
+        blob files of the entries it removed (``files``); on an exception
+        aborts, counters included, and deletes nothing. (A crash between the
+        commit and the deletes leaves files no entry references: swept at the
+        next open, see :mod:`ecstore.lmdb.blobfiles`.)"""
         with begin as txn:
             w = cls(txn, dbs, path=path, leases=leases, pinned=pinned, record_version=record_version,
                     counters=counters)
             yield w
             w._write_back()
+        if w.unreferenced and files is not None:
+            files.discard(w.unreferenced)
 
     # --------------------------------------------------------------- counters
     @property
@@ -154,14 +179,16 @@ class WriteTxn:
             return None
         return None if raw is None else codec.record_identifier(raw, self.record_version)
 
-    def insert(self, k: bytes, blob: codec.Blob, record: Record) -> None:
-        """Store a new entry (no entry may exist under ``k``): blob, record
-        (its ``lru_seq`` is set here: most recently used) and LRU row;
+    def insert(self, k: bytes, blob: codec.Blob, record: Record, ref: FileRef | None = None) -> None:
+        """Store a new entry (no entry may exist under ``k``): blob (or, with
+        ``ref``, a pointer to the file already holding it), record (its
+        ``lru_seq`` is set here: most recently used) and LRU row;
         ``total_bytes`` grows by ``record.blob_size``."""
         rec = replace(record, lru_seq=self._next_seq())
         # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it has
         # the buffer protocol on 3.11 too (py-lmdb stores it without a copy).
-        self.txn.put(k, blob, db=self.dbs.blobs)  # type: ignore[arg-type]
+        value = blob if ref is None else pack_ref(ref)
+        self.txn.put(k, value, db=self.dbs.blobs)  # type: ignore[arg-type]
         self.txn.put(k, codec.pack_record(rec), db=self.dbs.entries)
         if self.dbs.lru is not None:
             self.txn.put(_SEQ.pack(rec.lru_seq), k, db=self.dbs.lru, append=True)
@@ -190,8 +217,9 @@ class WriteTxn:
         it) and take its bytes off ``total_bytes``; returns the bytes freed.
 
         Works on damaged entries too: with an unreadable record the blob's
-        length is what ``total_bytes`` counted for it, and its LRU row is
-        found by scanning the LRU index (rare: damaged entries only)."""
+        length (a pointer's file size) is what ``total_bytes`` counted for it,
+        and its LRU row is found by scanning the LRU index (rare: damaged
+        entries only). A blob file it pointed to is deleted after the commit."""
         txn, dbs = self.txn, self.dbs
         if rec is None:
             raw = txn.get(k, db=dbs.entries)
@@ -201,7 +229,10 @@ class WriteTxn:
                 except CorruptBlobError:
                     rec = None
         blob = txn.get(k, db=dbs.blobs)
-        size = rec.blob_size if rec is not None else (len(blob) if blob is not None else 0)
+        size = rec.blob_size if rec is not None else (stored_size(blob) if blob is not None else 0)
+        ref = None if blob is None else file_ref(blob)
+        if ref is not None:
+            self.unreferenced.append(ref.name)
         txn.delete(k, db=dbs.blobs)
         txn.delete(k, db=dbs.entries)
         if dbs.lru is not None:
@@ -294,7 +325,7 @@ class WriteTxn:
                         order.append((rec.lru_seq, bytes(k), rec.blob_size, False))
                     except CorruptBlobError:
                         blob = txn.get(k, db=dbs.blobs)
-                        order.append((-1, bytes(k), len(blob) if blob is not None else 0, True))
+                        order.append((-1, bytes(k), stored_size(blob) if blob is not None else 0, True))
             for _, k, size, damaged in sorted(order):
                 if damaged or k not in skip:
                     yield k, size, damaged
@@ -312,7 +343,7 @@ class WriteTxn:
                         rec = codec.unpack_record(raw)
                     except CorruptBlobError:
                         blob = txn.get(k, db=dbs.blobs)
-                        yield k, len(blob) if blob is not None else 0, True
+                        yield k, stored_size(blob) if blob is not None else 0, True
                         continue
                     if _SEQ.pack(rec.lru_seq) != bytes(seq):
                         stale.append(bytes(seq))

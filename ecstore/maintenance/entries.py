@@ -168,7 +168,7 @@ def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record
         if raw is None:
             return None, None, False
         blob = txn.get(k, db=dbs["blobs"]) if with_blob else None
-        blob = None if blob is None else bytes(blob)
+        blob = None if blob is None else bytes(tier.resolve_blob(blob))  # a blob file's contents
         try:
             return codec.unpack_record(raw), blob, True
         except CorruptBlobError:

@@ -77,7 +77,8 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                     rec: Record | None = codec.unpack_record(raw)
                 except CorruptBlobError:
                     rec = None
-                problem = entry_problem(key, rec, txn.get(k, db=dbs["blobs"]))
+                value = txn.get(k, db=dbs["blobs"])
+                problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
             result.checked += 1
             if problem:
                 result.bad.append(BadEntry(key, rec.mm_identifier if rec else None, problem))
@@ -96,7 +97,10 @@ class PageStats:
       later writes) and the free list's own pages, which LMDB does not
       report separately;
     * ``tail_pages`` = file pages - (last_pgno + 1): file beyond the high-water mark;
-    * ``reclaimable_bytes`` ~ (file pages - tree pages) * page size: what compact frees.
+    * ``reclaimable_bytes`` ~ (file pages - tree pages) * page size: what compact frees;
+    * ``blob_files`` / ``blob_file_bytes``: the blob files in ``blobs/``
+      (entries of at least ``min_file_blob_size``, plus any a crash left
+      before the next read-write open swept them).
 
     Sizes in bytes. ``accounted_bytes`` is the store's own ``total_bytes``
     counter (None if missing); it is not part of :meth:`as_json`.
@@ -116,6 +120,8 @@ class PageStats:
     trees: dict[str, dict[str, Any]]
     max_readers: int
     reader_slots_high_water: int
+    blob_files: int = 0
+    blob_file_bytes: int = 0
     accounted_bytes: int | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -136,6 +142,7 @@ def page_stats(tier: LMDBTier) -> PageStats:
         raw_total = txn.get(b"total_bytes", db=dbs["meta"])
         accounted = struct.unpack("<Q", raw_total)[0] if raw_total is not None else None
     info = tier.env_info()
+    files = tier.files.sizes()
     psize = info["psize"]
     used_pages = info["last_pgno"] + 1
     file_pages = info["file_size"] // psize
@@ -148,7 +155,7 @@ def page_stats(tier: LMDBTier) -> PageStats:
         reclaimable_bytes=max(0, file_pages - tree_pages) * psize,
         trees={name: dict(t) for name, t in stats.items()},
         max_readers=info["max_readers"], reader_slots_high_water=info["num_readers"],
-        accounted_bytes=accounted,
+        blob_files=len(files), blob_file_bytes=sum(files.values()), accounted_bytes=accounted,
     )
 
 

@@ -38,7 +38,7 @@ import torch
 
 from ecstore import codec
 from ecstore.lmdb import LMDBTier
-from ecstore.lmdb.txn import _SEQ, _U64
+from ecstore.lmdb.txn import _SEQ, _U64, file_ref
 from ecstore.identity import library_identity, qualify
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -54,15 +54,33 @@ def corrupt_entry(tier: LMDBTier, key: str, part: str) -> None:
     """Damage the entry under ``key`` in place, in one write transaction:
     ``part="record"`` makes its record unreadable (an unknown record version,
     as after a flipped first byte), ``part="blob"`` flips the last byte of its
-    blob (the checksum no longer matches). ``total_bytes`` and the LRU row are
-    left as they were. AssertionError if there is no such entry."""
-    if part not in ("record", "blob"):
-        raise ValueError(f"part must be 'record' or 'blob', got {part!r}")
+    blob (the checksum no longer matches; the file's last byte for a blob
+    kept in a file), ``part="file"`` deletes its blob file and
+    ``part="truncate"`` cuts its blob file short by one byte (AssertionError
+    for an inline blob). ``total_bytes`` and the LRU row are left as they
+    were. AssertionError if there is no such entry."""
+    if part not in ("record", "blob", "file", "truncate"):
+        raise ValueError(f"part must be 'record', 'blob', 'file' or 'truncate', got {part!r}")
     k = key.encode()
     with tier._write_txn() as txn:
         db = tier._entries if part == "record" else tier._blobs
         raw = txn.get(k, db=db)
         assert raw is not None, f"no {part} under {key!r}"
+        ref = None if part == "record" else file_ref(raw)
+        if ref is not None:
+            path = os.path.join(tier.files.dir, ref.name)
+            if part == "file":
+                os.unlink(path)
+            elif part == "truncate":
+                os.truncate(path, ref.size - 1)
+            else:
+                with open(path, "r+b") as f:
+                    f.seek(-1, os.SEEK_END)
+                    last = f.read(1)[0]
+                    f.seek(-1, os.SEEK_END)
+                    f.write(bytes([last ^ 0xFF]))
+            return
+        assert part in ("record", "blob"), f"the blob of {key!r} is not in a file"
         data = bytearray(raw)
         if part == "record":
             data[0] = 0x09
@@ -113,6 +131,9 @@ class Audit:
     entries: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (identifier, blob_size)
     total_bytes: int = 0
     file_size: int = 0
+    #: Blob files in ``blobs/`` no entry references (left by a crash until a
+    #: read-write open sweeps them; not a problem by themselves).
+    unreferenced_files: list[str] = field(default_factory=list)
     map_size: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -148,6 +169,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
             n_entries = txn.stat(dbs["entries"])["entries"]
             n_lru = txn.stat(dbs["lru"])["entries"] if dbs["lru"] is not None else n_entries
             sum_rec = sum_blob = 0
+            referenced: set[str] = set()
             with txn.cursor(db=dbs["entries"]) as cur:
                 for k, raw in cur:
                     key = bytes(k).decode("utf-8", "replace")
@@ -162,6 +184,13 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                     if blob is None:
                         a.problems.append(f"{key}: record without blob")
                         continue
+                    ref = file_ref(blob)
+                    if ref is not None:
+                        referenced.add(ref.name)
+                        blob = tier.resolve_blob(blob)
+                        if len(blob) != ref.size:
+                            a.problems.append(f"{key}: blob file {ref.name} is {len(blob)} bytes, "
+                                              f"its pointer says {ref.size}")
                     sum_blob += len(blob)
                     if len(blob) != rec.blob_size:
                         a.problems.append(f"{key}: blob {len(blob)} bytes, record says {rec.blob_size}")
@@ -181,6 +210,9 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
             if not (a.total_bytes == sum_rec == sum_blob):
                 a.problems.append(f"meta total_bytes {a.total_bytes} != sum of record sizes {sum_rec} "
                                   f"or of blob lengths {sum_blob}")
+            if os.path.isdir(tier.files.dir):
+                a.unreferenced_files = sorted(n for n in os.listdir(tier.files.dir)
+                                              if n.endswith(".ecb") and n not in referenced)
         info = tier.env_info()
         a.file_size, a.map_size = info["file_size"], info["map_size"]
     finally:

@@ -52,7 +52,7 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig, blob_read
 from ecstore.lmdb import LMDBTier
-from ecstore.lmdb.txn import _u64
+from ecstore.lmdb.txn import _u64, file_ref
 from ecstore.testing import faults as fc
 
 KiB = 1 << 10
@@ -82,7 +82,7 @@ def content(idx: int, spec: dict[str, Any]) -> torch.Tensor:
 
 def _config(spec: dict[str, Any], cap: int, cpu: int = 0) -> ECStoreConfig:
     return ECStoreConfig(local_cpu=cpu > 0, max_local_cpu_size=cpu / GiB, local_disk=spec["dir"],
-                         max_local_disk_size=cap / GiB)
+                         max_local_disk_size=cap / GiB, min_file_blob_size=spec["file_blob_bytes"] / MiB)
 
 
 # --------------------------------------------------------------------------
@@ -208,6 +208,14 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
             "corrupt_dropped": st.corrupt_dropped}
 
 
+def _still_referenced(tier: LMDBTier, k: bytes, value: Any) -> bool:
+    """Whether the newest committed state still has the ``blobs`` value
+    ``value`` under ``k`` (a vanished blob file is damage only then)."""
+    with tier.snapshot() as (txn, dbs):
+        now = txn.get(k, db=dbs["blobs"])
+        return now is not None and bytes(now) == bytes(value)
+
+
 def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
     try:
         torch.set_num_threads(1)
@@ -229,7 +237,12 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
                 if recs:
                     k, rec = rng.choice(recs)
                     blob = txn.get(k, db=dbs["blobs"])
-                    assert blob is not None and len(blob) == rec.blob_size, "reader: partial entry"
+                    assert blob is not None, "reader: record without blob"
+                    if file_ref(blob) is not None:  # a blob file: its contents
+                        blob = tier.resolve_blob(blob)
+                        if len(blob) == 0 and not _still_referenced(tier, k, txn.get(k, db=dbs["blobs"])):
+                            continue  # evicted and deleted after this snapshot: gone, not damaged
+                    assert len(blob) == rec.blob_size, "reader: partial entry"
                     t = blob_read.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
                     i = idx_of(rec.mm_identifier)
                     assert fc.tensor_bytes(t) == fc.tensor_bytes(content(i, spec)), \
@@ -255,7 +268,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
 def run(procs: int = 4, ops: int = 150, seed: int = 0, mode: str = "evict", root: str | os.PathLike | None = None,
         *, cap: int | None = None, shared: int = 24, shared_first: int = 12, private: int = 12,
         min_bytes: int = 2 * KiB, max_bytes: int = 128 * KiB, cpu_bytes: int = 512 * KiB,
-        timeout: float = 600, stack_dir: str | None = None,
+        file_blob_bytes: int = 4 * MiB, timeout: float = 600, stack_dir: str | None = None,
         log: Callable[[str], None] | None = print) -> dict[str, Any]:
     assert mode in ("roomy", "evict")
     own_root = root is None
@@ -266,6 +279,7 @@ def run(procs: int = 4, ops: int = 150, seed: int = 0, mode: str = "evict", root
     spec = {"dir": str(d), "cap": cap, "mode": mode, "seed": seed, "procs": procs, "ops": ops,
             "shared": shared, "shared_first": shared_first, "private": private, "min_bytes": min_bytes,
             "max_bytes": max_bytes, "cpu_bytes": cpu_bytes, "stack_dir": stack_dir,
+            "file_blob_bytes": file_blob_bytes,
             "stack_after_s": max(1.0, timeout - 10)}
     t0 = time.monotonic()
     try:

@@ -171,6 +171,9 @@ def check_store(st: StoreState) -> dict[str, Any]:
     with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as rw, \
             ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16, readonly=True) as ro:
         a = fc.audit(st.dir, st.cap, tier=rw.disk).check()
+        # The read-write open swept what the killed writers left: blob files
+        # written but never committed, or evicted but not yet deleted.
+        assert not a.unreferenced_files, f"[{st.name}] blob files left after the kill: {a.unreferenced_files[:5]}"
         present: set[int] = set()
         for key, (ident, size) in a.entries.items():
             idx = _parse_idx(ident)

@@ -21,13 +21,13 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-def cfg(path: Path | str, cap: int, cpu: int = 0) -> ECStoreConfig:
+def cfg(path: Path | str, cap: int, cpu: int = 0, file_blob_mib: float = 4.0) -> ECStoreConfig:
     return ECStoreConfig(local_cpu=cpu > 0, max_local_cpu_size=cpu / GiB, local_disk=str(path),
-                         max_local_disk_size=cap / GiB)
+                         max_local_disk_size=cap / GiB, min_file_blob_size=file_blob_mib)
 
 
 def open_store(path: Path | str, cap: int = 64 * MiB, **kw) -> ECStore:
-    return ECStore(cfg(path, cap, kw.pop("cpu", 0)), model=kw.pop("model", fc.MODEL),
+    return ECStore(cfg(path, cap, kw.pop("cpu", 0), kw.pop("file_blob_mib", 4.0)), model=kw.pop("model", fc.MODEL),
                    dtype=kw.pop("dtype", torch.bfloat16), **kw)
 
 
@@ -82,14 +82,15 @@ def _put_until_full(s: ECStore) -> tuple[list[int], int, str]:
     raise AssertionError("the disk never filled up")
 
 
-def fill_until_full(path: str, limit_headroom: int | None) -> dict:
+def fill_until_full(path: str, limit_headroom: int | None, file_blob_mib: float = 4.0) -> dict:
     """Store 4 entries, then put 512 KiB entries until a flush fails.
 
     ``limit_headroom``: cap data.mdb's growth with RLIMIT_FSIZE at its
     current size plus this (SIGXFSZ ignored: writes fail with EFBIG); None:
-    the file system itself fills up (a small tmpfs)."""
+    the file system itself fills up (a small tmpfs). ``file_blob_mib``: the
+    store's ``min_file_blob_size`` (0: every blob in a file of its own)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    s = open_store(path, cap=256 * MiB)
+    s = open_store(path, cap=256 * MiB, file_blob_mib=file_blob_mib)
     for i in range(4):
         s.put(f"pre-{i}", blob_tensor(i, 64))
     s.flush()
