@@ -33,7 +33,7 @@ TARGETS = {
     "durable write ≥ 0.8× the device floor",
     "durable write ≥ raw-file peer (fsync)",
     "contains p50 ≤ 10 µs at 1 M entries",
-    "LMDB file ≤ 1.25× max_local_disk_size after churn",
+    "store files ≤ 1.25× max_local_disk_size after churn",
 }
 # Systems every quick run must measure (peers included), per section.
 EXPECTED = {

@@ -131,7 +131,7 @@ def test_write_open_read_back(store):
     token = refs[0].name.split("-")[0]
     assert all(r.name.startswith(token + "-") for r in refs)
     assert os.path.exists(os.path.join(files.dir, token + ".lock"))  # held while open
-    files.sync_dir()
+    files.sync([r.name for r in refs])
     assert files.open(FileRef("0123456789abcdef-0.ecb", 1)) is None  # no such file: a miss
     files.close()
     files.close()  # idempotent

@@ -170,7 +170,7 @@ def evaluate_targets(res: dict) -> list[dict]:
         if lost:
             detail += (f"; **{lost} writes failed** (StoreFullError) in {len(failed)} run(s): "
                        "a file within the bound says little when entries were dropped, so not met")
-        add("LMDB file ≤ 1.25× max_local_disk_size after churn", fp["system"].removeprefix("ecstore "),
+        add("store files ≤ 1.25× max_local_disk_size after churn", fp["system"].removeprefix("ecstore "),
             r, "ratio", r, "≤ 1.25× and no failed write", r <= 1.25 and not lost, detail)
     return out
 

@@ -139,6 +139,24 @@ def churn_sizes(b: Bench, cap: int) -> list[int]:
     return [max(1, round(mb * 1e6 * scale / ROW_BYTES)) for mb in (1.0, 4.0, 16.0, 34.3)]
 
 
+def store_disk(d: str) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes) of a store's files: ``data.mdb``
+    plus the blob files in ``blobs/`` (entries of at least
+    ``min_file_blob_size``). Files vanishing meanwhile are left out."""
+    paths = [os.path.join(d, "data.mdb")]
+    blobs = os.path.join(d, "blobs")
+    if os.path.isdir(blobs):
+        paths += [os.path.join(blobs, n) for n in os.listdir(blobs) if n.endswith(".ecb")]
+    size = alloc = 0
+    for p in paths:
+        try:
+            stt = os.stat(p)
+        except OSError:
+            continue
+        size, alloc = size + stt.st_size, alloc + stt.st_blocks * 512
+    return size, alloc
+
+
 def sec_footprint(b: Bench) -> None:
     cap = (16 * MiB) if b.quick else (256 * MiB)
     total_target = 10 * cap
@@ -158,7 +176,6 @@ def sec_footprint(b: Bench) -> None:
 
         d = b.dir("churn-ecstore")
         st = b.store(d, disk_bytes=cap, local_cpu=False)
-        data = os.path.join(d, "data.mdb")
         hs = b.ids(f"churn-{time.time_ns()}", len(plan))
         mx = 0.0
         acc = 0
@@ -178,16 +195,15 @@ def sec_footprint(b: Bench) -> None:
                 acc = 0
                 if flush_every_cap:
                     flush()
-                if os.path.exists(data):
-                    stt = os.stat(data)
-                    mx = max(mx, stt.st_size / cap, stt.st_blocks * 512 / cap)
+                size, alloc = store_disk(d)
+                mx = max(mx, size / cap, alloc / cap)
         flush()
         stats = st.stats()
         st.close()
         dt = time.perf_counter() - t0
-        stt = os.stat(data)
-        mx = max(mx, stt.st_size / cap, stt.st_blocks * 512 / cap)
-        res = {"size": stt.st_size, "alloc": stt.st_blocks * 512, "max": mx, "logical": stats.disk_bytes,
+        size, alloc = store_disk(d)
+        mx = max(mx, size / cap, alloc / cap)
+        res = {"size": size, "alloc": alloc, "max": mx, "logical": stats.disk_bytes,
                "entries": stats.disk_entries, "evictions": stats.disk_evictions, "seconds": dt,
                "failed": stats.write_errors, "flush_errors": flush_errors[-1:]}
         b.rm(d)
@@ -219,7 +235,7 @@ def sec_footprint(b: Bench) -> None:
         ratios = [max(r["size"], r["alloc"]) / cap for r in runs]
         last = runs[-1]
         failed = [r["failed"] for r in runs]
-        detail = (f"data.mdb {last['size'] / MiB:.1f} MiB apparent, {last['alloc'] / MiB:.1f} MiB allocated; "
+        detail = (f"data.mdb + blobs/ {last['size'] / MiB:.1f} MiB apparent, {last['alloc'] / MiB:.1f} MiB allocated; "
                   f"cap {cap / MiB:.0f} MiB; {last['entries']} entries ({last['logical'] / MiB:.1f} MiB) left")
         b.add("footprint", label, ratios, unit="ratio",
               size_ratio=report.quantile(sorted(r["size"] / cap for r in runs), 0.5),

@@ -14,6 +14,9 @@ module:
   transaction: insert / remove / touch / evict; it alone keeps
   ``total_bytes`` and the LRU sequence counter.
 * :mod:`~ecstore.lmdb.full`: what a write does when the map is full.
+* :mod:`~ecstore.lmdb.blobfiles`: blobs of at least ``min_file_blob_size``
+  as files of their own in ``blobs/`` (pointers in the ``blobs``
+  sub-database), writer tokens and the sweep of a crash's leftovers.
 * :mod:`~ecstore.lmdb.handle`: an open handle (schema check, sub-database
   handles, how transactions are begun); :mod:`~ecstore.lmdb.reads`: reads;
   :mod:`~ecstore.lmdb.batch`: write-batch records;
@@ -21,11 +24,13 @@ module:
   batches, deletes, leases, eviction at open).
 
 Layout (see ``migrations/``): sub-databases ``blobs`` (key -> safetensors
-blob), ``entries`` (key -> packed Record), ``lru`` (u64 BE seq -> key) and
+blob, or a pointer to the file holding it), ``entries`` (key -> packed Record), ``lru`` (u64 BE seq -> key) and
 ``meta`` (schema version, total bytes, next LRU sequence number). A blob, its
 record and its LRU position are always written and removed in the same write
 transaction, and ``total_bytes`` is updated in that transaction too, so the
-accounting can never drift from the entries.
+accounting can never drift from the entries. A blob file is complete and
+durable before the transaction that points to it commits, and deleted only
+after the one that removed its entry did.
 
 Leases (pins against eviction while a loader is about to read an entry) live
 in a second, tiny LMDB file, ``leases.mdb``, opened without fsync: they are
@@ -45,8 +50,9 @@ Design notes
 * Readers. Read transactions are opened per call and closed before
   returning, so no reader pins old pages across calls; ``reader_check()``
   clears slots of dead processes at open and whenever the map fills.
-* Durability. The environment is opened with ``metasync=False``: one fsync
-  per commit; the newest commit can be lost on power failure (not on a
+* Durability. Blob files are ``fdatasync``ed (and ``blobs/`` ``fsync``ed)
+  before their entries commit. The environment is opened with
+  ``metasync=False``: one fsync per commit; the newest commit can be lost on power failure (not on a
   process crash), integrity is preserved. ``sync()`` forces it to disk.
 * Processes and threads. Any number of processes may open the same directory
   (LMDB serialises writers with a lock in ``lock.mdb``). Within a process

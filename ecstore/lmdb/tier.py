@@ -21,6 +21,7 @@ import time
 import lmdb
 
 from .. import codec
+from ..pool import POOL
 from ..codec import Record
 from ..config.limits import MAX_LEASE_SECONDS
 from ..errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
@@ -183,7 +184,7 @@ class LMDBTier(TierReads):
         touches = touches or {}
         for p in puts:
             if p.blob is None:
-                p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model)
+                p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model, pool=POOL)
             if len(p.blob) > self.capacity_bytes:
                 p.result, p.error = "failed", StoreFullError(
                     f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
@@ -203,18 +204,20 @@ class LMDBTier(TierReads):
         return self.file_blobs_from is not None and len(p.encoded) >= self.file_blobs_from
 
     def _write_files(self, todo: list[PutRequest]) -> None:
-        """Write the blobs that go to files (each ``fdatasync``ed, then the
-        directory once), before the transaction that references them: a
-        committed entry's file is always complete and durable. Outside
-        LMDB's write lock, so other processes keep committing meanwhile.
-        StoreFullError (every put failed with it) if a file cannot be
-        written; files already written are discarded by the caller."""
+        """Write the blobs that go to files, then make them durable together
+        (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
+        before the transaction that references them: a committed entry's
+        file is always complete and durable. Outside LMDB's write lock, so
+        other processes keep committing meanwhile. StoreFullError (every put
+        failed with it) if a file cannot be written; files already written
+        are discarded by the caller."""
         try:
             for p in todo:
                 if self._in_file(p):
                     p.ref = self.files.write(p.encoded)  # type: ignore[arg-type]  # ndarray: a buffer
-            if any(p.ref is not None for p in todo):
-                self.files.sync_dir()
+            written = [p.ref.name for p in todo if p.ref is not None]
+            if written:
+                self.files.sync(written)
         except ECStoreError as e:
             for p in todo:
                 p.result, p.error = "failed", e
