@@ -124,7 +124,7 @@ def test_describe_config(tmp_path: Path) -> None:
         ("namespace", None, "default"),
         ("share_client_uuids", False, "default"),
         ("pooled_blobs", True, "default"),
-        ("min_file_blob_size", 4.0, "default"),
+        ("min_file_blob_size", 0.5, "default"),
     ] + [(key, getattr(cfg, key), "default") for key in FIELDS[11:]]  # the remote tier's keys
 
 
@@ -133,10 +133,10 @@ def test_min_file_blob_size_from_every_source(tmp_path: Path) -> None:
     any size: YAML (ec_ key wins), LMCACHE_EC_ variable, override; bytes
     derived once."""
     cfg = load_config(env={})
-    assert (cfg.min_file_blob_size, cfg.file_blobs_from_bytes) == (4.0, 4 << 20)
-    path = write(tmp_path, "min_file_blob_size: 8\nec_min_file_blob_size: 0.5\n")
+    assert (cfg.min_file_blob_size, cfg.file_blobs_from_bytes) == (0.5, 1 << 19)
+    path = write(tmp_path, "min_file_blob_size: 8\nec_min_file_blob_size: 0.25\n")
     cfg = load_config(env={"LMCACHE_CONFIG_FILE": path})
-    assert (cfg.file_blobs_from_bytes, cfg.source_of("min_file_blob_size")) == (1 << 19, f"{path}:2")
+    assert (cfg.file_blobs_from_bytes, cfg.source_of("min_file_blob_size")) == (1 << 18, f"{path}:2")
     cfg = load_config(env={"LMCACHE_EC_MIN_FILE_BLOB_SIZE": "0"})
     assert (cfg.file_blobs_from_bytes, cfg.source_of("min_file_blob_size")) == (0, "env LMCACHE_EC_MIN_FILE_BLOB_SIZE")
     with pytest.raises(ConfigError, match="min_file_blob_size"):

@@ -108,7 +108,10 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def extra(work: Path) -> dict:
-    return {"local_disk": str(work / "ec"), "max_local_disk_size": 0.01}
+    # Every encoder output in a blob file of its own (min_file_blob_size 0):
+    # producers write files, consumers in other processes read them (the
+    # connector and identity engine tests cover blobs inside LMDB).
+    return {"local_disk": str(work / "ec"), "max_local_disk_size": 0.01, "min_file_blob_size": 0}
 
 
 @pytest.fixture(scope="module")
@@ -205,4 +208,8 @@ def test_two_producers_two_consumers_on_one_store(cluster, baseline, tiny_model_
     cfg = ECStoreConfig(local_cpu=False, local_disk=extra["local_disk"], max_local_disk_size=0.01)
     with ECStore(cfg, model="reader", dtype=torch.float32, readonly=True) as st:
         stored = sorted(rec.identifier for _, rec in st.disk.iter_records())
+        files = st.disk.referenced_files()
     assert len(stored) == len(SEEDS)  # one entry per image, none twice
+    # Each in its own blob file; the racing producers' extra file is gone.
+    assert len(files) == len(SEEDS)
+    assert {n for n in os.listdir(Path(extra["local_disk"]) / "blobs") if n.endswith(".ecb")} == files

@@ -119,7 +119,7 @@ def _legacy_store(path: Path) -> None:
 def test_upgrade_to_3_keeps_legacy_entries_but_never_serves_them(tmp_store_dir):
     _legacy_store(tmp_store_dir)
     with open_store(tmp_store_dir) as store:  # migrates to the current schema
-        assert store.disk.schema_version == schema.current_version() == 3
+        assert store.disk.schema_version == schema.current_version() == 4
         recs = [r for _, r in store.disk.iter_records()]
         assert len(recs) == 4 and {r.version for r in recs} == {codec.LEGACY_RECORD_VERSION}
         assert {r.namespace for r in recs} == {None}

@@ -37,6 +37,8 @@ KiB = 1 << 10
 #: A map of 4 MiB under a cap of 64 MiB: only the map limits what fits.
 MAP = 4 * MiB
 CAP = 64 * MiB
+#: These tests fill the LMDB map: every blob stays inside it (none in a file).
+INLINE = 1 << 62
 #: Each blob is ~2.5 MiB: one fits in the map, two never do.
 ROWS = 2560
 
@@ -81,8 +83,8 @@ def test_write_keeps_retrying_while_other_writers_commit(tmp_path: Path, monkeyp
     commits, and store its entry once B stops: before the fix it raised
     StoreFullError after the fourth such round."""
     path = str(tmp_path / "s")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
-    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     rounds = 6
     seen = {"attempts": 0, "emptied": 0}
     b_keys: list[str] = []
@@ -126,7 +128,7 @@ def test_live_data_filling_the_map_still_fails_clearly(tmp_path: Path):
     with StoreFullError, without waiting for the patience deadline, and
     loses nothing."""
     path = str(tmp_path / "s")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
         assert _put(a, 7).result == "stored"
         a.lease([key(7)], ttl_s=3600)
@@ -175,8 +177,8 @@ def test_delete_while_a_reader_pins_the_free_pages_waits_for_it(tmp_path: Path,
     with StoreOpenError ("the store may be damaged"); now it waits for the
     reader (ended here at the first commit of the retry) and deletes."""
     path = str(tmp_path / "s")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
-    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
         assert _put(b, 100).result == "stored"
         assert _put(b, 101, rows=4).result == "stored"
@@ -197,8 +199,8 @@ def test_namespace_recorded_while_a_reader_pins_the_free_pages(tmp_path: Path,
     writer, it failed with StoreOpenError; now it waits for the reader, as a
     delete does, and records the namespace."""
     path = str(tmp_path / "s")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
-    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
         assert _put(b, 100).result == "stored"
         with _exhausted_by_a_reader(b, 100) as reader:
@@ -217,13 +219,13 @@ def test_open_with_a_smaller_cap_while_the_map_is_exhausted_opens(tmp_path: Path
     the free pages), the open failed with StoreOpenError; now it logs, the
     handle opens, and its next put evicts down to the cap."""
     path = str(tmp_path / "s")
-    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     small_cap = 6 * KiB
     try:
         assert _put(b, 100).result == "stored"
         assert _put(b, 101, rows=8).result == "stored"  # ~8 KiB: over the small cap
         with _exhausted_by_a_reader(b, 100):
-            small = LMDBTier(path, small_cap)
+            small = LMDBTier(path, small_cap, file_blobs_from=INLINE)
         try:
             assert small.total_bytes() > small_cap  # could not evict at open
             req = _put(small, 102, rows=4)  # ~4 KiB: evicts 101 to fit
@@ -248,8 +250,8 @@ def test_eviction_that_finds_the_map_exhausted_waits_instead_of_failing(tmp_path
     counts as one without progress, the retry reuses the pages the reader
     released, and the put is stored."""
     path = str(tmp_path / "s")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
-    b = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
+    b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     reader = contextlib.ExitStack()
     seen = {"evict_map_full": 0, "pads": 0}
     try:
@@ -292,7 +294,7 @@ def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path:
     from ecstore import ECStoreError, StoreOpenError
 
     path = str(tmp_path / "s")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     assert _put(a, 0).result == "stored"
     seq = a.record(key(0)).lru_seq
     a.close()
@@ -302,7 +304,7 @@ def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path:
     with open(data_file, "r+b") as fh:
         fh.seek(hits[0] // 4096 * 4096 + 10)  # mp_flags of that page's header
         fh.write(b"\xff\x7f")
-    a = LMDBTier(path, CAP, map_size_bytes=MAP)
+    a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
         req = PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, ROWS))
         with pytest.raises(ECStoreError) as info:
@@ -327,7 +329,7 @@ def _nested_txn_while_another_thread_adopts_a_grown_map(path: str) -> list[str]:
 
     helpers = Path(__file__).resolve().parent / "helpers"
     out: list[str] = []
-    t = LMDBTier(path, 1 * MiB)
+    t = LMDBTier(path, 1 * MiB, file_blobs_from=INLINE)
     try:
         assert _put(t, 0, rows=64).result == "stored"
         gate = t._shared.gate

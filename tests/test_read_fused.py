@@ -1,24 +1,37 @@
 """Entries larger than ``2 * blob_read.FUSED_CHUNK`` are copied out of the LMDB
-map and checksummed chunk by chunk (``blob_read.read_entry``): the same
+map, or read from their blob file, and checksummed chunk by chunk
+(``blob_read.read_entry``, ``read_file_entry``): the same
 guarantee as the one-pass check must hold, a damaged byte anywhere is a miss
 and the entry is dropped, never a tensor handed out."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from ecstore import ECStore, ECStoreConfig, blob_read, codec
 from ecstore.errors import CorruptEntryError
+from ecstore.lmdb.txn import file_ref
 from ecstore.record import Record
 
 ROWS = 3 * blob_read.FUSED_CHUNK // (512 * 2) + 7  # > 3 chunks of data, not a multiple of one
 COLS = 512
 
 
-def _store(path, *, readonly: bool = False) -> ECStore:
-    cfg = ECStoreConfig(local_disk=str(path), max_local_disk_size=0.25, local_cpu=False)
-    return ECStore(cfg, model="m/fused", dtype=torch.bfloat16, readonly=readonly)
+@pytest.fixture(params=["in LMDB", "in a file"])
+def store_at(request):
+    """``store_at(path, readonly=False)``: a store whose large blobs live
+    inside LMDB's map (read with ``read_entry``) or in files of their own
+    (``min_file_blob_size`` 0: ``read_file_entry``); each test runs with both."""
+    files = request.param == "in a file"
+
+    def make(path, *, readonly: bool = False) -> ECStore:
+        cfg = ECStoreConfig(local_disk=str(path), max_local_disk_size=0.25, local_cpu=False,
+                            min_file_blob_size=0.0 if files else 64.0)
+        return ECStore(cfg, model="m/fused", dtype=torch.bfloat16, readonly=readonly)
+    return make
 
 
 def _tensor(seed: int = 0) -> torch.Tensor:
@@ -31,27 +44,36 @@ def _flip(st: ECStore, mm_hash: str, pos: int) -> None:
     tier = st._reads.disk
     k = tier._k(st.key(mm_hash))
     with tier._write_txn() as txn:
-        data = bytearray(txn.get(k, db=tier._blobs))
+        value = txn.get(k, db=tier._blobs)
+        ref = file_ref(value)
+        if ref is not None:  # the blob file, in place
+            with open(os.path.join(tier.files.dir, ref.name), "r+b") as f:
+                f.seek(pos, os.SEEK_SET if pos >= 0 else os.SEEK_END)
+                b = f.read(1)[0]
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b ^ 0x01]))
+            return
+        data = bytearray(value)
         data[pos] ^= 0x01
         txn.put(k, bytes(data), db=tier._blobs)
 
 
-def test_large_entry_round_trips(tmp_path):
+def test_large_entry_round_trips(tmp_path, store_at):
     t = _tensor()
     assert t.numel() * 2 > 2 * blob_read.FUSED_CHUNK and (t.numel() * 2) % blob_read.FUSED_CHUNK
-    with _store(tmp_path) as st:
+    with store_at(tmp_path) as st:
         st.put("big", t)
         st.flush()
-    with _store(tmp_path) as st:
+    with store_at(tmp_path) as st:
         got = st.get("big")
         assert got is not None and torch.equal(got, t)
         assert got.data_ptr() != t.data_ptr()
 
 
 @pytest.mark.parametrize("where", ["first data byte", "chunk boundary", "last chunk", "last byte", "header"])
-def test_a_flipped_byte_in_a_large_entry_is_a_miss_and_dropped(tmp_path, where):
+def test_a_flipped_byte_in_a_large_entry_is_a_miss_and_dropped(tmp_path, where, store_at):
     t = _tensor(1)
-    with _store(tmp_path) as st:
+    with store_at(tmp_path) as st:
         st.put("big", t)
         st.put("other", _tensor(2))
         st.flush()
@@ -60,22 +82,22 @@ def test_a_flipped_byte_in_a_large_entry_is_a_miss_and_dropped(tmp_path, where):
                "last chunk": off + 3 * blob_read.FUSED_CHUNK + 5, "last byte": -1,
                "header": off - 3}[where]  # the header's padding: the JSON still parses
         _flip(st, "big", pos)
-    with _store(tmp_path) as st:
+    with store_at(tmp_path) as st:
         assert st.get("big") is None
         assert not st.contains("big")  # dropped, not served again
         other = st.get("other")
         assert other is not None and torch.equal(other, _tensor(2))
 
 
-def test_read_only_handle_misses_without_dropping(tmp_path):
+def test_read_only_handle_misses_without_dropping(tmp_path, store_at):
     t = _tensor(3)
-    with _store(tmp_path) as st:
+    with store_at(tmp_path) as st:
         st.put("big", t)
         st.flush()
         _flip(st, "big", -2)
-    with _store(tmp_path, readonly=True) as ro:
+    with store_at(tmp_path, readonly=True) as ro:
         assert ro.get("big") is None
-    with _store(tmp_path) as st:
+    with store_at(tmp_path) as st:
         assert st.contains("big")  # the read-only handle left it for a writer to drop
 
 

@@ -222,11 +222,13 @@ class Bench:
         from ecstore import ECStore, ECStoreConfig
         from ecstore.config import load_config
 
-        # LMCACHE_EC_POOLED_BLOBS=0 in the environment: saves into fresh memory (an A/B of the pool).
-        pooled = load_config(env={k: v for k, v in os.environ.items() if k == "LMCACHE_EC_POOLED_BLOBS"}).pooled_blobs
+        # For A/Bs from the environment: LMCACHE_EC_POOLED_BLOBS=0 (saves into
+        # fresh memory), LMCACHE_EC_MIN_FILE_BLOB_SIZE=<MiB> (which blobs go to files).
+        ab = load_config(env={k: v for k, v in os.environ.items()
+                              if k in ("LMCACHE_EC_POOLED_BLOBS", "LMCACHE_EC_MIN_FILE_BLOB_SIZE")})
         cfg = ECStoreConfig(local_disk=d, max_local_disk_size=disk_bytes / GiB if d else 0.0,
                             local_cpu=local_cpu, max_local_cpu_size=(cpu_bytes / GiB) if local_cpu else 0.0,
-                            pooled_blobs=pooled)
+                            pooled_blobs=ab.pooled_blobs, min_file_blob_size=ab.min_file_blob_size)
         identity = None
         if self.vcfg is not None and model in (None, self.model):
             # What the connectors of this VllmConfig read and write under.

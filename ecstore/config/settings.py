@@ -75,7 +75,7 @@ class ECStoreConfig:
             store's ``blobs/`` directory instead of inside LMDB: durable
             writes then cost one copy into the page cache and an
             ``fdatasync`` (docs/format.md, docs/benchmarks.md). 0 keeps
-            every blob in a file. Default 4.
+            every blob in a file. Default 0.5 (512 KiB).
         remote_url: the shared remote tier (Redis/Valkey, see
             docs/remote.md), or None. May hold a password: never logged
             (``repr`` leaves it out; :func:`describe_config` masks it).
@@ -105,7 +105,7 @@ class ECStoreConfig:
     namespace: str | None = None
     share_client_uuids: bool = False
     pooled_blobs: bool = True
-    min_file_blob_size: float = 4.0
+    min_file_blob_size: float = 0.5
     remote_url: str | None = field(default=None, repr=False)
     remote_password: str | None = field(default=None, repr=False)
     remote_timeout_seconds: float = 0.5

@@ -39,7 +39,7 @@ _T = TypeVar("_T")
 #: store's ``blobs/`` directory instead of LMDB's B-tree (bytes): one copy into
 #: the page cache and an ``fdatasync`` instead of LMDB's copy into freshly
 #: faulted memory plus ``pwrite`` (docs/benchmarks.md, durable writes).
-FILE_BLOBS_FROM = 4 * MiB
+FILE_BLOBS_FROM = MiB // 2
 
 
 def lmdb_store_error(path: str, e: lmdb.Error) -> StoreOpenError:

@@ -346,7 +346,7 @@ class LMDBTier(TierReads):
         references (a crash between writing a file and committing its entry,
         or between an eviction's commit and its delete); returns how many.
         Live processes' files are never touched. Runs at every read-write
-        open; ``ecstore-dump`` maintenance calls it too."""
+        open (every ECStore with a disk tier, ``ecstore-dump purge``)."""
         self._check()
         return 0 if self.readonly else self.files.sweep(self.referenced_files)
 

@@ -268,7 +268,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
 def run(procs: int = 4, ops: int = 150, seed: int = 0, mode: str = "evict", root: str | os.PathLike | None = None,
         *, cap: int | None = None, shared: int = 24, shared_first: int = 12, private: int = 12,
         min_bytes: int = 2 * KiB, max_bytes: int = 128 * KiB, cpu_bytes: int = 512 * KiB,
-        file_blob_bytes: int = 4 * MiB, timeout: float = 600, stack_dir: str | None = None,
+        file_blob_bytes: int = MiB // 2, timeout: float = 600, stack_dir: str | None = None,
         log: Callable[[str], None] | None = print) -> dict[str, Any]:
     assert mode in ("roomy", "evict")
     own_root = root is None

@@ -20,7 +20,8 @@ from ecstore.testing import faults as fc
 def main() -> None:
     path, n = sys.argv[1], int(sys.argv[2])
     prefix = sys.argv[3] if len(sys.argv) > 3 else "grow"
-    cfg = ECStoreConfig(local_cpu=False, local_disk=path, max_local_disk_size=0.25)
+    cfg = ECStoreConfig(local_cpu=False, local_disk=path, max_local_disk_size=0.25,
+                        min_file_blob_size=64.0)  # inside LMDB: the entries grow its map
     with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as s:
         for i in range(n):
             s.put(f"{prefix}-{i}", fc.entry_tensor(i, 1024))
