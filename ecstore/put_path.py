@@ -59,8 +59,8 @@ class PutPath:
         # The disk cap counts whole blobs: size them exactly (the header holds
         # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped). Built
         # once here and reused by encode below.
-        header = codec.header_bytes(tensor, name, r.model)
-        fits_disk = disk is not None and 8 + len(header) + nbytes <= disk.capacity_bytes
+        head = codec.blob_head(tensor.shape, tensor.dtype, name, r.model)
+        fits_disk = disk is not None and len(head) + nbytes <= disk.capacity_bytes
         if not (fits_memory or fits_disk or remote is not None):
             self.counters.refused_too_large(mm_hash, nbytes, memory.capacity_bytes if memory else 0,
                                             disk.capacity_bytes if disk else 0)
@@ -78,7 +78,7 @@ class PutPath:
             # strides) into its safetensors blob. The memory tier and pending
             # write hold a view of the blob's data, and the writer stores the
             # blob as is: no second copy to encode it later.
-            blob, cpu = codec.encode_view(tensor, identifier=name, model=r.model, header=header,
+            blob, cpu = codec.encode_view(tensor, identifier=name, model=r.model, head=head,
                                           pool=POOL if self.pooled else None)
         else:
             cpu = tensor.detach()  # handed over: encoded by the writer
