@@ -49,17 +49,18 @@ class PutPath:
         r = self.reads
         memory, disk, writer, remote = r.memory, r.disk, r.writer, r.remote
         codec.check_storable(tensor)
-        if tensor.dtype != r.dtype:
+        dtype, shape = tensor.dtype, tensor.shape
+        if dtype != r.dtype:
             raise InvalidEntryError(
-                f"tensor dtype {dtype_name(tensor.dtype)} does not match the store's dtype "
+                f"tensor dtype {dtype_name(dtype)} does not match the store's dtype "
                 f"{dtype_name(r.dtype)} (model {r.model!r})"
             )
-        nbytes = codec.tensor_nbytes(tensor)
+        nbytes = shape[0] * shape[1] * dtype.itemsize  # 2-D (check_storable)
         fits_memory = memory is not None and nbytes <= memory.capacity_bytes
         # The disk cap counts whole blobs: size them exactly (the header holds
         # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped). Built
         # once here and reused by encode below.
-        head = codec.blob_head(tensor.shape, tensor.dtype, name, r.model)
+        head = codec.blob_head(shape, dtype, name, r.model)
         fits_disk = disk is not None and len(head) + nbytes <= disk.capacity_bytes
         if not (fits_memory or fits_disk or remote is not None):
             self.counters.refused_too_large(mm_hash, nbytes, memory.capacity_bytes if memory else 0,
