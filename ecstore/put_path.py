@@ -85,12 +85,16 @@ class PutPath:
             cpu = tensor.detach()  # handed over: encoded by the writer
         stored_in_memory = fits_memory and memory is not None and memory.put(key, name, cpu, nbytes)
         self.counters.put()
+        # A spare faulted slab for the next save of this size: asked for by the
+        # writer thread when it takes the put (off this thread), else here.
+        prefault = blob is not None and self.pooled
         if writer is not None and fits_disk:
-            writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash))
+            writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash, prefault=prefault))
+            prefault = False
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         if remote is not None:
             remote.submit(key, name, cpu, blob)
-        if blob is not None and self.pooled:
-            POOL.prefault_soon(len(blob))  # a spare faulted slab for the next save of this size
+        if prefault:
+            POOL.prefault_soon(len(blob))  # type: ignore[arg-type]
         return True
