@@ -191,17 +191,15 @@ def encode_view(tensor: torch.Tensor, *, identifier: str, model: str, header: by
     on_gpu = tensor.is_cuda
     # Few torch calls on this path: on a save each costs µs (more with the
     # caches cold after the model step), at 1 MB as much as the copy itself.
-    if pool is None:
-        blob = torch.empty(off + nbytes, dtype=torch.uint8).numpy()
-    else:  # a GPU tensor is copied into page-locked memory: D2H at full bandwidth
-        blob = pool.buffer(off + nbytes, pinned=on_gpu)
-    memoryview(blob)[:off] = head  # type: ignore[arg-type]
-    # ``view(*shape)``: ints parse faster than a torch.Size (~5 µs less, cold).
-    if nbytes:
-        flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=off)
-        view = flat.view(*shape) if shape else flat.view(shape)
+    if pool is not None and nbytes and shape:
+        # A GPU tensor is copied into page-locked memory: D2H at full bandwidth.
+        blob, view = pool.typed_buffer(off + nbytes, off, dtype, shape, pinned=on_gpu)
     else:
-        view = torch.empty(shape, dtype=dtype)
+        blob = (torch.empty(off + nbytes, dtype=torch.uint8).numpy() if pool is None
+                else pool.buffer(off + nbytes, pinned=on_gpu))
+        view = (torch.frombuffer(blob, dtype=dtype, count=numel, offset=off).view(shape) if nbytes
+                else torch.empty(shape, dtype=dtype))
+    memoryview(blob)[:off] = head  # type: ignore[arg-type]
     src = tensor.detach() if tensor.requires_grad else tensor
     if nbytes and on_gpu and view.is_pinned():
         # An asynchronous D2H copy into the pinned blob, waited for on an event

@@ -96,5 +96,5 @@ class PutPath:
         if remote is not None:
             remote.submit(key, name, cpu, blob)
         if prefault:
-            POOL.prefault_soon(len(blob))  # type: ignore[arg-type]
+            POOL.prefault_soon(len(blob), (len(blob) - nbytes, dtype, tuple(shape)))  # type: ignore[arg-type]
         return True

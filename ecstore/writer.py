@@ -333,8 +333,9 @@ class Writer(threading.Thread):
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             for _, item in batch:
-                if item.prefault and item.blob is not None:
-                    POOL.prefault_soon(len(item.blob))  # before the commit: flush() returns after it
+                if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
+                    t = item.tensor
+                    POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
             try:
                 self._write(batch, touches)
             except BaseException as e:  # never let the writer die silently
