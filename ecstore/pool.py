@@ -22,12 +22,17 @@ Tensors from the pool are not resizable (``resize_`` to a larger size
 raises). :meth:`BufferPool.prefault_soon` faults a spare slab in on a
 background daemon thread, so that the next request of a size (the next
 save of an entry that size) does not pay the page faults on the caller's
-thread. Thread-safe; the finalizer may run on any thread. After ``fork``
-the child starts with an empty pool.
+thread; given a layout (data offset, dtype, shape) it also builds the
+buffer and a tensor over its data there, which
+:meth:`BufferPool.typed_buffer` then hands out as they are (at most one
+such ready slab per size class, counted as idle; the next save of the same
+shape skips the slicing and tensor creation). Thread-safe; the finalizer
+may run on any thread. After ``fork`` the child starts with an empty pool.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -76,8 +81,12 @@ class BufferPool:
         self.fresh = 0  # requests that allocated a new slab
         self.prefaulted = 0  # spare slabs faulted in by the background thread
         self._wanted: set[int] = set()  # classes queued for prefault
-        self._jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, Layout | None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        #: Per size class, at most one slab made ready by the pool thread for a
+        #: :meth:`typed_buffer` request of one layout: (layout, buffer, tensor).
+        #: Counted in ``_idle``; its buffer is registered in ``_live``.
+        self._ready: dict[int, tuple[Layout, np.ndarray, torch.Tensor]] = {}
 
     @property
     def idle_bytes(self) -> int:
@@ -125,50 +134,109 @@ class BufferPool:
                 self.fresh += 1
         if slab is None:
             slab = torch.empty(cls, dtype=torch.uint8, pin_memory=pinned).numpy()
+        with self._lock:
+            return self._hand_out(slab, nbytes, pinned)
+
+    def _hand_out(self, slab: np.ndarray, nbytes: int, pinned: bool) -> np.ndarray:
+        """The first ``nbytes`` of ``slab`` as a new array whose death returns
+        the slab to the pool. Holds ``_lock``."""
         view = slab[:nbytes]
         # A plain weak reference with a callback (kept alive in ``_live``
         # until it fires): a few times cheaper than ``weakref.finalize``.
         ref = weakref.ref(view, self._on_dead)
-        with self._lock:
-            self._live[id(ref)] = (ref, slab, pinned)
+        self._live[id(ref)] = (ref, slab, pinned)
         return view
 
-    def prefault_soon(self, nbytes: int) -> None:
+    def typed_buffer(self, nbytes: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...], *,
+                     pinned: bool = False) -> tuple[np.ndarray, torch.Tensor]:
+        """:meth:`buffer` of ``nbytes``, and a C-contiguous tensor of ``dtype``
+        and ``shape`` (non-empty) over it from byte ``offset`` (it keeps the
+        buffer alive). When the pool thread made a slab ready for exactly this
+        layout (:meth:`prefault_soon` with ``layout``), both come from it: the
+        caller's thread then only takes them (no slicing, no tensor creation)."""
+        layout = (nbytes, offset, dtype, tuple(shape))
+        if not pinned:
+            cls = size_class(nbytes)
+            with self._lock:
+                ready = self._ready.pop(cls, None)
+                if ready is not None:
+                    self._idle -= cls
+                    if ready[0] == layout:
+                        self.reused += 1
+                        return ready[1], ready[2]
+            # Made ready for another layout: dropping it returns its slab to
+            # the free list (its buffer dies), where buffer() takes it.
+            del ready
+        buf = self.buffer(nbytes, pinned=pinned)
+        return buf, _tensor_over(buf, offset, dtype, layout[3])
+
+    def prefault_soon(self, nbytes: int, layout: tuple[int, torch.dtype, tuple[int, ...]] | None = None) -> None:
         """Have a background thread fault in one spare slab of ``nbytes``' class
         unless one is already free or it would exceed the idle cap, so that
         the next request of that size finds memory that is already faulted.
-        Returns at once; the faulting (one write per page, GIL released) runs
-        on the pool's daemon thread, off the caller's path."""
+        ``layout`` = (offset, dtype, shape): also make that slab ready for a
+        :meth:`typed_buffer` request of ``nbytes`` with that layout (a free
+        slab of the class is used if there is one). Returns at once; the
+        faulting (one write per page, GIL released) runs on the pool's daemon
+        thread, off the caller's path."""
         if nbytes < self.min_bytes:
             return
         cls = size_class(nbytes)
+        want = None if layout is None else (nbytes, layout[0], layout[1], tuple(layout[2]))
         with self._lock:
-            if self._free.get(cls) or cls in self._wanted or self._idle + cls > self.idle_cap:
+            if cls in self._wanted:
                 return
+            ready = self._ready.get(cls)
+            if want is None or (ready is not None and ready[0] == want):
+                if self._free.get(cls) or ready is not None or self._idle + cls > self.idle_cap:
+                    return
             self._wanted.add(cls)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._prefault_loop, name="ecstore-pool", daemon=True)
                 self._thread.start()
-        self._jobs.put(cls)
+        self._jobs.put((cls, want))
 
     def _prefault_loop(self) -> None:
         while True:
-            cls = self._jobs.get()
+            cls, want = self._jobs.get()
             try:
-                with self._lock:
-                    room = not self._free.get(cls) and self._idle + cls <= self.idle_cap
-                if room:
-                    t = torch.empty(cls, dtype=torch.uint8)
-                    t.fill_(0)  # faults every page in (torch releases the GIL)
-                    with self._lock:
-                        if self._idle + cls <= self.idle_cap:
-                            self._free.setdefault(cls, []).append(t.numpy())
-                            self._idle += cls
-                            self.prefaulted += 1
+                self._prefault(cls, want)
             finally:
                 with self._lock:
                     self._wanted.discard(cls)
                     self._done.notify_all()
+
+    def _prefault(self, cls: int, want: Layout | None) -> None:
+        """Pool thread: fault in a spare slab of class ``cls`` (into the free
+        list), or with ``want`` make one ready for that layout."""
+        with self._lock:
+            free = self._free.get(cls)
+            slab = free.pop() if (want is not None and free) else None  # stays counted in _idle
+            if slab is None and (free or self._idle + cls > self.idle_cap):
+                return
+        if slab is None:
+            t = torch.empty(cls, dtype=torch.uint8)
+            t.fill_(0)  # faults every page in (torch releases the GIL)
+            with self._lock:
+                if self._idle + cls > self.idle_cap:
+                    return
+                self._idle += cls
+                self.prefaulted += 1
+                if want is None:
+                    self._free.setdefault(cls, []).append(t.numpy())
+                    return
+            slab = t.numpy()
+        assert want is not None
+        nbytes, offset, dtype, shape = want
+        with self._lock:
+            buf = self._hand_out(slab, nbytes, False)
+        tensor = _tensor_over(buf, offset, dtype, shape)
+        with self._lock:
+            old = self._ready.pop(cls, None)
+            self._ready[cls] = (want, buf, tensor)
+            if old is not None:
+                self._idle -= cls  # its buffer dies below: _on_dead counts its slab again
+        del old
 
     def wait_prefaulted(self, timeout_s: float | None = None) -> bool:
         """Block until no prefault is queued or running; False on timeout."""
@@ -193,9 +261,21 @@ class BufferPool:
     def clear(self) -> None:
         """Free every kept slab (tensors handed out are unaffected)."""
         with self._lock:
+            ready, self._ready = self._ready, {}
+            ready.clear()  # their buffers die: their slabs go to the free lists, cleared next
             self._free.clear()
             self._pinned_free.clear()
             self._idle = 0
+
+
+#: What :meth:`BufferPool.typed_buffer` hands out: (buffer bytes, offset, dtype, shape).
+Layout = tuple[int, int, torch.dtype, tuple[int, ...]]
+
+
+def _tensor_over(buf: np.ndarray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buf`` from byte ``offset``
+    (it holds ``buf``). ``view(*shape)``: ints parse faster than a tuple."""
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset).view(*shape)
 
 
 #: The process's pool: LMDB-tier hits are copied into it (``blob_read.copy_out``)

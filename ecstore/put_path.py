@@ -49,18 +49,19 @@ class PutPath:
         r = self.reads
         memory, disk, writer, remote = r.memory, r.disk, r.writer, r.remote
         codec.check_storable(tensor)
-        if tensor.dtype != r.dtype:
+        dtype, shape = tensor.dtype, tensor.shape
+        if dtype != r.dtype:
             raise InvalidEntryError(
-                f"tensor dtype {dtype_name(tensor.dtype)} does not match the store's dtype "
+                f"tensor dtype {dtype_name(dtype)} does not match the store's dtype "
                 f"{dtype_name(r.dtype)} (model {r.model!r})"
             )
-        nbytes = codec.tensor_nbytes(tensor)
+        nbytes = shape[0] * shape[1] * dtype.itemsize  # 2-D (check_storable)
         fits_memory = memory is not None and nbytes <= memory.capacity_bytes
         # The disk cap counts whole blobs: size them exactly (the header holds
         # the identifier, up to MAX_IDENTIFIER_BYTES, JSON-escaped). Built
         # once here and reused by encode below.
-        header = codec.header_bytes(tensor, name, r.model)
-        fits_disk = disk is not None and 8 + len(header) + nbytes <= disk.capacity_bytes
+        head = codec.blob_head(shape, dtype, name, r.model)
+        fits_disk = disk is not None and len(head) + nbytes <= disk.capacity_bytes
         if not (fits_memory or fits_disk or remote is not None):
             self.counters.refused_too_large(mm_hash, nbytes, memory.capacity_bytes if memory else 0,
                                             disk.capacity_bytes if disk else 0)
@@ -78,18 +79,22 @@ class PutPath:
             # strides) into its safetensors blob. The memory tier and pending
             # write hold a view of the blob's data, and the writer stores the
             # blob as is: no second copy to encode it later.
-            blob, cpu = codec.encode_view(tensor, identifier=name, model=r.model, header=header,
+            blob, cpu = codec.encode_view(tensor, identifier=name, model=r.model, head=head,
                                           pool=POOL if self.pooled else None)
         else:
             cpu = tensor.detach()  # handed over: encoded by the writer
         stored_in_memory = fits_memory and memory is not None and memory.put(key, name, cpu, nbytes)
         self.counters.put()
+        # A spare faulted slab for the next save of this size: asked for by the
+        # writer thread when it takes the put (off this thread), else here.
+        prefault = blob is not None and self.pooled
         if writer is not None and fits_disk:
-            writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash))
+            writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash, prefault=prefault))
+            prefault = False
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)
         if remote is not None:
             remote.submit(key, name, cpu, blob)
-        if blob is not None and self.pooled:
-            POOL.prefault_soon(len(blob))  # a spare faulted slab for the next save of this size
+        if prefault:
+            POOL.prefault_soon(len(blob), (len(blob) - nbytes, dtype, tuple(shape)))  # type: ignore[arg-type]
         return True

@@ -32,6 +32,7 @@ import torch
 from . import codec
 from .errors import ECStoreError, StoreFullError
 from .lmdb import LMDBTier, PutRequest
+from .pool import POOL
 
 log = logging.getLogger("ecstore")
 
@@ -45,7 +46,11 @@ TOUCH_DELAY_S = 1.0
 class PendingPut:
     """A put waiting for (or in) an LMDB commit. ``nbytes``: the tensor's data
     bytes (what back-pressure counts); ``blob``: the safetensors blob when
-    ``put`` already encoded it (None: the writer encodes ``tensor``)."""
+    ``put`` already encoded it (None: the writer encodes ``tensor``);
+    ``prefault``: the blob is a slab of :data:`~ecstore.pool.POOL`, and the
+    writer thread asks the pool for a spare slab of its size (for the next
+    save of that size) when it takes the put, instead of the caller's
+    thread paying for that hand-off."""
 
     identifier: str
     tensor: torch.Tensor
@@ -54,6 +59,7 @@ class PendingPut:
     order: int = 0  # position among this handle's puts and touches (writer ticket)
     mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
     since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
+    prefault: bool = False
 
 
 class Touch(NamedTuple):
@@ -326,6 +332,10 @@ class Writer(threading.Thread):
                 touches, self.touches = self._split_touches()
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
+            for _, item in batch:
+                if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
+                    t = item.tensor
+                    POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
             try:
                 self._write(batch, touches)
             except BaseException as e:  # never let the writer die silently

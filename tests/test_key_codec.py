@@ -232,11 +232,17 @@ def test_corrupted_blob_raises_corrupt_blob_error(dtype):
 def test_check_storable():
     codec.check_storable(make_tensor(1))
     codec.check_storable(torch.zeros(1, 1, dtype=torch.float8_e8m0fnu))
-    for bad in [torch.zeros(3), torch.zeros(1, 1, 1), torch.zeros(0, 4), torch.zeros(2, 2).to_sparse(),
+    codec.check_storable(torch.nn.Parameter(torch.zeros(2, 3)))  # a subclass: the fast path too
+    for bad in [torch.zeros(3), torch.zeros(1, 1, 1), torch.zeros(0, 4), torch.zeros(4, 0),
+                torch.zeros(2, 2).to_sparse(), torch.zeros(2, 2).to_sparse_csr(),
+                torch.nested.nested_tensor([torch.zeros(2, 2), torch.zeros(3, 2)]),
                 torch.empty(2, 2, device="meta"), torch.zeros(2, 2, dtype=torch.complex128), [[1.0]],
                 torch.quantize_per_tensor(torch.zeros(2, 2), 0.1, 0, torch.quint8)]:
-        with pytest.raises(InvalidEntryError):
+        with pytest.raises(InvalidEntryError) as fast:
             codec.check_storable(bad)
+        with pytest.raises(InvalidEntryError) as slow:  # the fast path refuses what the full checks refuse
+            codec._check_storable_slow(bad)
+        assert str(fast.value) == str(slow.value)
 
 
 # ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import gc
 
 import torch
 
-from ecstore import ECStore, ECStoreConfig
+from ecstore import ECStore, ECStoreConfig, codec
 from ecstore.config import load_config
 from ecstore.pool import POOL, BufferPool, size_class
 from conftest import gib
@@ -163,3 +163,70 @@ def test_blobs_of_puts_are_private_while_the_memory_tier_holds_them(tmp_path) ->
             assert_same(got, src[i])
         assert_same(held, src[0])
         assert_same(st.get("0" * 64), src[0])
+
+
+LAYOUT = (64, torch.bfloat16, (100, 512))  # (offset, dtype, shape): a blob's data after its header
+NBYTES = 64 + 100 * 512 * 2
+
+
+def test_prefault_with_a_layout_hands_the_next_request_of_it_a_ready_tensor() -> None:
+    pool = BufferPool(idle_bytes=8 << 20, min_bytes=1024)
+    pool.prefault_soon(NBYTES, LAYOUT)
+    assert pool.wait_prefaulted(timeout_s=120)
+    assert pool.prefaulted == 1 and pool.idle_bytes == size_class(NBYTES)
+    buf, t = pool.typed_buffer(NBYTES, *LAYOUT)
+    assert pool.reused == 1 and pool.fresh == 0 and pool.idle_bytes == 0
+    assert len(buf) == NBYTES and t.shape == (100, 512) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() == buf.ctypes.data + 64
+    ptr = buf.ctypes.data
+    t.fill_(3)
+    del buf  # the tensor alone keeps the slab
+    other = pool.buffer(NBYTES)
+    assert other.ctypes.data != ptr
+    assert bool((t == 3).all())
+    del t
+    assert pool.idle_bytes == size_class(NBYTES)  # back once nothing references it
+    assert pool.buffer(NBYTES).ctypes.data == ptr
+
+
+def test_a_ready_slab_serves_a_request_of_another_layout_and_clear_drops_it() -> None:
+    pool = BufferPool(idle_bytes=8 << 20, min_bytes=1024)
+    spare = pool.buffer(NBYTES)
+    ptr = spare.ctypes.data
+    del spare  # a free slab: the layout is made ready in it, nothing new is faulted in
+    pool.prefault_soon(NBYTES, LAYOUT)
+    assert pool.wait_prefaulted(timeout_s=120)
+    assert pool.prefaulted == 0 and pool.idle_bytes == size_class(NBYTES)
+    pool.prefault_soon(NBYTES, LAYOUT)  # already ready: nothing to do
+    assert pool.wait_prefaulted(timeout_s=120) and pool.prefaulted == 0
+    buf, t = pool.typed_buffer(NBYTES, 64, torch.float16, (100, 512))  # same size class, another layout
+    assert (t.dtype, t.shape, t.data_ptr()) == (torch.float16, (100, 512), ptr + 64) and buf.ctypes.data == ptr
+    assert pool.fresh == 1 and pool.idle_bytes == 0  # (the first buffer() was the one fresh slab)
+    del buf, t
+    pool.prefault_soon(NBYTES, LAYOUT)
+    assert pool.wait_prefaulted(timeout_s=120)
+    pool.clear()
+    assert pool.idle_bytes == 0
+    buf, t = pool.typed_buffer(NBYTES, *LAYOUT)
+    assert pool.fresh == 2 and t.shape == (100, 512)
+
+
+def test_saves_of_one_shape_take_the_slab_the_writer_had_made_ready(tmp_path) -> None:
+    """The writer has the pool make a slab ready for the layout of the put it
+    takes; the next put of that shape copies into that very tensor."""
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20),
+                        max_local_cpu_size=gib(8 * ROWS * COLS * 2 + 4096))
+    src = [make_tensor(40 + i, ROWS, COLS) for i in range(4)]
+    with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
+        cls = size_class(len(codec.blob_head(src[0].shape, torch.bfloat16, st.stored_name("0" * 64), MODEL))
+                         + ROWS * COLS * 2)
+        for i, t in enumerate(src):
+            ready = POOL._ready.get(cls)
+            assert st.put(f"{i}" * 64, t)
+            if i:
+                assert ready is not None and st.get(f"{i}" * 64).data_ptr() == ready[2].data_ptr()
+            del ready
+            st.flush()
+            POOL.wait_prefaulted(timeout_s=120)
+        for i, t in enumerate(src):
+            assert_same(st.get(f"{i}" * 64), t)  # each in its own memory

@@ -233,9 +233,9 @@ class WorkerSide:
             return
         if stored:
             self._uncommitted = self._uncommitted or self.encode_only
-            self._saved[mm_hash] = tensor_nbytes(tensor)
+            self._saved[mm_hash] = nbytes = tensor_nbytes(tensor)
             self._count("saves")
-            self._count("bytes_saved", tensor_nbytes(tensor))
+            self._count("bytes_saved", nbytes)
         else:
             self._count("save_skipped")
         self._count("save_seconds", time.perf_counter() - t0)
