@@ -14,7 +14,9 @@ storage is gone (``torch.frombuffer`` holds the buffer until its storage is
 freed; a weak reference to the buffer then returns the slab), so
 nothing a caller still holds is ever overwritten: a tensor from the pool is
 exactly as private as one from ``torch.empty``. At most ``idle_bytes`` of
-slabs are kept while unused; the rest is freed.
+slabs are kept while unused: a returning slab that does not fit frees the
+least recently returned ones (of any size class), so the sizes in use now
+stay reusable.
 
 Slabs come in size classes of four per power of two (a tensor uses at most
 25 % less than its slab); requests under ``min_bytes`` use ``torch.empty``.
@@ -37,6 +39,7 @@ import os
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -75,6 +78,10 @@ class BufferPool:
         self._free: dict[int, list[np.ndarray]] = {}
         self._pinned_free: dict[int, list[np.ndarray]] = {}  # page-locked slabs (CUDA staging)
         self._idle = 0
+        #: The kept (free) slabs, least recently returned first: id -> (class, pinned).
+        #: When a returning slab does not fit under the idle cap, the oldest
+        #: ones make room for it: the sizes in use now stay hot.
+        self._order: OrderedDict[int, tuple[int, bool]] = OrderedDict()
         #: Weak references to the buffers handed out, by id: (ref, slab, pinned).
         self._live: dict[int, tuple[weakref.ReferenceType[np.ndarray], np.ndarray, bool]] = {}
         self.reused = 0  # requests served from a kept slab
@@ -128,6 +135,7 @@ class BufferPool:
             free = (self._pinned_free if pinned else self._free).get(cls)
             if free:
                 slab = free.pop()
+                self._order.pop(id(slab), None)
                 self._idle -= cls
                 self.reused += 1
             else:
@@ -212,6 +220,8 @@ class BufferPool:
         with self._lock:
             free = self._free.get(cls)
             slab = free.pop() if (want is not None and free) else None  # stays counted in _idle
+            if slab is not None:
+                self._order.pop(id(slab), None)
             if slab is None and (free or self._idle + cls > self.idle_cap):
                 return
         if slab is None:
@@ -223,7 +233,9 @@ class BufferPool:
                 self._idle += cls
                 self.prefaulted += 1
                 if want is None:
-                    self._free.setdefault(cls, []).append(t.numpy())
+                    slab = t.numpy()
+                    self._free.setdefault(cls, []).append(slab)
+                    self._order[id(slab)] = (cls, False)
                     return
             slab = t.numpy()
         assert want is not None
@@ -253,10 +265,26 @@ class BufferPool:
             if entry is None or entry[0] is not ref:
                 return
             _, slab, pinned = entry
-            cls = len(slab)
-            if self._idle + cls <= self.idle_cap:
-                (self._pinned_free if pinned else self._free).setdefault(cls, []).append(slab)
-                self._idle += cls
+            self._keep(slab, len(slab), pinned)
+
+    def _keep(self, slab: np.ndarray, cls: int, pinned: bool) -> None:
+        """Keep a returned slab for reuse, freeing the least recently
+        returned kept slabs (any class) if the idle cap needs the room; a
+        slab larger than the cap is freed. Holds ``_lock``."""
+        if cls > self.idle_cap:
+            return
+        while self._idle + cls > self.idle_cap and self._order:
+            sid, (c, p) = self._order.popitem(last=False)
+            kept = (self._pinned_free if p else self._free).get(c, [])
+            for i, s in enumerate(kept):
+                if id(s) == sid:
+                    del kept[i]
+                    self._idle -= c
+                    break
+        if self._idle + cls <= self.idle_cap:  # else the room is held by slabs made ready
+            (self._pinned_free if pinned else self._free).setdefault(cls, []).append(slab)
+            self._order[id(slab)] = (cls, pinned)
+            self._idle += cls
 
     def clear(self) -> None:
         """Free every kept slab (tensors handed out are unaffected)."""
@@ -265,6 +293,7 @@ class BufferPool:
             ready.clear()  # their buffers die: their slabs go to the free lists, cleared next
             self._free.clear()
             self._pinned_free.clear()
+            self._order.clear()
             self._idle = 0
 
 

@@ -230,3 +230,30 @@ def test_saves_of_one_shape_take_the_slab_the_writer_had_made_ready(tmp_path) ->
             POOL.wait_prefaulted(timeout_s=120)
         for i, t in enumerate(src):
             assert_same(st.get(f"{i}" * 64), t)  # each in its own memory
+
+
+def test_a_returning_slab_of_another_size_replaces_the_oldest_kept_ones() -> None:
+    """Regression: with the idle cap filled by slabs of one size (two 128 MiB
+    blobs of a video, say), every slab of another size that came back was
+    freed, so each later hit or save of that size faulted in fresh memory
+    (the benchmark's hits ran at 10x memcpy after its write section). The
+    least recently returned slabs now make room."""
+    big = size_class(3 << 20)
+    pool = BufferPool(idle_bytes=2 * big, min_bytes=1024)
+    a, b = pool.buffer(3 << 20), pool.buffer(3 << 20)
+    del a, b
+    gc.collect()
+    assert pool.idle_bytes == 2 * big  # the cap is full of big slabs
+    s = pool.buffer(1 << 20)
+    del s
+    gc.collect()
+    assert pool.idle_bytes <= 2 * big
+    for _ in range(3):  # the small size is reused from now on
+        before = pool.reused
+        s = pool.buffer(1 << 20)
+        assert pool.reused == before + 1
+        del s
+        gc.collect()
+    t = pool.buffer(3 << 20)  # one big slab is still kept
+    assert pool.reused == 4 and pool.fresh == 3
+    del t
