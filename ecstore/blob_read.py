@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import struct
 from typing import Any
 
@@ -114,7 +115,10 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     error, a checksum or header mismatch); never returns a tensor whose
     blob failed a check."""
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptBlobError("blob file is not a regular file")
+        size = st.st_size
         if size != rec.blob_size:
             raise CorruptBlobError(f"blob file is {size} bytes, its record says {rec.blob_size}")
         if size < 8:

@@ -73,6 +73,28 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         assert tier.total_bytes() == 0
         assert [n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")] == []
 
+    def test_a_fifo_or_directory_in_place_of_the_file_is_a_miss_never_a_hang(self, tier: LMDBTier) -> None:
+        from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
+
+        self.insert(tier, KEY_A, NAME_A, tensor(1))
+        self.insert(tier, KEY_B, NAME_B, tensor(2))
+        for key, make in ((KEY_A, os.mkfifo), (KEY_B, os.mkdir)):
+            path = os.path.join(tier.files.dir, self._file_of(tier, key))
+            os.unlink(path)
+            make(path)
+        assert tier.get(KEY_A, NAME_A) is None and tier.get(KEY_B, NAME_B) is None
+        assert tier.identifier_at(KEY_A) is None and tier.identifier_at(KEY_B) is None
+
+    @staticmethod
+    def _file_of(tier: LMDBTier, key: str) -> str:
+        """The name of the blob file ``key``'s entry points to."""
+        from ecstore.lmdb.txn import file_ref
+
+        with tier.snapshot() as (txn, dbs):
+            ref = file_ref(txn.get(key.encode(), db=dbs["blobs"]))
+        assert ref is not None
+        return ref.name
+
     def test_delete_and_eviction_remove_the_files(self, tier: LMDBTier) -> None:
         from ecstore.testing.tier_contract import tensor
 

@@ -291,7 +291,8 @@ class BlobFiles:
         logged once per handle and errno)."""
         path = self._path(ref.name)
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted under the name must not block the open
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as e:
