@@ -6,7 +6,11 @@ safetensors blob itself (as before) or a pointer to a file in the store's
 the file's size (u64 LE) and its name (ASCII). Writers keep blobs of at
 least ``min_file_blob_size`` (default 512 KiB) in files: one copy into the page
 cache and an ``fdatasync`` instead of LMDB's copy into freshly faulted
-memory plus its ``pwrite`` (see ``ecstore.lmdb.blobfiles``). Records, the
+memory plus its ``pwrite`` (see ``ecstore.lmdb.blobfiles``). The new
+``files`` sub-database, ``file name (ASCII) -> EC key``, lists every blob
+file a committed entry points to (written and removed in the entry's
+transaction), so finding the files a crash left behind reads that small
+index instead of every blob. Records, the
 LRU index, the byte accounting (a file's bytes count like an inline blob's)
 and every existing entry are unchanged, so nothing is rewritten; the version
 bump makes older ecstore releases refuse the store instead of taking a
@@ -17,4 +21,5 @@ VERSION = 4
 
 
 def upgrade(env, txn) -> None:
-    """Nothing to convert: inline blobs stay valid."""
+    """Inline blobs stay valid: only the (empty) ``files`` index is added."""
+    env.open_db(b"files", txn=txn, create=True)

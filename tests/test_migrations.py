@@ -64,7 +64,7 @@ def test_new_store_is_at_the_current_version(tmp_store_dir):
     with open_store(tmp_store_dir) as store:
         assert store.disk.schema_version == schema.current_version()
         assert schema.read_version(store.disk.env) == schema.current_version()
-    assert {b"blobs", b"entries", b"meta", b"lru"} <= db_names(tmp_store_dir)
+    assert {b"blobs", b"entries", b"meta", b"lru", b"namespaces", b"files"} <= db_names(tmp_store_dir)
 
 
 def _fill_v1(path: Path, cap: int) -> dict[str, torch.Tensor]:
@@ -251,3 +251,27 @@ def test_handle_opened_before_a_migration_refuses_to_write(tmp_path):
     assert new.contains("c")
     old.close()
     new.close()
+
+
+def test_upgrade_to_4_keeps_large_inline_entries_and_puts_new_ones_in_files(tmp_store_dir):
+    """Schema 4 (blob files): an entry of 1 MiB stored inside LMDB by
+    schema 3 keeps being served from there; a new one of that size goes to a
+    file, listed in the ``files`` index; deleting each cleans up its own."""
+    big_old, big_new = make_tensor(1, rows=1024, cols=512), make_tensor(2, rows=1024, cols=512)
+    with open_store(tmp_store_dir, _schema_target=3) as store:
+        assert store.disk.schema_version == 3 and store.disk.file_blobs_from is None
+        store.put("old", big_old)
+        store.flush()
+    assert not (tmp_store_dir / "blobs").exists()  # schema 3 writes no blob files
+    with open_store(tmp_store_dir) as store:  # migrates
+        assert store.disk.schema_version == 4
+        assert_same(store.get("old"), big_old)
+        assert store.disk.referenced_files() == set()
+        store.put("new", big_new)
+        store.flush()
+        (name,) = store.disk.referenced_files()
+        assert sorted(p.name for p in (tmp_store_dir / "blobs").glob("*.ecb")) == [name]
+        assert_same(store.get("new"), big_new)
+        assert store.delete("new") and store.delete("old")
+        assert store.disk.referenced_files() == set() and not list((tmp_store_dir / "blobs").glob("*.ecb"))
+    assert b"files" in db_names(tmp_store_dir)

@@ -136,7 +136,7 @@ class StoreHandle:
         def db(name: bytes, since: int = 1) -> Any:
             return self.env.open_db(name, txn=txn, create=False) if self.schema_version >= since else None
         self._dbs = Dbs(blobs=db(b"blobs"), entries=db(b"entries"), meta=db(b"meta"), lru=db(b"lru", 2),
-                        namespaces=db(b"namespaces", 3))
+                        namespaces=db(b"namespaces", 3), files=db(b"files", 4))
         # The raw handles, for tooling and tests that plant damage.
         self._blobs, self._entries, self._meta = self._dbs.blobs, self._dbs.entries, self._dbs.meta
         self._lru, self._namespaces = self._dbs.lru, self._dbs.namespaces

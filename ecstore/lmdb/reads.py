@@ -198,16 +198,14 @@ class TierReads(StoreHandle):
 
     @_lmdb_errors_as_store_errors
     def referenced_files(self) -> set[str]:
-        """Names of the blob files committed entries point to (a scan of the
-        ``blobs`` sub-database in one read transaction: for the sweep)."""
+        """Names of the blob files committed entries point to, from the
+        ``files`` index (one read transaction; it never reads a blob: the
+        sweep at open costs O(blob files), not a read of every entry)."""
         self._check()
-        names: set[str] = set()
-        with self._begin(buffers=True) as txn, txn.cursor(db=self._blobs) as cur:
-            for value in cur.iternext(keys=False, values=True):
-                ref = file_ref(value)
-                if ref is not None:
-                    names.add(ref.name)
-        return names
+        if self._dbs.files is None:
+            return set()
+        with self._begin() as txn, txn.cursor(db=self._dbs.files) as cur:
+            return {bytes(name).decode("ascii", "replace") for name in cur.iternext(keys=True, values=False)}
 
     @_lmdb_errors_as_store_errors
     def lru_keys(self) -> list[str]:
@@ -246,12 +244,14 @@ class TierReads(StoreHandle):
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[tuple[lmdb.Transaction, dict[str, Any]]]:
         """One read transaction (``buffers=True``) and the sub-database handles
-        ``{"blobs", "entries", "meta", "lru"}`` (``lru`` None in schema 1), for
+        ``{"blobs", "entries", "meta", "lru", "files"}`` (``lru`` None in schema 1,
+        ``files`` before schema 4), for
         tooling (``ecstore-dump``) that needs a consistent view. Read-only;
         buffers are valid only inside the ``with`` block; keep it short."""
         self._check()
         with self._begin(buffers=True) as txn:
-            yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru}
+            yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru,
+                        "files": self._dbs.files}
 
     @_lmdb_errors_as_store_errors
     def namespace_descriptions(self) -> dict[str, bytes]:

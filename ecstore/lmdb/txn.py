@@ -74,13 +74,15 @@ class Dbs:
     """The sub-database handles of one environment (see ``migrations/``):
     ``blobs`` (key -> safetensors blob), ``entries`` (key -> packed Record),
     ``meta`` (schema version and counters), ``lru`` (u64 BE seq -> key; None
-    in schema 1), ``namespaces`` (namespace -> identity; None before schema 3)."""
+    in schema 1), ``namespaces`` (namespace -> identity; None before schema 3),
+    ``files`` (blob file name -> key; None before schema 4)."""
 
     blobs: Any
     entries: Any
     meta: Any
     lru: Any | None
     namespaces: Any | None
+    files: Any | None = None
 
 
 @dataclass
@@ -189,6 +191,9 @@ class WriteTxn:
         # the buffer protocol on 3.11 too (py-lmdb stores it without a copy).
         value = blob if ref is None else pack_ref(ref)
         self.txn.put(k, value, db=self.dbs.blobs)  # type: ignore[arg-type]
+        if ref is not None:
+            assert self.dbs.files is not None, "blob files need schema 4"
+            self.txn.put(ref.name.encode("ascii"), k, db=self.dbs.files)
         self.txn.put(k, codec.pack_record(rec), db=self.dbs.entries)
         if self.dbs.lru is not None:
             self.txn.put(_SEQ.pack(rec.lru_seq), k, db=self.dbs.lru, append=True)
@@ -233,6 +238,8 @@ class WriteTxn:
         ref = None if blob is None else file_ref(blob)
         if ref is not None:
             self.unreferenced.append(ref.name)
+            if dbs.files is not None:
+                txn.delete(ref.name.encode("ascii"), db=dbs.files)
         txn.delete(k, db=dbs.blobs)
         txn.delete(k, db=dbs.entries)
         if dbs.lru is not None:

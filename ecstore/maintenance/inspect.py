@@ -17,6 +17,7 @@ import lmdb
 from .. import codec, namespaces
 from ..codec import CorruptBlobError, Record
 from ..lmdb import LMDBTier
+from ..lmdb.txn import file_ref
 from .entries import Row, entry_problem, key_bytes, scan
 from .progress import NO_PROGRESS, ProgressFactory
 
@@ -59,6 +60,12 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
     result = VerifyResult()
     with tier.snapshot() as (txn, dbs):
         counts = {name: txn.stat(db)["entries"] for name, db in dbs.items() if db is not None and name != "meta"}
+        if dbs.get("files") is not None:  # schema 4: the index of blob files matches the pointers
+            with txn.cursor(db=dbs["blobs"]) as cur:
+                pointers = {ref.name for v in cur.iternext(keys=False) if (ref := file_ref(v)) is not None}
+            if pointers != tier.referenced_files():
+                result.problems.append(f"the files index ({counts['files']} rows) does not match the "
+                                       f"{len(pointers)} blob-file pointers")
     if counts["blobs"] != counts["entries"]:
         result.problems.append(f"{counts['blobs']} blobs but {counts['entries']} entry records")
     if "lru" in counts and counts["lru"] != counts["entries"]:

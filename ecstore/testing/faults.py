@@ -210,6 +210,11 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
             if not (a.total_bytes == sum_rec == sum_blob):
                 a.problems.append(f"meta total_bytes {a.total_bytes} != sum of record sizes {sum_rec} "
                                   f"or of blob lengths {sum_blob}")
+            if dbs.get("files") is not None:
+                with txn.cursor(db=dbs["files"]) as cur:
+                    index = {bytes(n).decode("ascii", "replace"): bytes(k) for n, k in cur}
+                if set(index) != referenced:
+                    a.problems.append(f"files index {sorted(set(index) ^ referenced)[:5]} differs from the pointers")
             if os.path.isdir(tier.files.dir):
                 a.unreferenced_files = sorted(n for n in os.listdir(tier.files.dir)
                                               if n.endswith(".ecb") and n not in referenced)
