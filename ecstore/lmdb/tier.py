@@ -82,7 +82,10 @@ class LMDBTier(TierReads):
                          map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from)
         if not readonly:
             self._initial_eviction()
-            self.sweep_files()
+            try:  # best effort, like the eviction: leftovers wait for the next open
+                self.sweep_files()
+            except ECStoreError as e:
+                log.warning("ecstore: could not remove the blob files dead processes left in %s: %s", path, e)
 
     def _initial_eviction(self) -> None:
         """Evict down to the cap at open (reopened with a smaller cap).
