@@ -94,6 +94,8 @@ class BufferPool:
         #: :meth:`typed_buffer` request of one layout: (layout, buffer, tensor).
         #: Counted in ``_idle``; its buffer is registered in ``_live``.
         self._ready: dict[int, tuple[Layout, np.ndarray, torch.Tensor]] = {}
+        #: ids of ready slabs dropped to make room: not kept when their buffer dies.
+        self._dropped: set[int] = set()
 
     @property
     def idle_bytes(self) -> int:
@@ -269,9 +271,13 @@ class BufferPool:
 
     def _keep(self, slab: np.ndarray, cls: int, pinned: bool) -> None:
         """Keep a returned slab for reuse, freeing the least recently
-        returned kept slabs (any class) if the idle cap needs the room; a
-        slab larger than the cap is freed. Holds ``_lock``."""
+        returned kept slabs (any class), then slabs made ready for saves of
+        other classes (oldest first), if the idle cap needs the room; a slab
+        larger than the cap is freed. Holds ``_lock``."""
         if cls > self.idle_cap:
+            return
+        if id(slab) in self._dropped:  # a ready slab freed to make room: not kept
+            self._dropped.discard(id(slab))
             return
         while self._idle + cls > self.idle_cap and self._order:
             sid, (c, p) = self._order.popitem(last=False)
@@ -281,7 +287,13 @@ class BufferPool:
                     del kept[i]
                     self._idle -= c
                     break
-        if self._idle + cls <= self.idle_cap:  # else the room is held by slabs made ready
+        for c in [c for c in self._ready if c != cls]:
+            if self._idle + cls <= self.idle_cap:
+                break
+            _, buf, _ = self._ready.pop(c)
+            self._idle -= c
+            self._dropped.add(id(buf.base))  # its death (below, or when its taker drops it) frees it
+        if self._idle + cls <= self.idle_cap:
             (self._pinned_free if pinned else self._free).setdefault(cls, []).append(slab)
             self._order[id(slab)] = (cls, pinned)
             self._idle += cls

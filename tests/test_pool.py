@@ -257,3 +257,27 @@ def test_a_returning_slab_of_another_size_replaces_the_oldest_kept_ones() -> Non
     t = pool.buffer(3 << 20)  # one big slab is still kept
     assert pool.reused == 4 and pool.fresh == 3
     del t
+
+
+def test_slabs_made_ready_for_saves_of_other_sizes_give_way_to_a_returning_slab() -> None:
+    """Regression: slabs made ready for the next save of each size (one per
+    class) count as idle; once they held the cap, every slab that came back
+    from a hit was freed (the benchmark's 130.8 MB hits: fresh memory each
+    time, 9x memcpy). A returning slab now frees ready slabs of other sizes,
+    oldest first, when the free ones are not enough."""
+    cap = 8 << 20
+    pool = BufferPool(idle_bytes=cap, min_bytes=1024)
+    for rows in (1536, 1600):  # ready slabs of two other classes: 3 and 3.5 MiB
+        pool.prefault_soon(rows * 2048, (0, torch.bfloat16, (rows, 1024)))
+        assert pool.wait_prefaulted(60)
+    assert len(pool._ready) == 2 and pool.idle_bytes == (3 << 20) + (7 << 19)
+    hit = pool.buffer(5 << 20)  # the size of a hit: another class; 6.5 + 5 MiB > the cap
+    del hit
+    gc.collect()
+    for _ in range(3):
+        before = pool.reused
+        hit = pool.buffer(5 << 20)
+        assert pool.reused == before + 1  # the returning slab was kept
+        del hit
+        gc.collect()
+    assert pool.idle_bytes <= cap
