@@ -88,6 +88,15 @@ def _writeback_starter() -> Callable[[int, int, int], object] | None:
 _start_writeback = _writeback_starter()
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+#: Errors opening a blob file that say nothing about the file: the process or
+#: the system is out of descriptors or memory. The read is a miss; the entry
+#: is valid and must stay (see :class:`BlobFileUnavailable`).
+_TRANSIENT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR)
+
+
+class BlobFileUnavailable(ECStoreError):
+    """A blob file could not be opened for a transient reason (too many open
+    files, no memory): a miss for this read, never damage of the entry."""
 
 
 @dataclass(frozen=True)
@@ -288,7 +297,9 @@ class BlobFiles:
     def open(self, ref: FileRef) -> int | None:
         """A read-only descriptor (``O_CLOEXEC``) of ``ref``'s file, which the
         caller closes; None if it does not exist, or cannot be opened (then
-        logged once per handle and errno)."""
+        logged once per handle and errno); :class:`BlobFileUnavailable` if
+        the process or system is out of descriptors or memory (the file may
+        be fine: the caller must not take it for damage)."""
         path = self._path(ref.name)
         try:
             # O_NONBLOCK: a FIFO planted under the name must not block the open
@@ -299,6 +310,8 @@ class BlobFiles:
             if e.errno not in self._logged:
                 self._logged.add(e.errno or 0)
                 log.warning("ecstore: cannot open blob file %s: %s (read as a miss)", path, e.strerror or e)
+            if e.errno in _TRANSIENT_ERRNOS:
+                raise BlobFileUnavailable(f"cannot open blob file {path}: {e.strerror or e}") from None
             return None
 
     def _dead(self, token: str) -> bool:

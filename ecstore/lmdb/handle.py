@@ -230,7 +230,12 @@ class StoreHandle:
         :meth:`_write_txn` (counters written back at commit)."""
         return WriteTxn.open(self._write_txn(), self._dbs, path=self.path, leases=self._leases,
                              pinned=self.leased_keys, record_version=self.record_version,
-                             counters=self.counters, files=self.files)
+                             counters=self.counters, files=self.files, durable=self._sync_for_deletes)
+
+    def _sync_for_deletes(self) -> None:
+        """Make every commit so far durable (``env.sync(True)``): before blob
+        files an uncommitted-to-disk commit no longer references are deleted."""
+        self.env.sync(True)
 
     def _last_txnid(self) -> int:
         """The id of the newest committed write transaction of the environment

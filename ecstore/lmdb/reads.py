@@ -22,7 +22,7 @@ import torch
 from .. import blob_read, codec
 from ..codec import CorruptBlobError, Record
 from ..errors import StoreFullError
-from .blobfiles import FileRef, unpack_ref
+from .blobfiles import BlobFileUnavailable, FileRef, unpack_ref
 from .handle import StoreHandle, _lmdb_errors_as_store_errors
 from .txn import _U64, file_ref
 
@@ -107,8 +107,12 @@ class TierReads(StoreHandle):
         the file is gone because the entry was removed after our read
         transaction (eviction by another process: a plain miss);
         CorruptBlobError if it is gone while the entry still points to it
-        (damage) or fails a check."""
-        fd = self.files.open(ref)
+        (damage) or fails a check. A file that cannot be opened for want of
+        descriptors or memory is a miss too, the entry kept."""
+        try:
+            fd = self.files.open(ref)
+        except BlobFileUnavailable:  # logged by open(); the entry is not damaged
+            return None
         if fd is None:
             with self._begin(buffers=True) as txn:
                 now = txn.get(k, db=self._blobs)
@@ -180,7 +184,8 @@ class TierReads(StoreHandle):
     def resolve_blob(self, value: bytes | memoryview) -> bytes | memoryview:
         """A ``blobs`` value as the blob it stands for (tooling): an inline
         blob as it is, a pointer as its file's contents (b"" if the file is
-        missing or unreadable: the entry checks then report it as damaged).
+        missing or unreadable: the entry checks then report it as damaged;
+        BlobFileUnavailable, an ECStoreError, when out of descriptors).
         Reads the whole file: not for the serving path."""
         ref = file_ref(value)
         if ref is None:

@@ -351,7 +351,17 @@ class LMDBTier(TierReads):
         Live processes' files are never touched. Runs at every read-write
         open (every ECStore with a disk tier, ``ecstore-dump purge``)."""
         self._check()
-        return 0 if self.readonly else self.files.sweep(self.referenced_files)
+        if self.readonly:
+            return 0
+
+        def referenced() -> set[str]:
+            names = self.referenced_files()
+            # The commit these names come from (metasync=False) must be on
+            # disk before a file it no longer references is deleted: else a
+            # power cut brings back an older commit pointing to it.
+            self.env.sync(True)
+            return names
+        return self.files.sweep(referenced)
 
     @_lmdb_errors_as_store_errors
     def sync(self) -> None:

@@ -19,6 +19,7 @@ lock, LMDB's lock serialises processes).
 from __future__ import annotations
 
 import contextlib
+import logging
 import struct
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Iterator
@@ -30,6 +31,8 @@ from ..codec import CorruptBlobError, Record
 from ..errors import StoreOpenError
 from .blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from .leases import LeaseTable
+
+log = logging.getLogger("ecstore")
 
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
@@ -121,20 +124,34 @@ class WriteTxn:
     @contextlib.contextmanager
     def open(cls, begin: contextlib.AbstractContextManager[lmdb.Transaction], dbs: Dbs, *, path: str,
              leases: LeaseTable | None, pinned: Callable[[], set[bytes]], record_version: int,
-             counters: TierCounters, files: BlobFiles | None = None) -> Iterator["WriteTxn"]:
+             counters: TierCounters, files: BlobFiles | None = None,
+             durable: Callable[[], None] | None = None) -> Iterator["WriteTxn"]:
         """``with WriteTxn.open(tier._write_txn(), ...) as w``: enters the
         write transaction ``begin``; when the block ends normally writes the
         counters back (if anything changed) and commits, then deletes the
         blob files of the entries it removed (``files``); on an exception
         aborts, counters included, and deletes nothing. (A crash between the
         commit and the deletes leaves files no entry references: swept at the
-        next open, see :mod:`ecstore.lmdb.blobfiles`.)"""
+        next open, see :mod:`ecstore.lmdb.blobfiles`.)
+
+        ``durable()`` (``env.sync(True)``) runs between the commit and the
+        deletes: with ``metasync=False`` the commit's meta page reaches the
+        disk only with the next fsync, and a power cut before it would bring
+        back the commit before, whose entries still point to the deleted
+        files. If it fails, the files are left for the sweep (logged)."""
         with begin as txn:
             w = cls(txn, dbs, path=path, leases=leases, pinned=pinned, record_version=record_version,
                     counters=counters)
             yield w
             w._write_back()
         if w.unreferenced and files is not None:
+            if durable is not None:
+                try:
+                    durable()
+                except lmdb.Error as e:  # never raise after the commit: the caller would take it for undone
+                    log.warning("ecstore: cannot sync %s before deleting %d evicted blob files (left for the "
+                                "sweep at the next open): %s", path, len(w.unreferenced), e)
+                    return
             files.discard(w.unreferenced)
 
     # --------------------------------------------------------------- counters

@@ -17,6 +17,7 @@ import lmdb
 from .. import codec, namespaces
 from ..codec import CorruptBlobError, Record
 from ..lmdb import LMDBTier
+from ..lmdb.blobfiles import FileRef
 from ..lmdb.txn import file_ref
 from .entries import Row, entry_problem, key_bytes, scan
 from .progress import NO_PROGRESS, ProgressFactory
@@ -63,7 +64,9 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
         if dbs.get("files") is not None:  # schema 4: the index of blob files matches the pointers
             with txn.cursor(db=dbs["blobs"]) as cur:
                 pointers = {ref.name for v in cur.iternext(keys=False) if (ref := file_ref(v)) is not None}
-            if pointers != tier.referenced_files():
+            with txn.cursor(db=dbs["files"]) as cur:  # the same snapshot: other writers may commit meanwhile
+                indexed = {bytes(n).decode("ascii", "replace") for n in cur.iternext(keys=True, values=False)}
+            if pointers != indexed:
                 result.problems.append(f"the files index ({counts['files']} rows) does not match the "
                                        f"{len(pointers)} blob-file pointers")
     if counts["blobs"] != counts["entries"]:
@@ -85,12 +88,26 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                 except CorruptBlobError:
                     rec = None
                 value = txn.get(k, db=dbs["blobs"])
+                ref = None if value is None else file_ref(value)
                 problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
+            if problem and ref is not None and not _points_to(tier, k, ref):
+                result.vanished += 1  # removed after our snapshot, its file deleted: no damage
+                prog.advance()
+                continue
             result.checked += 1
             if problem:
                 result.bad.append(BadEntry(key, rec.mm_identifier if rec else None, problem))
             prog.advance()
     return result
+
+
+def _points_to(tier: LMDBTier, k: bytes, ref: FileRef) -> bool:
+    """Whether ``k``'s entry points to the blob file ``ref`` now (a fresh
+    snapshot): a file found missing or short by an older snapshot is damage
+    only if so."""
+    with tier.snapshot() as (txn, dbs):
+        now = txn.get(k, db=dbs["blobs"])
+        return now is not None and file_ref(now) == ref
 
 
 @dataclass

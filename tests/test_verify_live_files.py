@@ -1,0 +1,72 @@
+"""``ecstore-dump verify`` on a store in use, with blob files: entries
+another process removes while verify runs are "vanished", never damage, and
+the files-index check compares one snapshot with itself. The other process
+is stood in for by a second handle of the directory that commits at the
+exact point verify is most exposed (a subclass of the tier calls it there)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.maintenance import inspect
+from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
+
+MiB = 1 << 20
+
+
+class Interleaved(LMDBTier):
+    """A tier that runs ``on_resolve`` (once) when verify reads an entry's
+    blob file, ``on_index`` when it reads the files index."""
+
+    on_resolve: Callable[[], None] | None = None
+    on_index: Callable[[], None] | None = None
+
+    def resolve_blob(self, value):  # type: ignore[no-untyped-def]
+        hook, self.on_resolve = self.on_resolve, None
+        if hook is not None:
+            hook()
+        return super().resolve_blob(value)
+
+    def referenced_files(self) -> set[str]:
+        hook, self.on_index = self.on_index, None
+        if hook is not None:
+            hook()
+        return super().referenced_files()
+
+
+def _put(tier: LMDBTier, key: str, name: str, seed: int) -> None:
+    p = PutRequest(key, name, "org/model", tensor(seed, rows=64, cols=64))
+    tier.write_batch([p])
+    assert p.result == "stored", p.error
+
+
+def test_an_entry_removed_while_verify_reads_its_file_is_vanished_not_bad(tmp_path):
+    path = str(tmp_path / "store")
+    other = LMDBTier(path, 16 * MiB, file_blobs_from=0)
+    tier = Interleaved(path, 16 * MiB, file_blobs_from=0)
+    try:
+        _put(other, KEY_A, NAME_A, 1)
+        tier.on_resolve = lambda: other.remove(KEY_A)  # evicted by "another process" after verify's read
+        res = inspect.verify(tier)
+        assert res.bad == [], res.bad
+        assert res.clean and res.vanished == 1
+    finally:
+        tier.close()
+        other.close()
+
+
+def test_an_entry_committed_while_verify_checks_the_files_index_is_no_problem(tmp_path):
+    path = str(tmp_path / "store")
+    other = LMDBTier(path, 16 * MiB, file_blobs_from=0)
+    tier = Interleaved(path, 16 * MiB, file_blobs_from=0)
+    try:
+        _put(other, KEY_A, NAME_A, 1)
+        put_b = lambda: _put(other, KEY_B, NAME_B, 2)  # noqa: E731  # a put committed during verify
+        tier.on_index = tier.on_resolve = put_b
+        res = inspect.verify(tier)
+        assert res.problems == [], res.problems
+        assert tier.on_resolve is None or tier.on_index is None, "nothing was committed during verify"
+    finally:
+        tier.close()
+        other.close()
