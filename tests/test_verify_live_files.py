@@ -6,7 +6,9 @@ exact point verify is most exposed (a subclass of the tier calls it there)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
+
+import pytest
 
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.maintenance import inspect
@@ -41,32 +43,33 @@ def _put(tier: LMDBTier, key: str, name: str, seed: int) -> None:
     assert p.result == "stored", p.error
 
 
-def test_an_entry_removed_while_verify_reads_its_file_is_vanished_not_bad(tmp_path):
+@pytest.fixture
+def handles(tmp_path) -> Iterator[tuple[LMDBTier, Interleaved]]:
+    """(the other process's handle, verify's handle) on one store, every
+    blob in a file; entry A stored."""
     path = str(tmp_path / "store")
     other = LMDBTier(path, 16 * MiB, file_blobs_from=0)
     tier = Interleaved(path, 16 * MiB, file_blobs_from=0)
     try:
         _put(other, KEY_A, NAME_A, 1)
-        tier.on_resolve = lambda: other.remove(KEY_A)  # evicted by "another process" after verify's read
-        res = inspect.verify(tier)
-        assert res.bad == [], res.bad
-        assert res.clean and res.vanished == 1
+        yield other, tier
     finally:
         tier.close()
         other.close()
 
 
-def test_an_entry_committed_while_verify_checks_the_files_index_is_no_problem(tmp_path):
-    path = str(tmp_path / "store")
-    other = LMDBTier(path, 16 * MiB, file_blobs_from=0)
-    tier = Interleaved(path, 16 * MiB, file_blobs_from=0)
-    try:
-        _put(other, KEY_A, NAME_A, 1)
-        put_b = lambda: _put(other, KEY_B, NAME_B, 2)  # noqa: E731  # a put committed during verify
-        tier.on_index = tier.on_resolve = put_b
-        res = inspect.verify(tier)
-        assert res.problems == [], res.problems
-        assert tier.on_resolve is None or tier.on_index is None, "nothing was committed during verify"
-    finally:
-        tier.close()
-        other.close()
+def test_an_entry_removed_while_verify_reads_its_file_is_vanished_not_bad(handles):
+    other, tier = handles
+    tier.on_resolve = lambda: other.remove(KEY_A)  # evicted by "another process" after verify's read
+    res = inspect.verify(tier)
+    assert res.bad == [], res.bad
+    assert res.clean and res.vanished == 1
+
+
+def test_an_entry_committed_while_verify_checks_the_files_index_is_no_problem(handles):
+    other, tier = handles
+    put_b = lambda: _put(other, KEY_B, NAME_B, 2)  # noqa: E731  # a put committed during verify
+    tier.on_index = tier.on_resolve = put_b
+    res = inspect.verify(tier)
+    assert res.problems == [], res.problems
+    assert tier.on_resolve is None or tier.on_index is None, "nothing was committed during verify"
