@@ -12,6 +12,7 @@ import pytest
 
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.maintenance import inspect
+from ecstore.maintenance.entries import read_entry
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 
 MiB = 1 << 20
@@ -73,3 +74,15 @@ def test_an_entry_committed_while_verify_checks_the_files_index_is_no_problem(ha
     res = inspect.verify(tier)
     assert res.problems == [], res.problems
     assert tier.on_resolve is None or tier.on_index is None, "nothing was committed during verify"
+
+
+def test_show_or_export_of_an_entry_removed_while_its_file_is_read_is_absent_not_damaged(handles):
+    """``ecstore-dump show``/``export`` read an entry through
+    ``maintenance.entries.read_entry``: an entry another process removed
+    (its file deleted) right after the snapshot is absent, not damaged."""
+    other, tier = handles
+    tier.on_resolve = lambda: other.remove(KEY_A)
+    assert read_entry(tier, KEY_A) == (None, None, False)
+    _put(other, KEY_B, NAME_B, 2)  # a healthy entry reads as before
+    rec, blob, present = read_entry(tier, KEY_B)
+    assert present and rec is not None and blob is not None and len(blob) == rec.blob_size

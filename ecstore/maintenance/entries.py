@@ -20,6 +20,8 @@ from ..codec import CorruptBlobError, Record
 from ..errors import ECStoreError, StoreOpenError
 from ..key import parse_key
 from ..lmdb import LMDBTier
+from ..lmdb.blobfiles import FileRef
+from ..lmdb.txn import file_ref
 from .progress import Ticker
 
 #: Records read per read transaction while scanning (short transactions).
@@ -161,18 +163,33 @@ def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
 
 def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record | None, bytes | None, bool]:
     """(record, blob copy, present) of ``key`` from one read transaction;
-    the record is None if unreadable."""
+    the record is None if unreadable. A blob file found missing or short
+    because the entry was removed after that transaction (evicted by
+    another process) counts as not present, not as damage."""
     k = key_bytes(key)
     with tier.snapshot() as (txn, dbs):
         raw = txn.get(k, db=dbs["entries"])
         if raw is None:
             return None, None, False
-        blob = txn.get(k, db=dbs["blobs"]) if with_blob else None
-        blob = None if blob is None else bytes(tier.resolve_blob(blob))  # a blob file's contents
+        value = txn.get(k, db=dbs["blobs"]) if with_blob else None
+        ref = None if value is None else file_ref(value)
+        blob = None if value is None else bytes(tier.resolve_blob(value))  # a blob file's contents
         try:
-            return codec.unpack_record(raw), blob, True
+            rec: Record | None = codec.unpack_record(raw)
         except CorruptBlobError:
-            return None, blob, True
+            rec = None
+    if ref is not None and blob is not None and len(blob) != ref.size and not points_to(tier, k, ref):
+        return None, None, False
+    return rec, blob, True
+
+
+def points_to(tier: LMDBTier, k: bytes, ref: FileRef) -> bool:
+    """Whether ``k``'s entry points to the blob file ``ref`` now (a fresh
+    snapshot): a file found missing or short by an older snapshot is damage
+    only if so."""
+    with tier.snapshot() as (txn, dbs):
+        now = txn.get(k, db=dbs["blobs"])
+        return now is not None and file_ref(now) == ref
 
 
 def find_entries(tier: LMDBTier, text: str, model: str | None = None) -> tuple[list[Row], str]:

@@ -17,9 +17,8 @@ import lmdb
 from .. import codec, namespaces
 from ..codec import CorruptBlobError, Record
 from ..lmdb import LMDBTier
-from ..lmdb.blobfiles import FileRef
 from ..lmdb.txn import file_ref
-from .entries import Row, entry_problem, key_bytes, scan
+from .entries import Row, entry_problem, key_bytes, points_to, scan
 from .progress import NO_PROGRESS, ProgressFactory
 
 
@@ -90,7 +89,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                 value = txn.get(k, db=dbs["blobs"])
                 ref = None if value is None else file_ref(value)
                 problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
-            if problem and ref is not None and not _points_to(tier, k, ref):
+            if problem and ref is not None and not points_to(tier, k, ref):
                 result.vanished += 1  # removed after our snapshot, its file deleted: no damage
                 prog.advance()
                 continue
@@ -99,15 +98,6 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                 result.bad.append(BadEntry(key, rec.mm_identifier if rec else None, problem))
             prog.advance()
     return result
-
-
-def _points_to(tier: LMDBTier, k: bytes, ref: FileRef) -> bool:
-    """Whether ``k``'s entry points to the blob file ``ref`` now (a fresh
-    snapshot): a file found missing or short by an older snapshot is damage
-    only if so."""
-    with tier.snapshot() as (txn, dbs):
-        now = txn.get(k, db=dbs["blobs"])
-        return now is not None and file_ref(now) == ref
 
 
 @dataclass
