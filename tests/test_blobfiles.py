@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -252,6 +253,25 @@ def test_sweep_removes_a_killed_writers_unreferenced_files(store):
     files.discard([names[0], names[2]])
     assert files.sweep(referenced) == 0 and referenced.calls == 2
     files.close()
+
+
+def test_a_forked_child_does_not_keep_a_dead_writers_files_alive(store):
+    """Regression: a child forked (no exec) after its parent took a writer
+    token inherited the token's flock descriptor, so once the parent died
+    its token still looked alive for as long as the child lived and its
+    leftovers were never swept. Children now close their copy at fork."""
+    with child("forkwrite", store) as (p, out):
+        assert isinstance(out, list)
+        name, grandchild = out
+        p.kill()
+        p.wait()
+    try:
+        files = BlobFiles(store, readonly=False)
+        assert files.sweep(Referenced(set())) == 1  # the grandchild still runs
+        assert not (Path(store) / "blobs" / name).exists()
+        files.close()
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
 
 
 def test_sweep_never_touches_a_live_writer_and_sweeps_it_once_closed(store):

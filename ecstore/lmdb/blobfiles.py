@@ -40,6 +40,7 @@ import secrets
 import stat
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -167,6 +168,7 @@ class BlobFiles:
         self._closed = False
         self._pid = os.getpid()
         self._logged: set[int] = set()  # errnos open() has logged
+        _LIVE.add(self)
         if not readonly:
             self._make_dir()
 
@@ -192,8 +194,26 @@ class BlobFiles:
     def _new_file(self, path: str, flags: int) -> int:
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self._policy.file_mode)
         if self._policy.file_mode & 0o070:
-            os.fchmod(fd, self._policy.file_mode)  # the umask may have removed group bits
+            try:
+                os.fchmod(fd, self._policy.file_mode)  # the umask may have removed group bits
+            except OSError:
+                os.close(fd)
+                _unlink(path)
+                raise
         return fd
+
+    def _forget_inherited_token(self) -> None:
+        """In a forked child: close the inherited copy of the token's lock
+        descriptor (the parent's lock stays: it belongs to the parent's
+        descriptor too). Else the child would keep the lock taken after the
+        parent died, so the parent's leftovers would never be swept."""
+        fd, self._lock_fd = self._lock_fd, None
+        self._lock = threading.Lock()  # a lock held at fork time is never released in the child
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _take_token(self) -> str:
         """This handle's token, taken on first use (call under ``_lock``).
@@ -384,8 +404,8 @@ class BlobFiles:
 
     def close(self) -> None:
         """Release the token: remove and close the lock file (the files this
-        handle wrote stay). Idempotent; in a forked child only the inherited
-        descriptor is closed (the parent still holds the token)."""
+        handle wrote stay). Idempotent; in a forked child a no-op (its
+        inherited descriptor was closed at fork; the parent holds the token)."""
         with self._lock:
             self._closed = True
             fd, self._lock_fd = self._lock_fd, None
@@ -394,3 +414,16 @@ class BlobFiles:
             if os.getpid() == self._pid and self._token is not None:
                 _unlink(self._path(self._token + ".lock"))
             os.close(fd)
+
+
+#: Every BlobFiles of this process: a forked child closes their inherited
+#: token descriptors (:meth:`BlobFiles._forget_inherited_token`).
+_LIVE: "weakref.WeakSet[BlobFiles]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for files in list(_LIVE):
+        files._forget_inherited_token()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -6,6 +6,9 @@ JSON line at a time on stdout, waits for the parent on stdin (no sleeps):
 * ``write STORE N SIZE``: write N blobs of SIZE bytes (byte i of blob k is
   ``(k + i) % 251``), print their names, then block reading stdin; at EOF
   close the handle and exit (the parent may SIGKILL it instead).
+* ``forkwrite STORE``: write one blob, fork a grandchild (no exec) that
+  blocks reading stdin, print ``[name, grandchild pid]``, then block on
+  stdin too (the parent SIGKILLs this process, the grandchild lives on).
 * ``sweep STORE REFERENCED_JSON``: open a handle, print "ready", wait for a
   line on stdin, sweep with the given referenced names, print the count.
 * ``fsize STORE LIMIT SIZE``: with RLIMIT_FSIZE at LIMIT bytes (SIGXFSZ
@@ -42,6 +45,15 @@ def main(mode: str, store: str, *args: str) -> None:
         say([files.write(pattern(k, size)).name for k in range(n)])
         sys.stdin.read()
         files.close()
+    elif mode == "forkwrite":
+        files = BlobFiles(store, readonly=False)
+        name = files.write(pattern(0, 100)).name
+        pid = os.fork()
+        if pid == 0:  # the grandchild: holds whatever it inherited until stdin closes
+            sys.stdin.read()
+            os._exit(0)
+        say([name, pid])
+        sys.stdin.read()
     elif mode == "sweep":
         files = BlobFiles(store, readonly=False)
         keep = set(json.loads(args[0]))
