@@ -121,6 +121,9 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
     store = ECStore(_config(spec, cap, cpu), model=fc.MODEL, dtype=torch.bfloat16)
     shared = list(range(spec["shared"]))
     own = [PRIVATE_BASE * (w + 1) + j for j in range(spec["private"])]
+    # Half of the shared entries are pinned and never deleted (see "pin").
+    pin_ids = shared[: max(1, len(shared) // 2)]
+    pinnable = set(pin_ids)
     others = [PRIVATE_BASE * (v + 1) + j for v in range(spec["procs"]) if v != w for j in range(spec["private"])]
     counts = {k: 0 for k in ("put", "put_new", "get", "hit", "contains", "delete", "flush", "pin", "pinned",
                              "shrink", "shrink_evicted")}
@@ -176,7 +179,7 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
                 check_hit(i, store.get(ident(i)))
             counts["contains"] += 1
         elif op == "delete":
-            if roomy and pool is not own:
+            if (roomy and pool is not own) or i in pinnable:
                 pool, i = own, rng.choice(own)
             store.delete(ident(i))
             counts["delete"] += 1
@@ -186,12 +189,18 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
             flush()
         elif op == "pin":
             counts["pin"] += 1
+            # Only entries nobody deletes: a lease pins against eviction, not
+            # against an explicit delete (another worker deleting the entry
+            # right after the pin made this check fail, rarely, before).
+            i = rng.choice(pin_ids)
             if store.pin_if_present(ident(i), ttl_s=600):
                 counts["pinned"] += 1
                 # The lease must keep the entry on disk whatever the others evict.
                 assert store.disk is not None  # _config sets local_disk
-                t = store.disk.get(store.key(ident(i)), store.stored_name(ident(i)))
-                assert t is not None, f"worker {w}: pinned entry {i} vanished from disk"
+                k = store.key(ident(i))
+                t = store.disk.get(k, store.stored_name(ident(i)))
+                assert t is not None, (f"worker {w}: pinned entry {i} vanished from disk (record now "
+                                       f"{store.disk.record(k)}, leased {k.encode() in store.disk.leased_keys()})")
                 check_hit(i, t)
                 store.release([ident(i)])
         elif op == "shrink":
