@@ -114,10 +114,8 @@ class TierReads(StoreHandle):
         except BlobFileUnavailable:  # logged by open(); the entry is not damaged
             return None
         if fd is None:
-            with self._begin(buffers=True) as txn:
-                now = txn.get(k, db=self._blobs)
-                if now is None or file_ref(now) != ref:
-                    return None
+            if not self.points_to(k, ref):
+                return None
             raise CorruptBlobError(f"blob file {ref.name} is missing")
         try:
             return blob_read.read_file_entry(rec, fd, **expect)
@@ -180,6 +178,14 @@ class TierReads(StoreHandle):
         with self._begin() as txn:
             value = txn.get(self._k(key), db=self._blobs)
         return None if value is None else bytes(self.resolve_blob(value))
+
+    def points_to(self, k: bytes, ref: FileRef) -> bool:
+        """Whether ``k``'s entry points to the blob file ``ref`` now (a fresh
+        read transaction): a file found missing or short after an older one
+        is damage only if so; else its entry was removed meanwhile."""
+        with self._begin(buffers=True) as txn:
+            now = txn.get(k, db=self._blobs)
+            return now is not None and file_ref(now) == ref
 
     def resolve_blob(self, value: bytes | memoryview) -> bytes | memoryview:
         """A ``blobs`` value as the blob it stands for (tooling): an inline

@@ -20,7 +20,6 @@ from ..codec import CorruptBlobError, Record
 from ..errors import ECStoreError, StoreOpenError
 from ..key import parse_key
 from ..lmdb import LMDBTier
-from ..lmdb.blobfiles import FileRef
 from ..lmdb.txn import file_ref
 from .progress import Ticker
 
@@ -178,18 +177,9 @@ def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record
             rec: Record | None = codec.unpack_record(raw)
         except CorruptBlobError:
             rec = None
-    if ref is not None and blob is not None and len(blob) != ref.size and not points_to(tier, k, ref):
+    if ref is not None and blob is not None and len(blob) != ref.size and not tier.points_to(k, ref):
         return None, None, False
     return rec, blob, True
-
-
-def points_to(tier: LMDBTier, k: bytes, ref: FileRef) -> bool:
-    """Whether ``k``'s entry points to the blob file ``ref`` now (a fresh
-    snapshot): a file found missing or short by an older snapshot is damage
-    only if so."""
-    with tier.snapshot() as (txn, dbs):
-        now = txn.get(k, db=dbs["blobs"])
-        return now is not None and file_ref(now) == ref
 
 
 def find_entries(tier: LMDBTier, text: str, model: str | None = None) -> tuple[list[Row], str]:

@@ -18,7 +18,7 @@ from .. import codec, namespaces
 from ..codec import CorruptBlobError, Record
 from ..lmdb import LMDBTier
 from ..lmdb.txn import file_ref
-from .entries import Row, entry_problem, key_bytes, points_to, scan
+from .entries import Row, entry_problem, key_bytes, scan
 from .progress import NO_PROGRESS, ProgressFactory
 
 
@@ -89,7 +89,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                 value = txn.get(k, db=dbs["blobs"])
                 ref = None if value is None else file_ref(value)
                 problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
-            if problem and ref is not None and not points_to(tier, k, ref):
+            if problem and ref is not None and not tier.points_to(k, ref):
                 result.vanished += 1  # removed after our snapshot, its file deleted: no damage
                 prog.advance()
                 continue

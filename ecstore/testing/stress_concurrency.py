@@ -217,14 +217,6 @@ def _worker(barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> dict[str
             "corrupt_dropped": st.corrupt_dropped}
 
 
-def _still_referenced(tier: LMDBTier, k: bytes, value: Any) -> bool:
-    """Whether the newest committed state still has the ``blobs`` value
-    ``value`` under ``k`` (a vanished blob file is damage only then)."""
-    with tier.snapshot() as (txn, dbs):
-        now = txn.get(k, db=dbs["blobs"])
-        return now is not None and bytes(now) == bytes(value)
-
-
 def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
     try:
         torch.set_num_threads(1)
@@ -247,9 +239,10 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
                     k, rec = rng.choice(recs)
                     blob = txn.get(k, db=dbs["blobs"])
                     assert blob is not None, "reader: record without blob"
-                    if file_ref(blob) is not None:  # a blob file: its contents
+                    ref = file_ref(blob)
+                    if ref is not None:  # a blob file: its contents
                         blob = tier.resolve_blob(blob)
-                        if len(blob) == 0 and not _still_referenced(tier, k, txn.get(k, db=dbs["blobs"])):
+                        if len(blob) == 0 and not tier.points_to(k, ref):
                             continue  # evicted and deleted after this snapshot: gone, not damaged
                     assert len(blob) == rec.blob_size, "reader: partial entry"
                     t = blob_read.decode(blob, expected_checksum=rec.checksum, identifier=rec.identifier)
