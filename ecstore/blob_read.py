@@ -123,10 +123,10 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
             raise CorruptBlobError(f"blob file is {size} bytes, its record says {rec.blob_size}")
         if size < 8:
             raise CorruptBlobError("blob file shorter than its length prefix")
-        (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8, 0))
+        (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8))
         if hlen > min(size - 8, MAX_HEADER_BYTES):
             raise CorruptBlobError(f"header length {hlen} out of range")
-        head = _pread_exact(fd, 8 + hlen, 0)
+        head = _pread_exact(fd, 8 + hlen)
         hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
                           checksum_by_caller=True, size=size)
         out, dst = _destination(head, hdr, size)
@@ -135,9 +135,8 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
         mv = memoryview(dst)  # type: ignore[arg-type]  # ndarray has the buffer protocol on 3.11 too
         for i in range(0, n, FUSED_CHUNK):
             c = min(FUSED_CHUNK, n - i)
-            got = preadv(fd, [mv[i:i + c]], hdr.data_offset + i)
-            if got != c:  # a short read: the file shrank under us
-                got += _read_rest(fd, mv[i + got:i + c], hdr.data_offset + i + got)
+            if preadv(fd, [mv[i:i + c]], hdr.data_offset + i) != c:  # short: the file shrank under us
+                _read_into(fd, mv[i:i + c], hdr.data_offset + i)
             update(mv[i:i + c])
     except OSError as e:
         raise CorruptBlobError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
@@ -146,27 +145,22 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     return out
 
 
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    """``n`` bytes of ``fd`` at ``offset``; CorruptBlobError if the file is shorter."""
-    data = os.pread(fd, n, offset)
-    while len(data) < n:
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            raise CorruptBlobError("blob file shorter than its record")
-        data += more
+def _pread_exact(fd: int, n: int) -> bytearray:
+    """The first ``n`` bytes of ``fd``; CorruptBlobError if the file is shorter."""
+    data = bytearray(n)
+    _read_into(fd, memoryview(data), 0)
     return data
 
 
-def _read_rest(fd: int, dst: memoryview, offset: int) -> int:
-    """Fill ``dst`` from ``fd`` at ``offset`` after a short read; returns
-    the bytes read; CorruptBlobError at end of file."""
+def _read_into(fd: int, dst: memoryview, offset: int) -> None:
+    """Fill ``dst`` from ``fd`` at ``offset`` (short reads retried);
+    CorruptBlobError at end of file."""
     done = 0
     while done < len(dst):
         got = os.preadv(fd, [dst[done:]], offset + done)
         if got == 0:
             raise CorruptBlobError("blob file shorter than its record")
         done += got
-    return done
 
 
 def decode(blob: Any, *, expected_checksum: int | None, identifier: str | None = None) -> torch.Tensor:
