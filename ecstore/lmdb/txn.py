@@ -47,9 +47,12 @@ def file_ref(value: bytes | memoryview) -> FileRef | None:
         return None
 
 
-def stored_size(value: bytes | memoryview) -> int:
+def stored_size(value: bytes | memoryview | None) -> int:
     """The blob bytes a ``blobs`` value stands for (what ``total_bytes``
-    counted): a pointer's file size, else the inline blob's length."""
+    counted): a pointer's file size, else the inline blob's length; 0 for
+    no value."""
+    if value is None:
+        return 0
     ref = file_ref(value)
     return len(value) if ref is None else ref.size
 
@@ -251,7 +254,7 @@ class WriteTxn:
                 except CorruptBlobError:
                     rec = None
         blob = txn.get(k, db=dbs.blobs)
-        size = rec.blob_size if rec is not None else (stored_size(blob) if blob is not None else 0)
+        size = rec.blob_size if rec is not None else stored_size(blob)
         ref = None if blob is None else file_ref(blob)
         if ref is not None:
             self.unreferenced.append(ref.name)
@@ -349,7 +352,7 @@ class WriteTxn:
                         order.append((rec.lru_seq, bytes(k), rec.blob_size, False))
                     except CorruptBlobError:
                         blob = txn.get(k, db=dbs.blobs)
-                        order.append((-1, bytes(k), stored_size(blob) if blob is not None else 0, True))
+                        order.append((-1, bytes(k), stored_size(blob), True))
             for _, k, size, damaged in sorted(order):
                 if damaged or k not in skip:
                     yield k, size, damaged
@@ -367,7 +370,7 @@ class WriteTxn:
                         rec = codec.unpack_record(raw)
                     except CorruptBlobError:
                         blob = txn.get(k, db=dbs.blobs)
-                        yield k, stored_size(blob) if blob is not None else 0, True
+                        yield k, stored_size(blob), True
                         continue
                     if _SEQ.pack(rec.lru_seq) != bytes(seq):
                         stale.append(bytes(seq))
