@@ -359,7 +359,7 @@ class LMDBTier(TierReads):
             # The commit these names come from (metasync=False) must be on
             # disk before a file it no longer references is deleted: else a
             # power cut brings back an older commit pointing to it.
-            self.env.sync(True)
+            self._sync_for_deletes()
             return names
         return self.files.sweep(referenced)
 
