@@ -116,3 +116,36 @@ def test_the_sweep_deletes_a_file_only_after_the_commit_unreferencing_it_is_dura
             f"the sweep unlinked a blob file before the commit unreferencing it was on disk: {_watch['seen']}")
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("store", ["new", "blobs/ made by a process that died"])
+def test_the_store_directory_is_synced_before_a_commit_references_a_blob_file(tmp_path, monkeypatch, store):
+    """``blobs/`` is a directory entry of the store directory: until that
+    directory is fsynced, a power cut may drop ``blobs/`` with every file in
+    it while the synced ``data.mdb`` still points to them (each such entry a
+    miss). Only the blob directory was fsynced. Every handle's first batch
+    of files syncs the store directory too, also when ``blobs/`` already
+    existed (its creator may have died before syncing it)."""
+    path = tmp_path / "store"
+    if store != "new":
+        LMDBTier(str(path), 16 * MiB, file_blobs_from=0).close()
+        assert (path / "blobs").is_dir()
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    tier = LMDBTier(str(path), 16 * MiB, file_blobs_from=0)
+    try:
+        monkeypatch.setattr(os, "fsync", spy)
+        _put(tier, KEY_A, NAME_A, 1)
+        assert str(path) in synced, f"fsynced: {synced}"
+        assert str(path / "blobs") in synced
+        synced.clear()
+        _put(tier, KEY_B, NAME_B, 2)
+        assert str(path) not in synced, "the store directory is synced once per handle, not per batch"
+    finally:
+        monkeypatch.undo()
+        tier.close()

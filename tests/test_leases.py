@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import pytest
+import torch
 
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
@@ -288,3 +290,48 @@ def test_a_damaged_unused_lease_file_is_recreated_once_for_all_processes(tmp_pat
     finally:
         _finish(first)
         _finish(second)
+
+
+def test_a_lease_file_error_clearing_tombstones_never_undoes_a_committed_put(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The put that evicts commits, then clearing its tombstones fails (the
+    lease file's map is full, or its disk: the lease file is a second LMDB
+    file and fails on its own). That error escaped the committed write: the
+    put was reported failed, and its blob file, taken for nobody's, was
+    deleted under the committed entry (the next read found it missing and
+    dropped the entry). The commit stands: the put is stored, its file
+    kept, the tombstones left to expire or to be cleared by the next write."""
+    path = str(tmp_path / "s")
+    cap = 12 * MiB
+    a = LMDBTier(path, cap, file_blobs_from=0)
+    try:
+        for i in range(3):  # ~4 MiB each: the third put fills the cap
+            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4096))
+            a.write_batch([req])
+            assert req.result == "stored"
+        table = a._leases
+        assert table is not None
+        real_clear = table.clear_tombstones
+        failed = []
+
+        def clear_fails_once() -> None:
+            if table._tombstones and not failed:
+                failed.append(len(table._tombstones))
+                raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached")
+            real_clear()
+
+        monkeypatch.setattr(table, "clear_tombstones", clear_fails_once)
+        req = PutRequest(key(3), name(3), fc.MODEL, fc.entry_tensor(3, 4096))
+        a.write_batch([req])  # evicts key(0): tombstone written, data committed, clearing fails
+        assert failed, "the put evicted nothing: the test's sizes no longer reach the cap"
+        assert req.result == "stored", req.error
+        got = a.get(key(3), name(3))
+        assert got is not None and torch.equal(got.view(torch.int16), fc.entry_tensor(3, 4096).view(torch.int16))
+        assert not a.contains(key(0), name(0))
+        # The tombstones are cleared by the next write transaction.
+        monkeypatch.undo()
+        a.delete(key(1))
+        assert not table._tombstones and not table.evicting(a._k(key(0)))
+        fc.audit(path, cap, tier=a).check()
+    finally:
+        a.close()

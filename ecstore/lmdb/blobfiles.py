@@ -168,6 +168,7 @@ class BlobFiles:
         self._closed = False
         self._pid = os.getpid()
         self._logged: set[int] = set()  # errnos open() has logged
+        self._store_dir_synced = False  # see sync()
         _LIVE.add(self)
         if not readonly:
             self._make_dir()
@@ -281,7 +282,8 @@ class BlobFiles:
 
     def sync(self, names: Iterable[str]) -> None:
         """Make the named files (written by :meth:`write`) durable:
-        ``fdatasync`` each, then ``fsync`` the blob directory (their names).
+        ``fdatasync`` each, then ``fsync`` the blob directory (their names),
+        and on a handle's first call the store directory (``blobs/`` itself).
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
         the files)."""
@@ -295,14 +297,21 @@ class BlobFiles:
                     os.close(fd)
             except OSError as e:
                 raise _write_error("blob file", path, e) from None
-        try:
-            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # The store directory too, once per handle: its entry for blobs/ must
+        # be durable before any commit references a file in it (the process
+        # that created blobs/ may have died before this, so every handle does
+        # it once rather than only the creator).
+        dirs = [self.dir] if self._store_dir_synced else [self.dir, os.path.dirname(self.dir)]
+        for d in dirs:
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise _write_error("the blob directory", self.dir, e) from None
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise _write_error("the directory", d, e) from None
+        self._store_dir_synced = True
 
     def discard(self, names: Iterable[str]) -> None:
         """Unlink the named blob files; one already gone is no error, any

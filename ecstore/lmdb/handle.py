@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 from typing import Any, Callable, Iterator, Literal, TypeVar, overload
@@ -32,6 +33,8 @@ from .env import MiB, _SharedEnv, map_size_for
 from .full import MapFullRetry
 from .leases import LeaseTable
 from .txn import Dbs, TierCounters, WriteTxn
+
+log = logging.getLogger("ecstore")
 
 _T = TypeVar("_T")
 
@@ -221,9 +224,26 @@ class StoreHandle:
                             f"reopen the store")
                     yield txn
             finally:
-                leases = self._leases
-                if leases is not None:  # step (5) of the tombstone protocol: see ecstore.lmdb.leases
-                    leases.clear_tombstones()
+                self._clear_tombstones()
+
+    def _clear_tombstones(self) -> None:
+        """Step (5) of the tombstone protocol (see :mod:`ecstore.lmdb.leases`),
+        after a data write transaction committed or aborted. Never raises: an
+        error of the lease file (its map or disk full) must not undo, in the
+        caller's eyes, a commit that stands (the batch would be reported
+        failed and its blob files deleted under committed entries), nor hide
+        the error an aborted transaction raised. The tombstones stay listed
+        and the next write transaction clears them; until then they only make
+        pins of those keys answer False (a miss), for at most
+        ``TOMBSTONE_MAX_AGE_NS``."""
+        leases = self._leases
+        if leases is None:
+            return
+        try:
+            leases.clear_tombstones()
+        except lmdb.Error as e:
+            log.warning("ecstore: cannot clear eviction markers in the lease file of %s (retried at the next "
+                        "write; they expire on their own): %s", self.path, e)
 
     def _writing(self) -> contextlib.AbstractContextManager[WriteTxn]:
         """``with self._writing() as w``: a :class:`WriteTxn` over
