@@ -72,6 +72,30 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         self.damaged_entry_is_dropped(tier, part)
         assert [n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")] == []
 
+    @pytest.mark.parametrize("parts", [("pointer",), ("pointer", "record")])
+    def test_a_damaged_pointer_is_a_miss_and_its_file_is_deleted(self, tier: LMDBTier,
+                                                                 parts: tuple[str, ...]) -> None:
+        """The pointer LMDB keeps to a blob file is damaged (with or without
+        its record): the entry is a miss and dropped, and the file it named,
+        found through the files index, is deleted with it. It was left on
+        disk for good (no pointer named it, yet its writer's token was live
+        or the index still held it), and with the record also unreadable
+        ``total_bytes`` kept the file's size: the cap shrank for good."""
+        from ecstore.testing.faults import audit
+        from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
+
+        self.insert(tier, KEY_A, NAME_A, tensor(1, rows=256, cols=256))
+        self.insert(tier, KEY_B, NAME_B, tensor(2, rows=256, cols=256))
+        kept = self._file_of(tier, KEY_B)
+        for part in parts:
+            corrupt_entry(tier, KEY_A, part)
+        assert tier.get(KEY_A, NAME_A) is None
+        assert tier.identifier_at(KEY_A) is None
+        assert {n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")} == {kept}
+        assert tier.total_bytes() == os.path.getsize(os.path.join(tier.files.dir, kept))
+        audit(tier.path, 16 * MiB, tier=tier).check()
+        assert torch.equal(tier.get(KEY_B, NAME_B), tensor(2, rows=256, cols=256))
+
     def test_a_fifo_or_directory_in_place_of_the_file_is_a_miss_never_a_hang(self, tier: LMDBTier) -> None:
         from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 

@@ -394,6 +394,16 @@ class BlobFiles:
         keep = referenced()
         return sum(_unlink(self._path(name)) for name in garbage if name not in keep)
 
+    def size(self, name: str) -> int | None:
+        """Bytes of the blob file ``name``; None if it is not there (or not a
+        blob file name)."""
+        if not _NAME.fullmatch(name):
+            return None
+        try:
+            return os.stat(self._path(name)).st_size
+        except OSError:
+            return None
+
     def sizes(self) -> dict[str, int]:
         """name -> bytes of every blob file in the directory (tooling:
         ``ecstore-dump stats``); empty if there is no directory. Files

@@ -106,9 +106,11 @@ class WriteTxn:
     ``bytes``."""
 
     def __init__(self, txn: lmdb.Transaction, dbs: Dbs, *, path: str, leases: LeaseTable | None,
-                 pinned: Callable[[], set[bytes]], record_version: int, counters: TierCounters) -> None:
+                 pinned: Callable[[], set[bytes]], record_version: int, counters: TierCounters,
+                 files: BlobFiles | None = None) -> None:
         """``leases``: the lease table evictions mark their victims in (None:
-        read-only handle); ``pinned()``: the keys eviction must spare now.
+        read-only handle); ``pinned()``: the keys eviction must spare now;
+        ``files``: the store's blob files (sizes of a damaged entry's file).
         ``unreferenced``: names of blob files whose entries this transaction
         removed; they are deleted once it commits (:meth:`open`)."""
         self.txn = txn
@@ -118,6 +120,7 @@ class WriteTxn:
         self.pinned = pinned
         self.record_version = record_version
         self.counters = counters
+        self.files = files
         self._total: int | None = None  # read on first use
         self._seq: int | None = None
         self._dirty = False
@@ -144,7 +147,7 @@ class WriteTxn:
         files. If it fails, the files are left for the sweep (logged)."""
         with begin as txn:
             w = cls(txn, dbs, path=path, leases=leases, pinned=pinned, record_version=record_version,
-                    counters=counters)
+                    counters=counters, files=files)
             yield w
             w._write_back()
         if w.unreferenced and files is not None:
@@ -257,9 +260,19 @@ class WriteTxn:
         size = rec.blob_size if rec is not None else stored_size(blob)
         ref = None if blob is None else file_ref(blob)
         if ref is not None:
-            self.unreferenced.append(ref.name)
+            names = [ref.name]
+        elif dbs.files is not None and (blob is None or rec is None or rec.blob_size != len(blob)):
+            # Damaged (no valid pointer, yet not a consistent inline blob): a
+            # file it pointed to is found through the files index.
+            names = self._indexed_files_of(k)
+            if names and rec is None and self.files is not None:  # what total_bytes counted
+                size = sum(self.files.size(n) or 0 for n in names)
+        else:
+            names = []
+        for name in names:
+            self.unreferenced.append(name)
             if dbs.files is not None:
-                txn.delete(ref.name.encode("ascii"), db=dbs.files)
+                txn.delete(name.encode("ascii"), db=dbs.files)
         txn.delete(k, db=dbs.blobs)
         txn.delete(k, db=dbs.entries)
         if dbs.lru is not None:
@@ -274,6 +287,13 @@ class WriteTxn:
             self._total = max(0, self.total - size)
             self._dirty = True
         return size
+
+    def _indexed_files_of(self, k: bytes) -> list[str]:
+        """Names the files index gives for entry ``k`` (a scan of the index:
+        only for damaged entries, whose pointer cannot name the file)."""
+        assert self.dbs.files is not None
+        with self.txn.cursor(db=self.dbs.files) as cur:
+            return [bytes(name).decode("ascii", "replace") for name, key in cur if bytes(key) == k]
 
     # --------------------------------------------------------------- eviction
     def make_room(self, size: int, cap: int) -> bool:

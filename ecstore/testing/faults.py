@@ -56,16 +56,23 @@ def corrupt_entry(tier: LMDBTier, key: str, part: str) -> None:
     as after a flipped first byte), ``part="blob"`` flips the last byte of its
     blob (the checksum no longer matches; the file's last byte for a blob
     kept in a file), ``part="file"`` deletes its blob file and
-    ``part="truncate"`` cuts its blob file short by one byte (AssertionError
-    for an inline blob). ``total_bytes`` and the LRU row are left as they
-    were. AssertionError if there is no such entry."""
-    if part not in ("record", "blob", "file", "truncate"):
-        raise ValueError(f"part must be 'record', 'blob', 'file' or 'truncate', got {part!r}")
+    ``part="truncate"`` cuts its blob file short by one byte, and
+    ``part="pointer"`` flips the first byte of the pointer LMDB keeps to
+    that file (no longer a pointer: read as a damaged inline blob)
+    (AssertionError for an inline blob). ``total_bytes``, the LRU row and
+    the files index are left as they were. AssertionError if there is no
+    such entry."""
+    if part not in ("record", "blob", "file", "truncate", "pointer"):
+        raise ValueError(f"part must be 'record', 'blob', 'file', 'truncate' or 'pointer', got {part!r}")
     k = key.encode()
     with tier._write_txn() as txn:
         db = tier._entries if part == "record" else tier._blobs
         raw = txn.get(k, db=db)
         assert raw is not None, f"no {part} under {key!r}"
+        if part == "pointer":
+            assert file_ref(raw) is not None, f"the blob of {key!r} is not in a file"
+            txn.put(k, bytes([raw[0] ^ 0xFF]) + bytes(raw[1:]), db=db)
+            return
         ref = None if part == "record" else file_ref(raw)
         if ref is not None:
             path = os.path.join(tier.files.dir, ref.name)
