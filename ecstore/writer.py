@@ -40,6 +40,13 @@ log = logging.getLogger("ecstore")
 #: this many seconds (or at flush): a burst of hits costs one commit, not one
 #: fsync'd commit each.
 TOUCH_DELAY_S = 1.0
+#: :meth:`Writer.touches_now` (``write_lru_soon``, once per engine step with
+#: loads) writes the pending touches at once, but no sooner than this many
+#: seconds after the previous commit of touches: a consumer loading in every
+#: step makes at most ~5 LRU commits a second, not one per step, and a step's
+#: load does not run beside the commit the previous step asked for (measured:
+#: 1 MB connector loads back to back 190 -> 90 µs).
+TOUCH_SOON_GAP_S = 0.2
 
 
 @dataclass
@@ -128,6 +135,7 @@ class Writer(threading.Thread):
         self.max_bytes = max_bytes
         self.batch_bytes = batch_bytes
         self.touch_since = 0.0  # monotonic time of the oldest unwritten LRU touch
+        self.touches_written_at = float("-inf")  # monotonic time touches were last taken for a commit
         self.drainers = 0  # threads waiting in drain()
         self.cv = threading.Condition()
         self.queue: OrderedDict[str, PendingPut] = OrderedDict()  # key -> not yet written
@@ -206,11 +214,21 @@ class Writer(threading.Thread):
                 self.cv.notify_all()
 
     def touches_now(self) -> None:
-        """Write pending LRU touches without waiting for TOUCH_DELAY_S (does not block)."""
+        """Write pending LRU touches without waiting for TOUCH_DELAY_S: now,
+        or :data:`TOUCH_SOON_GAP_S` after the previous commit of touches if
+        that is later. Does not block."""
         with self.cv:
             if self.touches:
-                self.touch_since = float("-inf")
-                self.cv.notify_all()
+                soon = self.touches_written_at + TOUCH_SOON_GAP_S - TOUCH_DELAY_S
+                if soon < self.touch_since:
+                    self.touch_since = soon
+                    self.cv.notify_all()
+
+    def touches_due(self) -> float | None:
+        """When (``time.monotonic()``) the pending touches will be written
+        if no put or flush takes them earlier; None if there are none."""
+        with self.cv:
+            return self.touch_since + TOUCH_DELAY_S if self.touches else None
 
     def identifier_at(self, key: str) -> str | None:
         with self.cv:
@@ -330,6 +348,8 @@ class Writer(threading.Thread):
                     size += item.nbytes
                     self.inflight[key] = item
                 touches, self.touches = self._split_touches()
+                if touches:
+                    self.touches_written_at = time.monotonic()
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             for _, item in batch:
