@@ -202,10 +202,12 @@ def sec_hit(b: Bench) -> None:
         conn.shutdown()
         # -- ecstore: cold page cache --------------------------------------------
         data = os.path.join(d, "data.mdb")
+        blobs = os.path.join(d, "blobs")
+        files = [data] + sorted(os.path.join(blobs, f) for f in os.listdir(blobs) if f.endswith(".ecb"))
         cold, resid = [], []
         for _ in range(reps):
-            peers.drop_page_cache([data])
-            r = peers.resident_bytes([data])
+            peers.drop_page_cache(files)
+            r = peers.resident_bytes(files)
             st3 = b.store(d, disk_bytes=cap, local_cpu=False)  # open: not timed
             out: list = []
             cold.append(timed(lambda: out.append(st3.get(h, dev))))
@@ -214,8 +216,9 @@ def sec_hit(b: Bench) -> None:
             if r is not None:
                 resid.append(r)
         b.add("hit", "ecstore get (LMDB, cold)", cold, workload=name,
-              note="fadvise(DONTNEED) data.mdb after fsync+sync; store reopened (untimed)",
-              resident_after_drop_bytes=max(resid) if resid else None, file_bytes=os.path.getsize(data))
+              note="fadvise(DONTNEED) data.mdb and the blob files after fsync+sync; store reopened (untimed)",
+              resident_after_drop_bytes=max(resid) if resid else None,
+              file_bytes=sum(os.path.getsize(f) for f in files))
         b.rm(d)
         # -- ECExampleConnector --------------------------------------------------
         d = b.dir("hit-example")
