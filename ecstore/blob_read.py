@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .codec import (MAX_HEADER_BYTES, BlobHeader, CorruptBlobError, _raw_bytes_view, check_entry, checksum,
-                    parse_header, storable_dtype, tensor_nbytes)
+from .codec import (MAX_DIM, MAX_HEADER_BYTES, MAX_NDIM, BlobHeader, CorruptBlobError, _raw_bytes_view, check_entry,
+                    checksum, parse_header, storable_dtype, tensor_nbytes, tensor_nbytes_of)
 from .pool import POOL
 from .record import Record
 
@@ -123,6 +123,10 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
             raise CorruptBlobError(f"blob file is {size} bytes, its record says {rec.blob_size}")
         if size < 8:
             raise CorruptBlobError("blob file shorter than its length prefix")
+        head_len = size - rec.nbytes  # where the record says the data starts
+        if rec.nbytes <= 2 * FUSED_CHUNK and 8 <= head_len <= 8 + MAX_HEADER_BYTES:
+            return _read_whole_file(rec, fd, size, head_len, identifier=identifier, model=model,
+                                    dtype=dtype, key=key)
         (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8))
         if hlen > min(size - 8, MAX_HEADER_BYTES):
             raise CorruptBlobError(f"header length {hlen} out of range")
@@ -140,6 +144,38 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
             update(mv[i:i + c])
     except OSError as e:
         raise CorruptBlobError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
+    if h.intdigest() != rec.checksum:
+        raise CorruptBlobError("checksum mismatch")
+    return out
+
+
+def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifier: str | None,
+                     model: str | None, dtype: torch.dtype | str | None, key: str | None) -> torch.Tensor:
+    """:func:`read_file_entry` of a small entry: one ``preadv`` of the whole
+    file, its first ``head_len`` bytes (where the record says the data
+    starts) into a header buffer and the rest straight into the destination
+    (shaped after the record), then the header checked against the record
+    and the checksum over both. A record that lies about the layout fails
+    the header check; the destination is dropped with any failure."""
+    dt = storable_dtype(rec.dtype)
+    if (dt is None or len(rec.shape) > MAX_NDIM or not all(d < MAX_DIM for d in rec.shape)
+            or tensor_nbytes_of(dt, rec.shape) != rec.nbytes):
+        raise CorruptBlobError("record's dtype and shape do not match its data bytes")
+    head = bytearray(head_len)
+    out = POOL.empty(rec.shape, dt)
+    mv = memoryview(_raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+    got = os.preadv(fd, [head, mv], 0)
+    if got != size:  # short: the file shrank under us (or a signal): finish, or CorruptBlobError
+        if got < head_len:
+            _read_into(fd, memoryview(head)[got:], got)
+            got = head_len
+        _read_into(fd, mv[got - head_len:], got)
+    hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
+                      checksum_by_caller=True, size=size)
+    if hdr.data_offset != head_len:  # implied by the checks above; kept explicit
+        raise CorruptBlobError("header sizes do not match the record")
+    h = xxhash.xxh3_64(head)
+    h.update(mv)
     if h.intdigest() != rec.checksum:
         raise CorruptBlobError("checksum mismatch")
     return out

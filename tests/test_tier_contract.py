@@ -96,6 +96,34 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         audit(tier.path, 16 * MiB, tier=tier).check()
         assert torch.equal(tier.get(KEY_B, NAME_B), tensor(2, rows=256, cols=256))
 
+    @pytest.mark.parametrize("lie", ["shape", "fewer bytes", "more bytes", "dtype"])
+    def test_a_record_lying_about_the_files_layout_is_a_miss_never_garbage(self, tier: LMDBTier,
+                                                                          lie: str) -> None:
+        """A small entry's file is read in one go where its record says the
+        data starts, into a tensor shaped after the record, before the header
+        is checked: a readable record that lies about the layout (another
+        shape of the same bytes, fewer or more data bytes in a file of the
+        same size, another dtype) must fail that check, a miss and dropped."""
+        import dataclasses
+
+        from ecstore.record import pack_record
+        from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
+
+        t = tensor(1, rows=64, cols=64)
+        self.insert(tier, KEY_A, NAME_A, t)
+        self.insert(tier, KEY_B, NAME_B, tensor(2, rows=64, cols=64))
+        rec = tier.record(KEY_A)
+        assert rec is not None
+        forged = {"shape": dataclasses.replace(rec, shape=(32, 128)),
+                  "fewer bytes": dataclasses.replace(rec, shape=(64, 32), nbytes=rec.nbytes // 2),
+                  "more bytes": dataclasses.replace(rec, shape=(66, 64), nbytes=rec.nbytes + 256),
+                  "dtype": dataclasses.replace(rec, dtype="float16")}[lie]
+        with tier._write_txn() as txn:
+            txn.put(KEY_A.encode(), pack_record(forged), db=tier._entries)
+        assert tier.get(KEY_A, NAME_A) is None
+        assert tier.identifier_at(KEY_A) is None
+        assert torch.equal(tier.get(KEY_B, NAME_B).view(torch.int16), tensor(2, rows=64, cols=64).view(torch.int16))
+
     def test_a_fifo_or_directory_in_place_of_the_file_is_a_miss_never_a_hang(self, tier: LMDBTier) -> None:
         from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 

@@ -55,4 +55,4 @@ def entry_detail(tier: LMDBTier, row: Row) -> EntryDetail:
     except Exception as e:  # noqa: BLE001 - a hostile header (wrong JSON types...)
         text = " ".join(str(e).split("\n")).replace("\r", " ")
         return EntryDetail(fresh, True, problem, len(blob), header_error=f"{type(e).__name__}: {text[:200]}")
-    return EntryDetail(fresh, True, problem, len(blob), hdr.raw, hdr.data_offset - 8, hdr.data_offset)
+    return EntryDetail(fresh, True, problem, len(blob), dict(hdr.raw), hdr.data_offset - 8, hdr.data_offset)
