@@ -140,6 +140,19 @@ def _write_error(what: str, path: str, e: OSError) -> StoreFullError:
     return StoreFullError(f"cannot write {what} {path}: {reason}")
 
 
+def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str) -> None:
+    """Open ``path`` read-only (plus ``flags``) and ``sync`` it (``os.fsync``
+    or ``os.fdatasync``); StoreFullError naming ``what`` on an OS error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+        try:
+            sync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise _write_error(what, path, e) from None
+
+
 def _unlink(path: str) -> bool:
     """Remove ``path``: True if this call removed it; gone already: False;
     any other error is logged (the file stays a leftover), never raised."""
@@ -288,29 +301,14 @@ class BlobFiles:
         of them meanwhile. StoreFullError on an OS error (the caller discards
         the files)."""
         for name in names:
-            path = self._path(name)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                raise _write_error("blob file", path, e) from None
+            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file")
         # The store directory too, once per handle: its entry for blobs/ must
         # be durable before any commit references a file in it (the process
         # that created blobs/ may have died before this, so every handle does
         # it once rather than only the creator).
         dirs = [self.dir] if self._store_dir_synced else [self.dir, os.path.dirname(self.dir)]
         for d in dirs:
-            try:
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                raise _write_error("the directory", d, e) from None
+            _sync_path(d, os.O_DIRECTORY, os.fsync, "the directory")
         self._store_dir_synced = True
 
     def discard(self, names: Iterable[str]) -> None:
