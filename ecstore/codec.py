@@ -308,6 +308,8 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
     if hlen > len(mv) - 8 or hlen > total - 8 or hlen > MAX_HEADER_BYTES:
         raise CorruptBlobError(f"header length {hlen} out of range")
     raw = bytes(mv[8 : 8 + hlen])
+    if hlen > _PARSED_MAX_HEADER:
+        return _parse_header(raw, hlen, total)
     hdr = _PARSED.get((raw, total))
     if hdr is None:
         hdr = _parse_header(raw, hlen, total)
@@ -323,6 +325,9 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
 #: (single dict operations under the GIL; a race only parses twice).
 _PARSED: dict[tuple[bytes, int], BlobHeader] = {}
 _PARSED_MAX = 1024
+#: Only headers up to this many bytes are kept (ecstore writes a few hundred;
+#: up to MAX_HEADER_BYTES parse): the cache holds at most ~4 MiB.
+_PARSED_MAX_HEADER = 4096
 
 
 def _parse_header(raw: bytes, hlen: int, total: int) -> BlobHeader:

@@ -73,3 +73,31 @@ def test_blob_with_the_former_8_byte_alignment_still_reads() -> None:
     assert torch.equal(got, t)
     rec = codec.Record("ns/old", "bfloat16", (5, 12), t.numel() * 2, len(old), codec.checksum(old), 0, 0, 0, 0)
     assert torch.equal(blob_read.read_entry(rec, old, identifier="ns/old", model=MODEL, dtype=torch.bfloat16), t)
+
+
+def test_parsed_header_cache_answers_as_a_fresh_parse() -> None:
+    """parse_header keeps the headers it accepted, by (header bytes, blob
+    size): the same header in a blob of another size is parsed (and refused)
+    anew, a refused header is refused every time, and headers longer than
+    the cache's bound are never kept (a store of forged 1 MiB headers cannot
+    make it hold gigabytes)."""
+    t = torch.randn(6, 16).to(torch.bfloat16)
+    blob = bytes(codec.encode_view(t, identifier="ns/cache", model=MODEL)[0])
+    codec._PARSED.clear()
+    first = codec.parse_header(blob)
+    assert len(codec._PARSED) == 1
+    assert codec.parse_header(blob) == first
+    for bad in (blob + b"\x00", blob[:-1]):  # the same header, another blob size
+        for _ in range(2):
+            try:
+                codec.parse_header(bad)
+            except codec.CorruptBlobError:
+                pass
+            else:
+                raise AssertionError("a header whose sizes do not match the blob was accepted")
+    assert len(codec._PARSED) == 1
+    hb = json_header(t, "ns/" + "x" * 5000, MODEL)
+    hb += b" " * (-(8 + len(hb)) % 64)
+    big = struct.pack("<Q", len(hb)) + hb + t.view(torch.uint8).numpy().tobytes()
+    assert codec.parse_header(big).identifier == "ns/" + "x" * 5000
+    assert len(codec._PARSED) == 1
