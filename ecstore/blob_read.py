@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .codec import (MAX_DIM, MAX_HEADER_BYTES, MAX_NDIM, BlobHeader, CorruptBlobError, _raw_bytes_view, check_entry,
+from .codec import (MAX_HEADER_BYTES, BlobHeader, CorruptBlobError, _raw_bytes_view, check_entry, check_shape,
                     checksum, parse_header, storable_dtype, tensor_nbytes, tensor_nbytes_of)
 from .pool import POOL
 from .record import Record
@@ -158,8 +158,7 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
     and the checksum over both. A record that lies about the layout fails
     the header check; the destination is dropped with any failure."""
     dt = storable_dtype(rec.dtype)
-    if (dt is None or len(rec.shape) > MAX_NDIM or not all(d < MAX_DIM for d in rec.shape)
-            or tensor_nbytes_of(dt, rec.shape) != rec.nbytes):
+    if dt is None or tensor_nbytes_of(dt, check_shape(rec.shape, "record shape")) != rec.nbytes:
         raise CorruptBlobError("record's dtype and shape do not match its data bytes")
     head = bytearray(head_len)
     out = POOL.empty(rec.shape, dt)

@@ -275,11 +275,26 @@ def _is_int(x: Any) -> bool:
 
 
 def _shape_of(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > MAX_NDIM:
+    if not isinstance(value, list):
         raise CorruptBlobError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
-    if not all(_is_int(d) and 0 <= d < MAX_DIM for d in value):
-        raise CorruptBlobError(f"{what} {value!r} has a dimension that is not an integer in [0, 2**48)")
-    return tuple(value)
+    return check_shape(tuple(value), what)
+
+
+def check_shape(shape: tuple[Any, ...], what: str) -> tuple[int, ...]:
+    """``shape`` if torch can make a tensor of it: at most MAX_NDIM integer
+    dimensions in [0, MAX_DIM) whose product, zeros counted as ones, stays
+    below 2**62 (torch's strides would overflow: ``(0, 2**47, 2**47)`` has
+    no element yet cannot be allocated); CorruptBlobError otherwise."""
+    if len(shape) > MAX_NDIM:
+        raise CorruptBlobError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
+    if not all(_is_int(d) and 0 <= d < MAX_DIM for d in shape):
+        raise CorruptBlobError(f"{what} {list(shape)!r} has a dimension that is not an integer in [0, 2**48)")
+    span = 1
+    for d in shape:
+        span *= max(d, 1)
+    if span >= 1 << 62:
+        raise CorruptBlobError(f"{what} {list(shape)!r} spans more elements than a tensor can address")
+    return shape
 
 
 def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
@@ -313,9 +328,10 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
     hdr = _PARSED.get((raw, total))
     if hdr is None:
         hdr = _parse_header(raw, hlen, total)
-        if len(_PARSED) >= _PARSED_MAX:
-            _PARSED.clear()
-        _PARSED[(raw, total)] = hdr
+        if set(hdr.raw["__metadata__"]) == _META_KEYS:  # what encode writes: a bounded dict
+            if len(_PARSED) >= _PARSED_MAX:
+                _PARSED.clear()
+            _PARSED[(raw, total)] = hdr
     return hdr
 
 
@@ -325,9 +341,12 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
 #: (single dict operations under the GIL; a race only parses twice).
 _PARSED: dict[tuple[bytes, int], BlobHeader] = {}
 _PARSED_MAX = 1024
-#: Only headers up to this many bytes are kept (ecstore writes a few hundred;
-#: up to MAX_HEADER_BYTES parse): the cache holds at most ~4 MiB.
+#: Only headers up to this many bytes, whose ``__metadata__`` holds just the
+#: keys :func:`encode` writes, are kept (ecstore writes a few hundred bytes;
+#: up to MAX_HEADER_BYTES and any extra string keys parse): the cache holds
+#: at most ~10 MiB.
 _PARSED_MAX_HEADER = 4096
+_META_KEYS = frozenset({"format", "identifier", "model", "dtype", "shape"})
 
 
 def _parse_header(raw: bytes, hlen: int, total: int) -> BlobHeader:

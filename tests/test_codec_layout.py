@@ -7,6 +7,7 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 from hypothesis import given, settings
@@ -101,3 +102,31 @@ def test_parsed_header_cache_answers_as_a_fresh_parse() -> None:
     big = struct.pack("<Q", len(hb)) + hb + t.view(torch.uint8).numpy().tobytes()
     assert codec.parse_header(big).identifier == "ns/" + "x" * 5000
     assert len(codec._PARSED) == 1
+
+
+def test_a_header_with_no_element_but_huge_dimensions_is_refused() -> None:
+    """``[0, 2**47, 2**47]`` holds no element and every dimension is below
+    MAX_DIM, but torch cannot allocate it (its strides overflow): accepted,
+    copy_out then raised RuntimeError instead of CorruptBlobError."""
+    shape = [0, 1 << 47, 1 << 47]
+    h = {"ec": {"dtype": "U8", "shape": shape, "data_offsets": [0, 0]},
+         "__metadata__": {"format": codec.FORMAT, "identifier": "i", "model": "m", "dtype": "uint8",
+                          "shape": json.dumps(shape)}}
+    raw = json.dumps(h, separators=(",", ":")).encode()
+    with pytest.raises(codec.CorruptBlobError, match="spans more elements"):
+        codec.parse_header(struct.pack("<Q", len(raw)) + raw)
+
+
+def test_headers_with_extra_metadata_are_never_cached() -> None:
+    """Any extra ``__metadata__`` string keys parse; such headers (never
+    written by ecstore) are not kept, so a store of forged 4 KiB headers
+    with hundreds of keys each cannot grow the cache past its bound."""
+    t = torch.randn(2, 4).to(torch.bfloat16)
+    hb = json.loads(json_header(t, "ns/extra", MODEL))
+    hb["__metadata__"].update({f"k{i}": "v" for i in range(300)})
+    raw = json.dumps(hb).encode()
+    raw += b" " * (-(8 + len(raw)) % 64)
+    blob = struct.pack("<Q", len(raw)) + raw + t.view(torch.uint8).numpy().tobytes()
+    codec._PARSED.clear()
+    assert codec.parse_header(blob).identifier == "ns/extra"
+    assert codec._PARSED == {}

@@ -96,7 +96,7 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         audit(tier.path, 16 * MiB, tier=tier).check()
         assert torch.equal(tier.get(KEY_B, NAME_B), tensor(2, rows=256, cols=256))
 
-    @pytest.mark.parametrize("lie", ["shape", "fewer bytes", "more bytes", "dtype"])
+    @pytest.mark.parametrize("lie", ["shape", "fewer bytes", "more bytes", "dtype", "no element, huge dimensions"])
     def test_a_record_lying_about_the_files_layout_is_a_miss_never_garbage(self, tier: LMDBTier,
                                                                           lie: str) -> None:
         """A small entry's file is read in one go where its record says the
@@ -117,12 +117,33 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         forged = {"shape": dataclasses.replace(rec, shape=(32, 128)),
                   "fewer bytes": dataclasses.replace(rec, shape=(64, 32), nbytes=rec.nbytes // 2),
                   "more bytes": dataclasses.replace(rec, shape=(66, 64), nbytes=rec.nbytes + 256),
-                  "dtype": dataclasses.replace(rec, dtype="float16")}[lie]
+                  "dtype": dataclasses.replace(rec, dtype="float16"),
+                  # no byte to read, yet torch cannot allocate it (its strides
+                  # overflow): RuntimeError escaped get() instead of a miss
+                  "no element, huge dimensions": dataclasses.replace(rec, shape=(0, 1 << 47, 1 << 47), nbytes=0)}[lie]
         with tier._write_txn() as txn:
             txn.put(KEY_A.encode(), pack_record(forged), db=tier._entries)
         assert tier.get(KEY_A, NAME_A) is None
         assert tier.identifier_at(KEY_A) is None
         assert torch.equal(tier.get(KEY_B, NAME_B).view(torch.int16), tensor(2, rows=64, cols=64).view(torch.int16))
+
+    def test_a_damaged_pointer_with_a_damaged_files_index_row_is_a_miss(self, tier: LMDBTier) -> None:
+        """A damaged pointer is resolved through the files index; a row of
+        that index with a non-ASCII name (damage too) naming the entry made
+        the removal raise UnicodeEncodeError out of get(). The row goes, the
+        entry is a miss and dropped."""
+        from ecstore.testing.tier_contract import KEY_A, NAME_A, tensor
+
+        self.insert(tier, KEY_A, NAME_A, tensor(1, rows=64, cols=64))
+        bad_row = b"\xe6" + b"0" * 15 + b"-9.ecb"
+        with tier._write_txn() as txn:
+            txn.put(bad_row, KEY_A.encode(), db=tier._dbs.files)
+        corrupt_entry(tier, KEY_A, "pointer")
+        assert tier.get(KEY_A, NAME_A) is None
+        assert tier.identifier_at(KEY_A) is None
+        with tier.snapshot() as (txn, dbs):
+            assert txn.get(bad_row, db=dbs["files"]) is None
+        assert [n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")] == []
 
     def test_a_fifo_or_directory_in_place_of_the_file_is_a_miss_never_a_hang(self, tier: LMDBTier) -> None:
         from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor

@@ -264,15 +264,17 @@ class WriteTxn:
         elif dbs.files is not None and (blob is None or rec is None or rec.blob_size != len(blob)):
             # Damaged (no valid pointer, yet not a consistent inline blob): a
             # file it pointed to is found through the files index.
-            names = self._indexed_files_of(k)
+            index_rows = self._indexed_files_of(k)
+            for row in index_rows:
+                txn.delete(row, db=dbs.files)
+            names = [n.decode("ascii") for n in index_rows if n.isascii()]  # discard() checks the pattern
             if names and rec is None and self.files is not None:  # what total_bytes counted
                 size = sum(self.files.size(n) or 0 for n in names)
         else:
             names = []
-        for name in names:
-            self.unreferenced.append(name)
-            if dbs.files is not None:
-                txn.delete(name.encode("ascii"), db=dbs.files)
+        if ref is not None and dbs.files is not None:
+            txn.delete(ref.name.encode("ascii"), db=dbs.files)
+        self.unreferenced.extend(names)
         txn.delete(k, db=dbs.blobs)
         txn.delete(k, db=dbs.entries)
         if dbs.lru is not None:
@@ -288,12 +290,13 @@ class WriteTxn:
             self._dirty = True
         return size
 
-    def _indexed_files_of(self, k: bytes) -> list[str]:
-        """Names the files index gives for entry ``k`` (a scan of the index:
-        only for damaged entries, whose pointer cannot name the file)."""
+    def _indexed_files_of(self, k: bytes) -> list[bytes]:
+        """The files index's rows (file names, as stored) for entry ``k`` (a
+        scan of the index: only for damaged entries, whose pointer cannot
+        name the file)."""
         assert self.dbs.files is not None
         with self.txn.cursor(db=self.dbs.files) as cur:
-            return [bytes(name).decode("ascii", "replace") for name, key in cur if bytes(key) == k]
+            return [bytes(name) for name, key in cur if bytes(key) == k]
 
     # --------------------------------------------------------------- eviction
     def make_room(self, size: int, cap: int) -> bool:
