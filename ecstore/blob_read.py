@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .codec import (MAX_HEADER_BYTES, BlobHeader, CorruptBlobError, _raw_bytes_view, check_entry, check_shape,
-                    checksum, parse_header, storable_dtype, tensor_nbytes, tensor_nbytes_of)
+from .blob_check import MAX_HEADER_BYTES, BlobHeader, check_entry, check_shape, parse_header, storable_dtype
+from .codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
 from .pool import POOL
 from .record import Record
 

@@ -44,7 +44,7 @@ class ReadPath:
     """memory -> pending writes -> LMDB -> remote, with promotion upwards.
 
     ``model``/``dtype``: what an LMDB entry must claim to be served (else a
-    miss, see :func:`codec.check_entry`). ``remote`` may be set after
+    miss, see :func:`blob_check.check_entry`). ``remote`` may be set after
     construction (the handle opens it last) and cleared at close.
     """
 

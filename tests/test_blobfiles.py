@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from ecstore import codec
+from ecstore import blob_check, codec
 from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError
 from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFiles, FileRef, pack_ref, unpack_ref
 from helpers import fault_fs
@@ -97,7 +97,7 @@ def test_an_inline_blob_is_no_pointer():
     assert unpack_ref(blob.tobytes()) is None
     assert unpack_ref(memoryview(blob)) is None
     # a blob starts with its header length: never the magic
-    assert int.from_bytes(POINTER_MAGIC, "little") > codec.MAX_HEADER_BYTES
+    assert int.from_bytes(POINTER_MAGIC, "little") > blob_check.MAX_HEADER_BYTES
     for short in (b"", b"\xff", POINTER_MAGIC[:7]):
         assert unpack_ref(short) is None
 

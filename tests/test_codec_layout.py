@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ecstore import blob_read, codec
+from ecstore import blob_check, blob_read, codec
 from ecstore.pool import BufferPool
 
 MODEL = 'org/m "x" é'
@@ -53,7 +53,7 @@ def test_encoded_blob_data_is_64_byte_aligned_and_safetensors_reads_it(tmp_path:
     t = torch.randn(7, 33).to(torch.bfloat16)
     for pool in (None, BufferPool(min_bytes=0)):
         blob, view = codec.encode_view(t, identifier="ns/img", model=MODEL, pool=pool)
-        hdr = codec.parse_header(blob)
+        hdr = blob_check.parse_header(blob)
         assert hdr.data_offset % 64 == 0
         assert view.data_ptr() % 64 == 0 if pool is not None else True
         assert torch.equal(view, t) and view.data_ptr() == blob.ctypes.data + hdr.data_offset
@@ -84,24 +84,24 @@ def test_parsed_header_cache_answers_as_a_fresh_parse() -> None:
     make it hold gigabytes)."""
     t = torch.randn(6, 16).to(torch.bfloat16)
     blob = bytes(codec.encode_view(t, identifier="ns/cache", model=MODEL)[0])
-    codec._PARSED.clear()
-    first = codec.parse_header(blob)
-    assert len(codec._PARSED) == 1
-    assert codec.parse_header(blob) == first
+    blob_check._PARSED.clear()
+    first = blob_check.parse_header(blob)
+    assert len(blob_check._PARSED) == 1
+    assert blob_check.parse_header(blob) == first
     for bad in (blob + b"\x00", blob[:-1]):  # the same header, another blob size
         for _ in range(2):
             try:
-                codec.parse_header(bad)
+                blob_check.parse_header(bad)
             except codec.CorruptBlobError:
                 pass
             else:
                 raise AssertionError("a header whose sizes do not match the blob was accepted")
-    assert len(codec._PARSED) == 1
+    assert len(blob_check._PARSED) == 1
     hb = json_header(t, "ns/" + "x" * 5000, MODEL)
     hb += b" " * (-(8 + len(hb)) % 64)
     big = struct.pack("<Q", len(hb)) + hb + t.view(torch.uint8).numpy().tobytes()
-    assert codec.parse_header(big).identifier == "ns/" + "x" * 5000
-    assert len(codec._PARSED) == 1
+    assert blob_check.parse_header(big).identifier == "ns/" + "x" * 5000
+    assert len(blob_check._PARSED) == 1
 
 
 def test_a_header_with_no_element_but_huge_dimensions_is_refused() -> None:
@@ -114,7 +114,7 @@ def test_a_header_with_no_element_but_huge_dimensions_is_refused() -> None:
                           "shape": json.dumps(shape)}}
     raw = json.dumps(h, separators=(",", ":")).encode()
     with pytest.raises(codec.CorruptBlobError, match="spans more elements"):
-        codec.parse_header(struct.pack("<Q", len(raw)) + raw)
+        blob_check.parse_header(struct.pack("<Q", len(raw)) + raw)
 
 
 def test_headers_with_extra_metadata_are_never_cached() -> None:
@@ -127,6 +127,6 @@ def test_headers_with_extra_metadata_are_never_cached() -> None:
     raw = json.dumps(hb).encode()
     raw += b" " * (-(8 + len(raw)) % 64)
     blob = struct.pack("<Q", len(raw)) + raw + t.view(torch.uint8).numpy().tobytes()
-    codec._PARSED.clear()
-    assert codec.parse_header(blob).identifier == "ns/extra"
-    assert codec._PARSED == {}
+    blob_check._PARSED.clear()
+    assert blob_check.parse_header(blob).identifier == "ns/extra"
+    assert blob_check._PARSED == {}

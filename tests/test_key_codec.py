@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ecstore
-from ecstore import InvalidEntryError, blob_read, codec, key
+from ecstore import InvalidEntryError, blob_check, blob_read, codec, key
 from ecstore.codec import CorruptBlobError, Record
 from helpers.tensors import assert_same, make_tensor
 
@@ -140,7 +140,7 @@ def test_codec_round_trip_every_dtype(dtype, tmp_path):
     assert_same(got, t)
     got2 = blob_read.decode(memoryview(bytes(blob)), expected_checksum=None)
     assert_same(got2, t)
-    hdr = codec.parse_header(blob)
+    hdr = blob_check.parse_header(blob)
     assert (hdr.identifier, hdr.model, hdr.dtype, hdr.shape) == (ident, MODEL, str(dtype)[6:], tuple(t.shape))
     assert hdr.data_nbytes == t.numel() * t.element_size()
     assert hdr.data_offset % 8 == 0

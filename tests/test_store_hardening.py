@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ecstore import StoreFullError, blob_read, codec
+from ecstore import StoreFullError, blob_check, blob_read, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.key import dtype_name
 from ecstore.lmdb import LMDBTier
@@ -359,7 +359,7 @@ def test_d9_d10_hostile_entry_is_a_miss_and_dropped(tmp_path, case):
 
 
 def test_d9_d10_entry_check_is_public_and_names_the_mismatch():
-    """``codec.check_entry`` is the one entry check (get() and ecstore-dump
+    """``blob_check.check_entry`` is the one entry check (get() and ecstore-dump
     use it): a good entry passes and returns its header; each expectation
     that differs is named."""
     t = hostile.good_tensor()
@@ -367,18 +367,18 @@ def test_d9_d10_entry_check_is_public_and_names_the_mismatch():
     rec = hostile.consistent_record(
         codec.Record("img", "float32", (4, 16), 256, 0, 0, 1, 1, 0, 0), blob)
     key = "m/x@1@0@0123456789abcdef@float32"
-    hdr = codec.check_entry(rec, blob, identifier="img", model="m/x", dtype=torch.float32, key=key)
+    hdr = blob_check.check_entry(rec, blob, identifier="img", model="m/x", dtype=torch.float32, key=key)
     assert (hdr.dtype, hdr.shape, hdr.data_nbytes) == ("float32", (4, 16), 256)
     assert_same(blob_read.read_entry(rec, blob, dtype="float32"), t)
     for kw, msg in [({"identifier": "other"}, "identifier"), ({"model": "m/y"}, "model"),
                     ({"dtype": torch.bfloat16}, "dtype"), ({"key": key.replace("float32", "float16")}, "key"),
                     ({"key": "not a key"}, "key")]:
         with pytest.raises(codec.CorruptBlobError, match=msg):
-            codec.check_entry(rec, blob, **kw)
+            blob_check.check_entry(rec, blob, **kw)
     with pytest.raises(codec.CorruptBlobError, match="record says"):
-        codec.check_entry(replace(rec, blob_size=rec.blob_size + 1), blob)
+        blob_check.check_entry(replace(rec, blob_size=rec.blob_size + 1), blob)
     with pytest.raises(codec.CorruptBlobError, match="does not match its record"):
-        codec.check_entry(replace(rec, shape=(16, 4)), blob)
+        blob_check.check_entry(replace(rec, shape=(16, 4)), blob)
 
 
 _JSON = st.recursive(

@@ -145,7 +145,7 @@ def cmd_save(args) -> None:
 def cmd_get(args) -> None:
     import numpy as np
 
-    from ecstore import codec
+    from ecstore import blob_check, codec
 
     print("# LMDB-tier hit (page cache warm, no memory tier): where the time goes (ms)")
     d = tempfile.mkdtemp(prefix="ecstore-prof-")
@@ -163,10 +163,10 @@ def cmd_get(args) -> None:
             r = {"memcpy": med_ms(lambda: dst.copy_(src)), "ECStore.get": med_ms(lambda: st.get(h))}
             with st.disk.env.begin(buffers=True) as txn:
                 blob = txn.get(k, db=st.disk._blobs)
-                hdr = codec.parse_header(blob)
+                hdr = blob_check.parse_header(blob)
                 view = np.frombuffer(blob, dtype=np.uint8, count=hdr.data_nbytes, offset=hdr.data_offset)
                 r["checksum"] = med_ms(lambda: codec.checksum(blob))
-                r["parse_header"] = med_ms(lambda: codec.parse_header(blob))
+                r["parse_header"] = med_ms(lambda: blob_check.parse_header(blob))
 
                 def fresh():
                     out = torch.empty(hdr.shape, dtype=torch.bfloat16)

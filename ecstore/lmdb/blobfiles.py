@@ -2,7 +2,7 @@
 
 LMDB keeps the record and, in place of the blob, a pointer (:func:`pack_ref`).
 A safetensors blob starts with its u64 LE header length (at most
-``codec.MAX_HEADER_BYTES``), so its bytes 4..7 are zero: a value starting with
+``blob_check.MAX_HEADER_BYTES``), so its bytes 4..7 are zero: a value starting with
 :data:`POINTER_MAGIC` (bytes 4..7 ``ECFP``) is never an inline blob.
 
 Files are written once, never changed: :meth:`BlobFiles.write` creates

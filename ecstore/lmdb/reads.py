@@ -61,7 +61,7 @@ class TierReads(StoreHandle):
             dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The stored tensor (a fresh CPU copy), or None on a miss.
 
-        The entry passes :func:`codec.check_entry` (record, blob, checksum,
+        The entry passes :func:`blob_check.check_entry` (record, blob, checksum,
         header; the ``key``, and the ``model`` / ``dtype`` of the asking
         handle if given) before a byte of it is copied. An entry failing it
         is logged, removed (unless read-only) and reported as a miss: garbage

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import codec
+from .. import blob_check
 from ..codec import CorruptBlobError
 from ..lmdb import LMDBTier
 from .entries import Row, entry_problem, read_entry
@@ -49,7 +49,7 @@ def entry_detail(tier: LMDBTier, row: Row) -> EntryDetail:
     if blob is None:
         return EntryDetail(fresh, True, problem)
     try:
-        hdr = codec.parse_header(blob)
+        hdr = blob_check.parse_header(blob)
     except CorruptBlobError as e:
         return EntryDetail(fresh, True, problem, len(blob), header_error=str(e))
     except Exception as e:  # noqa: BLE001 - a hostile header (wrong JSON types...)

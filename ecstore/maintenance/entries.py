@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .. import codec
+from .. import blob_check, codec
 from ..codec import CorruptBlobError, Record
 from ..errors import ECStoreError, StoreOpenError
 from ..key import parse_key
@@ -134,7 +134,7 @@ def scan(tier: LMDBTier, progress: Ticker | None = None) -> Iterator[Row]:
 def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
     """None if the entry is sound, else a one-line reason.
 
-    A thin wrapper over :func:`ecstore.codec.check_entry` (the entry check
+    A thin wrapper over :func:`ecstore.blob_check.check_entry` (the entry check
     every ``get`` runs) with the entry's ``key``, adding what only tooling
     sees: an unreadable record, a record without blob, the two checksums of
     a mismatch, and ``bad safetensors header:`` before a header problem.
@@ -145,7 +145,7 @@ def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
     if blob is None:
         return "record without blob"
     try:
-        codec.check_entry(rec, blob, key=key)
+        blob_check.check_entry(rec, blob, key=key)
         return None
     except CorruptBlobError as e:
         reason = str(e)
@@ -154,7 +154,7 @@ def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
         if actual != rec.checksum:
             return f"checksum mismatch (record {rec.checksum:016x}, blob {actual:016x})"
         try:
-            codec.parse_header(blob)
+            blob_check.parse_header(blob)
         except CorruptBlobError as e:
             return f"bad safetensors header: {e}"
     return reason

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import blob_read, codec
+from .. import blob_check, blob_read, codec
 from ..codec import CorruptBlobError, Record
 
 MAGIC = b"ECRV"
@@ -110,13 +110,13 @@ def decode_entry(value: Any, *, identifier: str, model: str, dtype_name: str) ->
     if rec.identifier != identifier or rec.dtype != dtype_name:
         raise ForeignValue(f"holds identifier {rec.identifier!r} dtype {rec.dtype}")
     # The one entry check LMDB reads use too (record, checksum, strict header).
-    hdr = codec.check_entry(rec, blob, identifier=identifier, dtype=dtype_name)
+    hdr = blob_check.check_entry(rec, blob, identifier=identifier, dtype=dtype_name)
     if hdr.model != model:
         raise ForeignValue(f"holds an entry of model {hdr.model!r}")
     return RemoteEntry(_view(blob, hdr), blob, rec)
 
 
-def _view(blob: memoryview, hdr: codec.BlobHeader) -> torch.Tensor:
+def _view(blob: memoryview, hdr: blob_check.BlobHeader) -> torch.Tensor:
     """The verified tensor as a view of the reply's bytes (no copy) when its
     data is aligned for its dtype, else a copy. The reply buffer is owned by
     the view alone: nothing else sees a write to it (treat it as read-only,

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import codec
+from .. import blob_check
 from ..codec import CorruptBlobError
 from ..errors import ECStoreError
 from ..key import parse_key
@@ -162,7 +162,7 @@ def _verify(backend: RedisBackend, delete_bad: bool) -> VerifyResult:
         result.checked += 1
         try:
             rec, blob = frame.unpack(value)
-            codec.check_entry(rec, blob, key=key)  # the entry check every read runs
+            blob_check.check_entry(rec, blob, key=key)  # the entry check every read runs
         except CorruptBlobError as e:
             result.bad.append({"key": key, "error": str(e)})
             if delete_bad and backend.delete_if_unchanged(key, value):

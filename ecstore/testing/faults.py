@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ecstore import codec
+from ecstore import blob_check, codec
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _SEQ, _U64, file_ref
 from ecstore.identity import library_identity, qualify
@@ -205,7 +205,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                         a.problems.append(f"{key}: checksum mismatch")
                     else:
                         try:
-                            hdr = codec.parse_header(blob)
+                            hdr = blob_check.parse_header(blob)
                             if hdr.identifier != rec.identifier:
                                 a.problems.append(f"{key}: blob identifier differs from record")
                         except codec.CorruptBlobError as e:
