@@ -263,7 +263,11 @@ class ECStore:
         """Have the background writer record the LRU updates (recency, hit
         counts) of the reads made so far now, in one transaction, instead of
         with the next put or after TOUCH_DELAY_S. Does not block. The vLLM
-        connector calls it once per step that loaded entries."""
+        connector calls it once per step that loaded entries. Like every call,
+        ForkedStoreError in a child forked after the handle opened (it would
+        take the parent's writer lock, which the fork may have copied held)."""
+        if os.getpid() != self._pid:
+            check_same_process(self._pid, repr(self))
         if self._writer is not None:
             self._writer.touches_now()
 
@@ -330,7 +334,9 @@ class ECStore:
             self.remote.drain()
 
     def close(self) -> None:
-        """Flush pending writes and release the store. Idempotent.
+        """Write pending puts and LRU updates, make them durable and release
+        the store. Idempotent. A write that fails here is logged, not raised:
+        call :meth:`flush` first to have such errors raised.
 
         Thread-safe (see :mod:`ecstore.calls`): new calls raise "store is
         closed" from the moment it begins; it waits for the calls already

@@ -153,6 +153,7 @@ class Writer(threading.Thread):
         self.busy = False
         self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
+        self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
     def submit(self, key: str, item: PendingPut) -> None:
         """Queue ``item`` under ``key``; blocks while the bytes not yet
@@ -165,11 +166,13 @@ class Writer(threading.Thread):
         with self.cv:
             while self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
                 self.cv.wait()
+            if self.dead is not None:
+                raise ECStoreError(f"the store's background writer stopped ({self.dead!r}); reopen the store")
             if self.stopping:
                 raise ECStoreError("store is closed")
             self.ticket += 1
             item.order = item.since = self.last_put_ticket = self.ticket
-            replaced = self.queue.get(key)
+            replaced = self.queue.pop(key, None)  # re-queued at the end: queue order is ``order``
             if replaced is not None:  # two puts of one key passed the presence check at once
                 self.queued_bytes -= replaced.nbytes
                 item.since = replaced.since  # flushes waiting for the replaced put wait for this one
@@ -327,6 +330,36 @@ class Writer(threading.Thread):
         self.join()
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # a defect or an exhausted process: fail every waiter, hang none
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The thread is ending on ``error``: every put not yet written fails
+        with it (:meth:`take_errors` hands it to ``flush``), pending touches
+        are dropped, and :meth:`submit` raises from now on; drainers,
+        cancellers and back-pressured puts wake up instead of waiting for a
+        thread that is gone."""
+        log.error("ecstore: the background writer stopped: %r", error)
+        with self.cv:
+            self.dead = error
+            self.stopping = True
+            lost = len(self.queue) + len(self.inflight)
+            if lost:
+                self.errors.append(ECStoreError(f"{lost} put(s) not written: the background writer "
+                                                f"stopped ({error!r})"))
+                self.write_errors += lost
+            self.queue.clear()
+            self.inflight.clear()
+            self.touches.clear()
+            self.queued_bytes = 0
+            self.busy = False
+            self.busy_since = None
+            self.progress += 1
+            self.cv.notify_all()
+
+    def _run(self) -> None:
         while True:
             with self.cv:
                 while not (self.queue or self.stopping or (self.touches and self.drainers)):
@@ -352,10 +385,13 @@ class Writer(threading.Thread):
                     self.touches_written_at = time.monotonic()
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
-            for _, item in batch:
-                if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
-                    t = item.tensor
-                    POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
+            try:
+                for _, item in batch:
+                    if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
+                        t = item.tensor
+                        POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
+            except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway
+                log.warning("ecstore: could not ready memory for the next save: %r", e)
             try:
                 self._write(batch, touches)
             except BaseException as e:  # never let the writer die silently

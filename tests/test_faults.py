@@ -568,6 +568,7 @@ def test_store_used_across_fork_raises_in_child_and_parent_keeps_working(tmp_pat
                                    ("delete", lambda: store.delete("before-fork")),
                                    ("flush", store.flush), ("stats", store.stats),
                                    ("lease", lambda: store.lease(["before-fork"])),
+                                   ("write_lru_soon", store.write_lru_soon),
                                    ("disk.get", lambda: store.disk.get(store.key("x"), store.stored_name("x")))]:
                     try:
                         call()
@@ -600,7 +601,7 @@ def test_store_used_across_fork_raises_in_child_and_parent_keeps_working(tmp_pat
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "\n".join(report)
         assert report == ["get:ForkedStoreError", "contains:ForkedStoreError", "put:ForkedStoreError",
                           "delete:ForkedStoreError", "flush:ForkedStoreError", "stats:ForkedStoreError",
-                          "lease:ForkedStoreError", "disk.get:ForkedStoreError",
+                          "lease:ForkedStoreError", "write_lru_soon:ForkedStoreError", "disk.get:ForkedStoreError",
                           "reopen:StoreOpenError (explains fork)", "own-store:ok"]
         # The parent's handle is unharmed.
         assert_same(store.get("before-fork"), make_tensor(1))

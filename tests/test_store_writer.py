@@ -311,3 +311,59 @@ def test_flush_returns_while_a_hot_entry_is_read_after_every_put(tmp_path, monke
     with _open(path) as s:
         assert all(s.contains(n) for n in fed)
         assert s.disk.record(s.key("a")).hits == 2 + len(fed)  # every read counted once
+
+
+def _bounded(call) -> list[BaseException | None]:
+    """``call()`` on another thread, bounded by BOUND_S: [None] if it
+    returned, [error] if it raised, [] if it was still waiting (a hang: the
+    thread is a daemon, so a broken build fails here instead of hanging)."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(BOUND_S)
+    return out
+
+
+def test_a_failure_to_ready_the_next_saves_memory_does_not_stop_the_writer(tmp_path, monkeypatch):
+    """Before the commit the writer asks the pool to ready memory for the
+    next save of the same layout; that call sat outside the writer's error
+    handling, so its failure (no thread can be started: the process is at
+    its limit) ended the thread with the batch marked in flight: flush(),
+    close(), delete() and back-pressured puts then waited forever."""
+    def cannot_start(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(writer_mod.POOL, "prefault_soon", cannot_start)
+    s = _open(tmp_path)
+    assert s.put("a", torch.randn(512, 512))  # 1 MiB: a pooled blob, prefault asked for
+    assert _bounded(s.flush) == [None], "flush() hung: the writer thread died"
+    assert s._writer.is_alive()
+    assert s.disk.contains(s.key("a"), s.stored_name("a"))
+    assert _bounded(s.close) == [None]
+
+
+def test_a_writer_thread_that_dies_fails_flush_and_puts_instead_of_hanging(tmp_path, monkeypatch):
+    """Whatever ends the writer thread early (a defect, an exhausted
+    process), every caller waiting for it must be told: the puts it did not
+    write fail flush(), later puts raise, close() returns."""
+    s = _open(tmp_path)
+    w = s._writer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr(w, "_split_touches", broken)
+    assert s.put("a", _tensor(1))
+    got = _bounded(s.flush)
+    assert got and isinstance(got[0], ECStoreError), f"flush after the writer died: {got or 'hung'}"
+    assert "background writer stopped" in str(got[0])
+    with pytest.raises(ECStoreError, match="background writer stopped"):
+        s.put("b", _tensor(2))
+    assert _bounded(s.close) == [None], "close() hung on a dead writer"
