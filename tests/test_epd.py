@@ -314,6 +314,43 @@ def test_item_served_from_vllms_own_cache_is_published_again(producer, disk_extr
         reader.close()
 
 
+def test_item_computed_again_after_another_process_evicted_it_is_stored_again(tiny_model_dir, disk_extra):
+    """The producer's scheduler answers from the shared file, so once
+    another process evicted an entry vLLM encodes it again and save_caches
+    fires; the worker's memory tier still held it, put() answered "already
+    held", and the entry stayed absent from the file when the step's output
+    left the engine (every consumer then missed it). It is stored again,
+    and the step end waits for that commit."""
+    cfg = vo.vllm_config(tiny_model_dir, "ec_producer", disk_extra)
+    sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
+    worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+    model = cfg.model_config.model
+    reader = Reader(disk_extra["local_disk"], model, sched.identity)
+
+    def step() -> None:  # one producer step that computed A
+        worker.bind_connector_metadata(sched.build_connector_meta(vo.SchedulerOutput.make_empty()))
+        worker.save_caches({A: encoder_output(A)}, A)
+        worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+
+    try:
+        step()
+        assert reader.contains(A)
+        with ECStore(replace(sched.config, local_cpu=False), model=model, dtype=torch.float32,
+                     identity=sched.identity) as st:  # evicted by another process sharing the file
+            assert st.delete(A)
+        assert not sched.has_cache_item(A)  # so vLLM encodes A again
+        step()
+        assert reader.contains(A), "computed again, but not stored again"
+        with ECStore(replace(sched.config, local_cpu=False), model=model, dtype=torch.float32,
+                     identity=sched.identity, readonly=True) as st:
+            assert torch.equal(st.get(A), encoder_output(A))
+    finally:
+        reader.close()
+        sched.shutdown()
+        worker.shutdown()
+
+
 def test_bench_epd_runs(tmp_path):
     """tools/bench_epd.py (the cost of the visibility commit) keeps working:
     a small run produces a row per size and batch with every number. No

@@ -197,17 +197,25 @@ class WorkerSide:
             if encoder_cache.get(identifier) is None:
                 continue  # computed later in this step (then saved) or not ours
             try:
-                # The shared file is what counts: this process's memory tier
-                # may still hold an entry another process evicted from disk.
-                key = self.store.key(identifier)
-                if self.store.disk is None or self.store.disk.contains(key, self.store.stored_name(identifier)):
+                if not self._lost_from_disk(identifier):
                     continue
-                if self.store.memory is not None:
-                    self.store.memory.delete(key)  # stale copy: put would skip it
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, not re-publishing it: %s", identifier, e)
                 continue
             self.save_caches(encoder_cache, identifier)
+
+    def _lost_from_disk(self, identifier: str) -> bool:
+        """Whether the shared file no longer holds ``identifier`` (another
+        process evicted or deleted it); if so, this process's memory-tier
+        copy is dropped, so that a put stores it again instead of answering
+        "already held". False without a disk tier (memory only). What counts
+        for other processes is the shared file."""
+        key = self.store.key(identifier)
+        if self.store.disk is None or self.store.disk.contains(key, self.store.stored_name(identifier)):
+            return False
+        if self.store.memory is not None:
+            self.store.memory.delete(key)  # stale copy: put would skip it
+        return True
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self.is_producer:
@@ -228,6 +236,11 @@ class WorkerSide:
             # the batch's output, which the tensor is a view of) into the
             # entry's safetensors blob.
             stored = self.store.put(mm_hash, tensor, copy=True)
+            if not stored and self._lost_from_disk(mm_hash):
+                # Held only in this process's memory tier: vLLM computed it
+                # again because the shared file lost it. Store it again, or
+                # other processes would keep missing it.
+                stored = self.store.put(mm_hash, tensor, copy=True)
         except ECStoreError as e:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return
