@@ -39,6 +39,7 @@ import os
 import queue
 import threading
 import weakref
+from typing import cast
 from collections import OrderedDict
 
 import numpy as np
@@ -124,11 +125,9 @@ class BufferPool:
         references, its memory a slab of the pool when one of its class is
         free (else a new slab; below ``min_bytes`` plain ``torch.empty``
         memory). The slab returns to the pool once this array is gone:
-        ``torch.frombuffer`` tensors (and their views) and memoryviews
-        of it keep it alive, but a numpy view does NOT (numpy points a view's
-        ``base`` at the slab, past this array): callers keep this array, or a
-        tensor over it, for as long as they use its memory (ecstore's blobs
-        do). ``pinned`` as in :meth:`empty`."""
+        anything made over it keeps it alive (numpy views, ``np.frombuffer``,
+        ``torch.frombuffer``/``from_numpy`` tensors and their views,
+        memoryviews). ``pinned`` as in :meth:`empty`."""
         if nbytes < self.min_bytes:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).numpy()
         cls = size_class(nbytes)
@@ -150,7 +149,12 @@ class BufferPool:
     def _hand_out(self, slab: np.ndarray, nbytes: int, pinned: bool) -> np.ndarray:
         """The first ``nbytes`` of ``slab`` as a new array whose death returns
         the slab to the pool. Holds ``_lock``."""
-        view = slab[:nbytes]
+        # Over a memoryview, not a slice of ``slab``: numpy points the base of
+        # any view derived from a slice at ``slab`` itself, so such views
+        # (``buf[1:]``, ``np.frombuffer(buf)``, ``.view(dtype)``) would not keep
+        # this array alive, and the slab would be handed out again under them.
+        # A view of this array keeps this array (its base is not an ndarray).
+        view = np.frombuffer(memoryview(slab)[:nbytes], dtype=np.uint8)  # type: ignore[arg-type]  # ndarray: a buffer
         # A plain weak reference with a callback (kept alive in ``_live``
         # until it fires): a few times cheaper than ``weakref.finalize``.
         ref = weakref.ref(view, self._on_dead)
@@ -292,7 +296,8 @@ class BufferPool:
                 break
             _, buf, _ = self._ready.pop(c)
             self._idle -= c
-            self._dropped.add(id(buf.base))  # its death (below, or when its taker drops it) frees it
+            slab_of_buf = cast(memoryview, buf.base).obj  # see _hand_out
+            self._dropped.add(id(slab_of_buf))  # its death (below, or its taker's) frees it
         if self._idle + cls <= self.idle_cap:
             (self._pinned_free if pinned else self._free).setdefault(cls, []).append(slab)
             self._order[id(slab)] = (cls, pinned)

@@ -281,3 +281,33 @@ def test_slabs_made_ready_for_saves_of_other_sizes_give_way_to_a_returning_slab(
         del hit
         gc.collect()
     assert pool.idle_bytes <= cap
+
+
+def test_anything_made_over_a_buffer_keeps_its_slab() -> None:
+    """A slab goes back to the pool when the array ``buffer()`` handed out
+    dies. Numpy points the base of a view of a slice at the slab itself, so
+    views of the handed-out array (``buf[1:]``, ``np.frombuffer(buf)``, a
+    dtype view, a tensor over a slice) did not keep it: the slab was handed
+    out again under them, and one reader would see another's bytes."""
+    import numpy as np
+
+    n = 1 << 20
+    makers = {
+        "slice": lambda b: b[1:],
+        "np.frombuffer": lambda b: np.frombuffer(b, np.uint8),
+        "dtype view": lambda b: b.view(np.float32),
+        "torch over a slice": lambda b: torch.from_numpy(b[64:]),
+        "torch.frombuffer of a slice": lambda b: torch.frombuffer(b[64:], dtype=torch.uint8),
+    }
+    for name, make in makers.items():
+        pool = BufferPool(idle_bytes=64 * n, min_bytes=1024)
+        buf = pool.buffer(n)
+        buf[:] = 7
+        kept = make(buf)
+        del buf
+        gc.collect()
+        others = [pool.buffer(n) for _ in range(3)]
+        for o in others:
+            o[:] = 0
+        kept_bytes = kept.numpy() if isinstance(kept, torch.Tensor) else kept
+        assert (kept_bytes.view(np.uint8) == 7).all(), f"{name}: the slab was handed out again under it"
