@@ -163,12 +163,9 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
     head = bytearray(head_len)
     out = POOL.empty(rec.shape, dt)
     mv = memoryview(_raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
-    got = os.preadv(fd, [head, mv], 0)
-    if got != size:  # short: the file shrank under us (or a signal): finish, or CorruptBlobError
-        if got < head_len:
-            _read_into(fd, memoryview(head)[got:], got)
-            got = head_len
-        _read_into(fd, mv[got - head_len:], got)
+    if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptBlobError
+        _read_into(fd, memoryview(head), 0)
+        _read_into(fd, mv, head_len)
     hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
                       checksum_by_caller=True, size=size)
     if hdr.data_offset != head_len:  # implied by the checks above; kept explicit

@@ -1,4 +1,4 @@
-"""Bytes <-> tensors: the one place ecstore interprets stored bytes.
+"""Bytes <-> tensors: the blob format, and how ecstore writes it.
 
 Blob format
 -----------

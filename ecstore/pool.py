@@ -39,8 +39,8 @@ import os
 import queue
 import threading
 import weakref
-from typing import cast
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 import torch

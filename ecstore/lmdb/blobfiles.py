@@ -406,18 +406,11 @@ class BlobFiles:
         """name -> bytes of every blob file in the directory (tooling:
         ``ecstore-dump stats``); empty if there is no directory. Files
         vanishing during the listing are left out."""
-        out: dict[str, int] = {}
         try:
             names = os.listdir(self.dir)
         except OSError:
-            return out
-        for name in names:
-            if _NAME.fullmatch(name):
-                try:
-                    out[name] = os.stat(self._path(name)).st_size
-                except OSError:
-                    pass
-        return out
+            return {}
+        return {name: size for name in names if (size := self.size(name)) is not None}
 
     def close(self) -> None:
         """Release the token: remove and close the lock file (the files this

@@ -261,6 +261,8 @@ class WriteTxn:
         ref = None if blob is None else file_ref(blob)
         if ref is not None:
             names = [ref.name]
+            if dbs.files is not None:
+                txn.delete(ref.name.encode("ascii"), db=dbs.files)
         elif dbs.files is not None and (blob is None or rec is None or rec.blob_size != len(blob)):
             # Damaged (no valid pointer, yet not a consistent inline blob): a
             # file it pointed to is found through the files index.
@@ -272,8 +274,6 @@ class WriteTxn:
                 size = sum(self.files.size(n) or 0 for n in names)
         else:
             names = []
-        if ref is not None and dbs.files is not None:
-            txn.delete(ref.name.encode("ascii"), db=dbs.files)
         self.unreferenced.extend(names)
         txn.delete(k, db=dbs.blobs)
         txn.delete(k, db=dbs.entries)
