@@ -23,7 +23,7 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -113,8 +113,9 @@ class Writer(threading.Thread):
 
     Bounded by bytes: :meth:`submit` (``ECStore.put``) blocks while the
     tensor bytes not yet written (queued, and the batch being written) would
-    exceed ``max_bytes`` (back-pressure, not unbounded memory). Commits at most ``batch_bytes`` of blobs per LMDB
-    transaction, with the LRU touches made before them. Every method is
+    exceed ``max_bytes`` (back-pressure, not unbounded memory; puts are
+    admitted first come, first served). Commits at most ``batch_bytes`` of
+    blobs per LMDB transaction, with the LRU touches made before them. Every method is
     thread-safe (one condition, ``cv``, guards all state); :meth:`drain`
     waits for what was submitted before its call only (see the module doc);
     :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
@@ -147,6 +148,8 @@ class Writer(threading.Thread):
         self.ticket = 0  # orders puts and touches as they were made
         self.last_put_ticket = 0
         self.queued_bytes = 0
+        self.admissions = 0  # puts that came to submit (their turns in line)
+        self.in_line: deque[int] = deque()  # turns of the puts in submit, oldest first
         self.stopping = False
         self.errors: list[BaseException] = []
         self.write_errors = 0  # failed puts since start
@@ -159,13 +162,25 @@ class Writer(threading.Thread):
         """Queue ``item`` under ``key``; blocks while the bytes not yet
         written (queued, and the batch being written) plus ``item.nbytes``
         would exceed ``max_bytes`` (back-pressure; an item larger than
-        ``max_bytes`` waits until nothing else is pending). Raises
+        ``max_bytes`` waits until nothing else is pending), and while an
+        earlier put waits (puts are admitted in the order they came). Raises
         ECStoreError "store is closed" once :meth:`stop` began (the thread
         might not write it any more): a put that returns was queued before,
         and the thread writes it."""
         with self.cv:
-            while self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes and not self.stopping:
-                self.cv.wait()
+            # First come, first admitted: a put waiting for room holds back
+            # every later one, even one that would fit (else a steady stream
+            # of small puts from other threads could keep a large one out).
+            self.admissions += 1
+            turn = self.admissions
+            self.in_line.append(turn)
+            try:
+                while not self.stopping and (self.in_line[0] != turn or (
+                        self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes)):
+                    self.cv.wait()
+            finally:
+                self.in_line.remove(turn)  # admitted, refused or interrupted: the next in line goes
+                self.cv.notify_all()
             if self.dead is not None:
                 raise ECStoreError(f"the store's background writer stopped ({self.dead!r}); reopen the store")
             if self.stopping:

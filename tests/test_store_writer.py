@@ -248,6 +248,131 @@ def test_back_pressure_counts_the_batch_being_written(tmp_path):
         assert s.contains("a") and s.contains("b")
 
 
+def _put_noting_wait(s: ecstore.ECStore, name: str, tensor: torch.Tensor
+                     ) -> tuple[threading.Thread, threading.Event, list[str]]:
+    """``s.put(name, tensor)`` on a new thread (started). ``settled`` is set
+    once the put either waits on the writer's condition (``seen`` gets
+    "waited") or returns without waiting ("admitted"); the put's result or
+    error is appended to ``seen`` when it returns."""
+    w = s._writer
+    settled = threading.Event()
+    seen: list[str] = []
+
+    def tracer(frame, event, arg):
+        if (event == "call" and frame.f_code is threading.Condition.wait.__code__
+                and frame.f_locals.get("self") is w.cv and not settled.is_set()):
+            seen.append("waited")
+            settled.set()
+        return None
+
+    def putter() -> None:
+        sys.settrace(tracer)
+        try:
+            seen.append(repr(s.put(name, tensor)))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            seen.append(repr(e))
+        finally:
+            sys.settrace(None)
+            if not settled.is_set():
+                seen.insert(0, "admitted")
+                settled.set()
+
+    th = threading.Thread(target=putter)
+    th.start()
+    return th, settled, seen
+
+
+def test_back_pressure_admits_puts_in_the_order_they_came(tmp_path):
+    """A put waiting for room holds back later puts, even ones that would
+    fit: before, a small put from another thread went past a large one
+    waiting, so a steady stream of small puts could keep the large one out
+    forever. The writer is held inside a batch; "big" must wait for room,
+    then "small" (which fits) must wait behind it, and both are written in
+    that order."""
+    path = tmp_path / "s"
+    s = _open(path)
+    w = s._writer
+    w.max_bytes = 1024  # bytes; "a" and "big" hold 800 each, "small" 100
+    real_write = s.disk.write_batch
+    in_batch, go = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+
+    def hooked(puts, touches=None):
+        batches.append([p.identifier.rsplit("/", 1)[-1] for p in puts])
+        if any(p.identifier.endswith("/a") for p in puts):
+            in_batch.set()
+            assert go.wait(BOUND_S)
+        return real_write(puts, touches)
+
+    s.disk.write_batch = hooked
+    threads = []
+    try:
+        assert s.put("a", torch.ones(200, 1))
+        assert in_batch.wait(BOUND_S)
+        big, big_settled, big_seen = _put_noting_wait(s, "big", torch.ones(200, 1))
+        threads.append(big)
+        assert big_settled.wait(BOUND_S)
+        assert big_seen[0] == "waited", big_seen  # 800 in flight + 800 > 1024
+        small, small_settled, small_seen = _put_noting_wait(s, "small", torch.ones(25, 1))
+        threads.append(small)
+        assert small_settled.wait(BOUND_S)
+        assert small_seen[0] == "waited", f"a later put went past one waiting for room: {small_seen}"
+        go.set()
+        for th in threads:
+            th.join(BOUND_S)
+        assert big_seen[1:] == ["True"] and small_seen[1:] == ["True"]
+        s.flush()
+        assert [n for b in batches for n in b] == ["a", "big", "small"]
+    finally:
+        go.set()
+        s.disk.write_batch = real_write
+        s.close()
+    with _open(path) as s:
+        assert s.contains("a") and s.contains("big") and s.contains("small")
+
+
+def test_puts_waiting_in_line_are_refused_when_the_store_closes(tmp_path):
+    """Puts waiting in line for room when close() begins are refused with
+    "store is closed" (none waits for a turn that never comes) and leave
+    the line. The writer is held in a batch; "b" waits for room, "c"
+    behind it; then close() begins."""
+    path = tmp_path / "s"
+    s = _open(path)
+    w = s._writer
+    w.max_bytes = 1024
+    real_write = s.disk.write_batch
+    in_batch, go = threading.Event(), threading.Event()
+
+    def hooked(puts, touches=None):
+        if any(p.identifier.endswith("/a") for p in puts):
+            in_batch.set()
+            assert go.wait(BOUND_S)
+        return real_write(puts, touches)
+
+    s.disk.write_batch = hooked
+    try:
+        assert s.put("a", torch.ones(200, 1))
+        assert in_batch.wait(BOUND_S)
+        b, b_settled, b_seen = _put_noting_wait(s, "b", torch.ones(200, 1))
+        assert b_settled.wait(BOUND_S)
+        c, c_settled, c_seen = _put_noting_wait(s, "c", torch.ones(25, 1))
+        assert c_settled.wait(BOUND_S)
+        with w.cv:
+            w.stopping = True  # what close() does first, before it waits for the writer
+            w.cv.notify_all()
+        b.join(BOUND_S)
+        c.join(BOUND_S)
+        assert not b.is_alive() and not c.is_alive()
+        assert "store is closed" in b_seen[-1] and "store is closed" in c_seen[-1], (b_seen, c_seen)
+        assert not w.in_line
+    finally:
+        go.set()
+        s.disk.write_batch = real_write
+        s.close()
+    with _open(path) as s:
+        assert s.contains("a") and not s.contains("b") and not s.contains("c")
+
+
 def test_flush_returns_while_a_hot_entry_is_read_after_every_put(tmp_path, monkeypatch):
     """One put per batch (4 MiB puts, batches of at most cap/8) and an entry
     read after every put: at each batch the entry's pending reads straddle
