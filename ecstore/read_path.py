@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Hit:
     """A tensor found by :meth:`ReadPath.find`: the tier that served it, and
-    whether the memory tier now holds this very tensor (``promoted``: the
-    caller must then hand out a copy, not the tier's tensor)."""
+    whether a tier now holds this very tensor (``promoted``: the memory tier,
+    or a pending LMDB write of a remote hit; the caller must then hand out a
+    copy, not the tier's tensor)."""
 
     tensor: torch.Tensor
     tier: HitTier
@@ -109,16 +110,20 @@ class ReadPath:
     def _promote(self, key: str, name: str, mm_hash: str, t: torch.Tensor, blob: memoryview) -> bool:
         """A verified remote entry (stored name ``name``) into the memory tier
         and (background) LMDB, its blob stored as is; not written back to the
-        remote. True if the memory tier now holds ``t``."""
+        remote. True if a tier now holds ``t`` (the memory tier, or the
+        pending LMDB write, whose blob ``t`` views): the caller must then
+        hand out a copy, or a change to it would be committed to LMDB under
+        a fresh checksum."""
         nbytes = codec.tensor_nbytes(t)
-        in_memory = False
+        held = False
         if self.memory is not None and nbytes <= self.memory.capacity_bytes:
-            in_memory = self.memory.put(key, name, t, nbytes)
+            held = self.memory.put(key, name, t, nbytes)
         if self.writer is not None and self.disk is not None and len(blob) <= self.disk.capacity_bytes \
                 and self.identifier_at(key) in (None, name):
             self.writer.submit(key, PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8),
                                                mm_hash=mm_hash))
-        return in_memory
+            held = True
+        return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:
         """The shape the LMDB tier's entry under ``key`` holds, from its

@@ -206,9 +206,10 @@ class ECStore:
         """The stored tensor on ``device``, or None on a miss.
 
         A memory-tier hit on the CPU returns the cached tensor itself (no
-        copy): treat it as read-only. A disk hit returns a fresh tensor that
-        nothing else references (the memory tier keeps its own copy), so the
-        caller may modify it. Corrupt entries are misses.
+        copy): treat it as read-only. A disk or remote hit returns a fresh
+        tensor that nothing else references (the memory tier and a pending
+        LMDB write of a remote hit keep their own copy), so the caller may
+        modify it. Corrupt entries are misses.
         """
         name = self.stored_name(mm_hash)
         key = self._key_of(name)

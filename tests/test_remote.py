@@ -8,6 +8,7 @@ never errors; the circuit breaker is driven with a fake clock (no sleeps).
 from __future__ import annotations
 
 import io
+import threading
 import time
 import logging
 from contextlib import redirect_stdout
@@ -99,6 +100,39 @@ def test_put_on_a_is_a_verified_hit_on_b_and_promoted_to_b_lmdb(tmp_path: Path, 
     # B's LMDB alone (no remote) now serves it bit-exact.
     with open_store(tmp_path, "b", None) as local_only:
         assert same_tensor(local_only.get("img-1"), t)
+
+
+def test_a_remote_hit_handed_out_is_not_the_pending_lmdb_writes_tensor(tmp_path: Path,
+                                                                       redis_server: RedisServer) -> None:
+    """``get`` hands out a remote hit as a tensor of the caller's own (like a
+    disk hit): it viewed the blob queued for B's LMDB, so a caller changing
+    it in place changed what the next ``get`` served and what LMDB then
+    committed, under a fresh checksum (every process on the node served
+    the wrong tensor from then on). B's writer is held (a busy disk) so the
+    write is still pending while the caller changes its tensor."""
+    t = make_tensor(3, rows=32, cols=64)
+    with open_store(tmp_path, "a", redis_server.url) as a:
+        assert a.put("img", t)
+        a.flush()
+    with open_store(tmp_path, "b", redis_server.url, local_cpu=False) as b:
+        go = threading.Event()
+        real_write = b._writer._write
+
+        def held_write(batch, touches):
+            assert go.wait(60)
+            real_write(batch, touches)
+
+        b._writer._write = held_write
+        try:
+            got = b.get("img")
+            assert same_tensor(got, t)
+            got.mul_(0)  # the caller reuses the tensor it got
+            assert same_tensor(b.get("img"), t)  # served from the pending write
+        finally:
+            go.set()
+        b.flush()
+    with open_store(tmp_path, "b", None, local_cpu=False) as local_only:
+        assert same_tensor(local_only.get("img"), t)
 
 
 def test_remote_only_store_without_local_disk(tmp_path: Path, redis_server: RedisServer) -> None:
