@@ -236,6 +236,20 @@ class ECStore:
         name = self.stored_name(mm_hash)
         return self._reads.stored_shape(self._key_of(name), name)
 
+    @_gated
+    def verify(self, mm_hash: str) -> bool:
+        """Whether the disk tier holds ``mm_hash``'s entry (under this
+        handle's identity) and it passes every check a :meth:`get` makes: the
+        whole blob is read and its checksum compared (about a disk hit's
+        cost). No LRU update, no promotion, not counted as a hit; an entry
+        failing a check is logged and dropped, as by :meth:`get`. False
+        without a disk tier. The vLLM scheduler verifies before it promises
+        an entry that vLLM could not compute instead."""
+        if self.disk is None:
+            return False
+        name = self.stored_name(mm_hash)
+        return self.disk.get(self._key_of(name), name, model=self.model, dtype=self.dtype) is not None
+
     # ----------------------------------------------------------------- writes
     @_gated
     def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:

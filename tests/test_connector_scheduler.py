@@ -113,31 +113,139 @@ def test_consumer_computes_absent_and_stores_nothing(tiny_model_dir, disk_extra,
         assert st.stats().disk_entries == 0
 
 
-def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_model_dir, disk_extra, engines):
-    """A corrupt entry is announced (the damage shows only when read): the
-    worker's zero stand-in keeps the step alive, the Scheduler fails the
-    request (FinishReason.ERROR). vLLM's encoder cache keeps the stand-in
-    under A; a later request for A must fail too rather than be served
-    zeros, until vLLM evicts A - then A is computed afresh."""
-    # max_num_batched_tokens=64: vLLM's encoder cache holds two images.
-    cfg = vo.vllm_config(tiny_model_dir, "ec_both", disk_extra, max_num_batched_tokens=64)
-    eng = engines(cfg)
-    assert eng.scheduler.encoder_cache_manager.cache_size == 2 * vo.EMBEDS_PER_IMAGE
-    with open_store(eng.connector) as st:
-        st.put(A, encoder_output(A))
-        st.flush()
-        key = st.key(A)
+def _damage_blob(conn: ECStoreConnector, identifier: str) -> None:
+    """Flip the last byte of ``identifier``'s stored blob (record unchanged)."""
+    with open_store(conn) as st:
+        key = st.key(identifier)
         blob = bytearray(st.disk.blob_bytes(key))
         blob[-1] ^= 0xFF
         with st.disk.env.begin(write=True) as txn:
             txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
 
+
+def test_an_item_vllm_can_encode_again_is_encoded_when_its_entry_is_corrupt(tiny_model_dir, disk_extra, engines):
+    """A corrupt entry of an item vLLM holds inputs for is announced (the
+    damage shows only when read) and encoded by the worker in the same
+    step: the request never sees a stand-in, and a good copy replaces the
+    corrupt one."""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    _damage_blob(eng.connector, A)
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5))
+    first = eng.step()
+    assert load_specs(first) == [("r1", A, *SHAPE)]
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))  # encoded in the step
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.LENGTH}
+    tot = eng.totals()
+    assert (tot["load_failures"], tot["recomputed"], tot.get("loads", 0)) == (1, 1, 0)
+    eng.worker.worker_side.store.flush()
+    with open_store(eng.connector) as st:
+        assert torch.equal(st.get(A), encoder_output(A))
+    assert leased(eng.connector, A) == set()
+
+
+def test_a_corrupt_entry_of_an_item_vllm_cannot_encode_fails_its_request_before_any_token(
+        tiny_model_dir, disk_extra, engines):
+    """An item vLLM holds no inputs for (an EPD consumer's metadata-only
+    request) whose entry is corrupt: the scheduler verifies such entries
+    before it says yes, so the request is failed before it is scheduled,
+    instead of running on a zero stand-in (a failed load is reported to
+    vLLM only after the step's tokens: a request ending in that step used
+    to end normally, on zeros). The corrupt entry is dropped."""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    _damage_blob(eng.connector, A)
+    eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1, inputs=False))
+    out = eng.step()
+    assert "r1" not in out.num_scheduled_tokens and load_specs(out) == []
+    eng.step()
+    assert eng.finished == {"r1": FinishReason.ERROR} and not eng.tokens.get("r1")
+    with open_store(eng.connector) as st:
+        assert not st.contains(A)  # dropped as corrupt
+    assert leased(eng.connector, A) == set()
+    # A good entry of such an item is loaded (verified once, then remembered).
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    for rid in ("r2", "r3"):
+        eng.scheduler.add_request(vo.make_request(rid, [A], max_tokens=1, inputs=False))
+        eng.run()
+        assert eng.finished[rid] == FinishReason.LENGTH
+    assert eng.totals()["loads"] >= 1
+
+
+def test_with_tensor_parallelism_a_corrupt_entry_is_a_miss_and_encoded_not_a_stand_in(
+        tiny_model_dir, disk_extra, engines):
+    """With tensor parallelism the worker cannot encode an item whose load
+    failed (its ranks would disagree), so it used to put a zero stand-in,
+    and a request ending in that step (max_tokens=1: a P/D prefill) ended
+    normally on zeros. The scheduler now verifies such entries before its
+    yes: a corrupt one is a miss, and vLLM encodes the item on every rank.
+    (``_can_recompute`` is what both sides compute for tensor_parallel_size
+    > 1; the tiny model runs on one rank here.)"""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    eng.connector.scheduler_side._can_recompute = False
+    eng.worker.worker_side._can_recompute = False
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    _damage_blob(eng.connector, A)
+    eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1))
+    out = eng.step()
+    assert load_specs(out) == [] and out.scheduled_encoder_inputs == {"r1": [0]}
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.LENGTH}
+    assert eng.totals().get("load_failures", 0) == 0
+
+
+def test_an_item_vllm_cannot_encode_and_nobody_stored_fails_its_request_not_the_engine(
+        tiny_model_dir, disk_extra, engines):
+    """A metadata-only item the store does not hold (never stored, or
+    evicted before the request came): vLLM would schedule it for encoding,
+    have nothing to encode and stop the engine ("Encoder cache miss"). The
+    request is failed instead, before any token; other requests go on."""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=2, inputs=False))
+    eng.scheduler.add_request(vo.make_request("r2", [B], max_tokens=2))
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.ERROR, "r2": FinishReason.LENGTH}
+
+
+def test_an_entry_damaged_after_it_was_verified_fails_its_request_and_its_stand_in_is_never_served(
+        tiny_model_dir, disk_extra, engines):
+    """The last resort: an entry the scheduler verified earlier goes bad
+    before a load of an item vLLM cannot encode. The worker's zero stand-in
+    keeps the step alive and the Scheduler fails the request
+    (FinishReason.ERROR). vLLM's encoder cache keeps the stand-in under A;
+    a later request for A must fail too rather than be served zeros, until
+    vLLM evicts A - then A is looked up afresh."""
+    # max_num_batched_tokens=64: vLLM's encoder cache holds two images.
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", dict(disk_extra, local_cpu=False), max_num_batched_tokens=64)
+    eng = engines(cfg)
+    assert eng.scheduler.encoder_cache_manager.cache_size == 2 * vo.EMBEDS_PER_IMAGE
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    eng.scheduler.add_request(vo.make_request("r0", [A], max_tokens=1, inputs=False))
+    eng.run()  # loaded: the scheduler verified A
+    eng.scheduler.add_request(vo.make_request("r3", [C]))
+    eng.scheduler.add_request(vo.make_request("r4", [D]))
+    freed = [h for o in eng.run() for h in o.free_encoder_mm_hashes]
+    assert A in freed and A not in eng.encoder_cache
+    _damage_blob(eng.connector, A)  # after the verification, record unchanged
+
+    eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5, inputs=False))
     first = eng.step()
     assert load_specs(first) == [("r1", A, *SHAPE)]
     assert not eng.encoder_cache[A].any()  # the stand-in
     eng.step()
-    assert eng.finished == {"r1": FinishReason.ERROR}
+    assert eng.finished["r1"] == FinishReason.ERROR
 
     eng.scheduler.add_request(vo.make_request("r2", [A]))
     out = eng.step()
@@ -145,24 +253,58 @@ def test_unloadable_entry_fails_request_and_its_stand_in_is_never_served(tiny_mo
     assert eng.finished["r2"] == FinishReason.ERROR
 
     # Two other images push A out of vLLM's encoder cache.
-    eng.scheduler.add_request(vo.make_request("r3", [C]))
-    eng.scheduler.add_request(vo.make_request("r4", [D]))
+    eng.scheduler.add_request(vo.make_request("r5", [C]))
+    eng.scheduler.add_request(vo.make_request("r6", [D]))
     freed = [h for o in eng.run() for h in o.free_encoder_mm_hashes]
     assert A in freed and A not in eng.encoder_cache
-    assert eng.finished["r3"] == eng.finished["r4"] == FinishReason.LENGTH
 
-    eng.scheduler.add_request(vo.make_request("r5", [A]))
+    eng.scheduler.add_request(vo.make_request("r7", [A]))
     out = eng.step()
-    assert out.scheduled_encoder_inputs == {"r5": [0]}  # corrupt entry was dropped: computed
+    assert out.scheduled_encoder_inputs == {"r7": [0]}  # corrupt entry was dropped: computed
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))
     eng.run()
-    assert eng.finished["r5"] == FinishReason.LENGTH
-    tot = eng.totals()
-    assert tot["load_failures"] == 1 and tot.get("loads", 0) == 0
+    assert eng.finished["r7"] == FinishReason.LENGTH
+    assert eng.totals()["load_failures"] == 1
     eng.worker.worker_side.store.flush()
     with open_store(eng.connector) as st:  # a good copy replaced the corrupt one
         assert torch.equal(st.get(A), encoder_output(A))
     assert leased(eng.connector, A, C, D) == set()
+
+
+def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_model_dir, disk_extra, engines):
+    """r3 loaded a good copy of A and decodes (A is in its KV cache; vLLM
+    no longer needs A for it, and evicts it). Then r6's load of A fails
+    (the entry went bad after the scheduler verified it; neither request
+    has inputs vLLM could encode): r6 fails, and vLLM's encoder cache holds
+    the stand-in under A; r3 must go on. ensure_cache_available failed every
+    request with A among its items, so a healthy decoding request was
+    failed too."""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", dict(disk_extra, local_cpu=False),
+                                 max_num_batched_tokens=64))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    eng.scheduler.add_request(vo.make_request("r3", [A], max_tokens=20, inputs=False))  # verified
+    out = eng.step()
+    assert [s.req_id for s in out.ec_connector_metadata.loads] == ["r3"]
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))
+    eng.scheduler.add_request(vo.make_request("r4", [C], max_tokens=1))
+    eng.scheduler.add_request(vo.make_request("r5", [D], max_tokens=1))
+    freed = [h for _ in range(4) for h in eng.step().free_encoder_mm_hashes]
+    assert A in freed and "r3" not in eng.finished
+    with open_store(eng.connector) as st:  # A's stored entry goes bad
+        key = st.key(A)
+        blob = bytearray(st.disk.blob_bytes(key))
+        blob[-1] ^= 0xFF
+        with st.disk.env.begin(write=True) as txn:
+            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+    eng.scheduler.add_request(vo.make_request("r6", [A], max_tokens=3, inputs=False))
+    out = eng.step()
+    assert [s.req_id for s in out.ec_connector_metadata.loads] == ["r6"]
+    eng.run()
+    assert eng.finished["r6"] == FinishReason.ERROR
+    assert eng.finished["r3"] == FinishReason.LENGTH, eng.finished
+    assert len(eng.tokens["r3"]) == 20
 
 
 def test_entry_whose_record_is_damaged_past_its_identifier_is_computed_and_not_left_leased(

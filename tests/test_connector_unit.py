@@ -151,7 +151,7 @@ def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
     t_a, t_b = embedding(1), embedding(2)
     seed_store(sched, {A: t_a})
     caplog.clear()
-    req = vo.make_request("r1", [A, B])
+    req = vo.make_request("r1", [A, B], inputs=False)
 
     assert sched.has_cache_item(A) is True
     assert sched.has_cache_item(B) is False
@@ -192,7 +192,7 @@ def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
 def test_metadata_is_picklable_and_reset(connectors, disk_extra):
     sched, worker = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
-    req = vo.make_request("r1", [A])
+    req = vo.make_request("r1", [A], inputs=False)
     assert sched.has_cache_item(A)
     sched.update_state_after_alloc(req, 0)
     meta = sched.build_connector_meta(empty_output())
@@ -224,7 +224,7 @@ def test_computed_items_are_not_announced(connectors, disk_extra):
     to; an item present in the store that vLLM computes anyway (it never
     asked, or asked before the entry existed) is not loaded on top."""
     sched, _ = connectors("ec_both", disk_extra)
-    req = vo.make_request("r1", [A, B])
+    req = vo.make_request("r1", [A, B], inputs=False)
     assert sched.has_cache_item(A) is False  # absent at lookup time
     seed_store(sched, {A: embedding(1), B: embedding(2)})  # appears meanwhile
     sched.update_state_after_alloc(req, 0)
@@ -258,7 +258,7 @@ def test_producer_never_loads(connectors, disk_extra, caplog):
     seed_store(sched, {A: t_a})
     before = snapshot(sched)
     caplog.clear()
-    req = vo.make_request("r1", [A, B])
+    req = vo.make_request("r1", [A, B], inputs=False)
     assert sched.has_cache_item(A) is True  # present: vLLM skips its encoder
     assert sched.has_cache_item(B) is False
     assert leased(sched, A) == set()  # nothing to load, nothing pinned
@@ -298,7 +298,7 @@ def test_consumer_never_writes(connectors, disk_extra, caplog, seeded):
         seed_store(sched, {A: t_a})
     before = snapshot(sched)
     caplog.clear()
-    req = vo.make_request("r1", [A, B])
+    req = vo.make_request("r1", [A, B], inputs=False)
     assert sched.has_cache_item(A) is seeded
     assert sched.has_cache_item(B) is False
     sched.update_state_after_alloc(req, 0)
@@ -322,7 +322,7 @@ def test_consumer_never_writes(connectors, disk_extra, caplog, seeded):
 def test_aborted_request_releases_its_lease(connectors, disk_extra):
     sched, _ = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
-    r1, r2 = vo.make_request("r1", [A]), vo.make_request("r2", [A])
+    r1, r2 = vo.make_request("r1", [A], inputs=False), vo.make_request("r2", [A], inputs=False)
     assert sched.has_cache_item(A)
     sched.update_state_after_alloc(r1, 0)
     sched.build_connector_meta(empty_output())
@@ -352,10 +352,10 @@ def test_each_announced_load_holds_its_own_lease(connectors, disk_extra):
     sched, worker = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     assert sched.has_cache_item(A)
-    sched.update_state_after_alloc(vo.make_request("r1", [A]), 0)
+    sched.update_state_after_alloc(vo.make_request("r1", [A], inputs=False), 0)
     meta1 = sched.build_connector_meta(empty_output())
     assert sched.has_cache_item(A)
-    sched.update_state_after_alloc(vo.make_request("r2", [A]), 0)
+    sched.update_state_after_alloc(vo.make_request("r2", [A], inputs=False), 0)
     meta2 = sched.build_connector_meta(empty_output())
     wm1 = worker_step(worker, meta1, {})
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm1))
@@ -407,7 +407,7 @@ def test_shutdown_releases_pending_leases(connectors, disk_extra):
     sched, _ = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1), B: embedding(2)})
     assert sched.has_cache_item(A) and sched.has_cache_item(B)
-    sched.update_state_after_alloc(vo.make_request("r1", [A]), 0)
+    sched.update_state_after_alloc(vo.make_request("r1", [A], inputs=False), 0)
     assert leased(sched, A, B) == {A, B}
     sched.shutdown()
     assert leased(sched, A, B) == set()
@@ -426,7 +426,7 @@ def test_unloadable_entry_gets_stand_in_and_fails_request(connectors, disk_extra
         corrupt(sched, A)
     else:
         seed_store(sched, {A: embedding(1, (16, vo.EMBED_WIDTH))})
-    req = vo.make_request("r1", [A])
+    req = vo.make_request("r1", [A], inputs=False)
     assert sched.has_cache_item(A)  # present; damage shows only when read
     sched.update_state_after_alloc(req, 0)
     meta = sched.build_connector_meta(empty_output())
@@ -448,7 +448,7 @@ def test_unloadable_entry_gets_stand_in_and_fails_request(connectors, disk_extra
 
     # vLLM's encoder cache now holds the stand-in under A and would serve it
     # to the next request with A without asking the connector: fail those.
-    r2 = vo.make_request("r2", [A])
+    r2 = vo.make_request("r2", [A], inputs=False)
     assert sched.ensure_cache_available(r2, 0) is False
     assert sched.take_unavailable_requests() == {"r2"}
     assert sched.ensure_cache_available(vo.make_request("r3", [B]), 0) is True
@@ -467,7 +467,7 @@ def test_stand_in_gone_from_vllms_cache_unblocks_the_item(connectors, disk_extra
     seed_store(sched, {A: embedding(1)})
     corrupt(sched, A)
     assert sched.has_cache_item(A)
-    sched.update_state_after_alloc(vo.make_request("r1", [A]), 0)
+    sched.update_state_after_alloc(vo.make_request("r1", [A], inputs=False), 0)
     cache: dict[str, torch.Tensor] = {}
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), cache)
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
@@ -497,7 +497,7 @@ def test_memory_only_mirror_limbo_and_acks(connectors):
     assert sched.has_cache_item(A) is False
 
     # Step 1: A and B computed and saved; the scheduler learns of them.
-    r1 = vo.make_request("r1", [A, B])
+    r1 = vo.make_request("r1", [A, B], inputs=False)
     sched.update_state_after_alloc(r1, 0)
     sched.update_state_after_alloc(r1, 1)
     wm1 = worker_step(worker, sched.build_connector_meta(empty_output()), {}, {A: t_a, B: t_b})
@@ -506,7 +506,7 @@ def test_memory_only_mirror_limbo_and_acks(connectors):
     assert sched.has_cache_item(A) and sched.has_cache_item(B)
 
     # Step 2: r2 needs A -> load announced (meta2).
-    sched.update_state_after_alloc(vo.make_request("r2", [A]), 0)
+    sched.update_state_after_alloc(vo.make_request("r2", [A], inputs=False), 0)
     meta2 = sched.build_connector_meta(empty_output())
     assert [s.identifier for s in meta2.loads] == [A]
 
@@ -659,7 +659,7 @@ def test_consumer_only_trusts_the_stored_width(connectors, disk_extra):
     wide = embedding(1, (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH * 3))  # e.g. deepstack outputs
     short = embedding(2, (vo.EMBEDS_PER_IMAGE // 2, vo.EMBED_WIDTH))
     seed_store(sched, {A: wide, B: short})
-    req = vo.make_request("r1", [A, B])
+    req = vo.make_request("r1", [A, B], inputs=False)
     assert sched.has_cache_item(A) and sched.has_cache_item(B)
     sched.update_state_after_alloc(req, 0)
     sched.update_state_after_alloc(req, 1)

@@ -46,7 +46,7 @@ def test_node_b_loads_what_node_a_computed(tiny_model_dir, tmp_path, redis_serve
     b.scheduler.add_request(vo.make_request("b1", [A]))
     out = b.step()
     assert out.scheduled_encoder_inputs == {}  # B never ran its encoder
-    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0)]
+    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=True)]
     assert torch.equal(b.encoder_cache[A], encoder_output(A))  # bit-exact from A
     b.run()
     assert b.finished == {"b1": FinishReason.LENGTH}
@@ -56,6 +56,33 @@ def test_node_b_loads_what_node_a_computed(tiny_model_dir, tmp_path, redis_serve
     store = b.worker.worker_side.store
     store.flush()
     assert store.disk.contains(store.key(A), store.stored_name(A))  # promoted to B's LMDB
+
+
+def test_an_item_node_b_cannot_encode_is_fetched_verified_and_pinned_before_the_yes(
+        tiny_model_dir, tmp_path, redis_server, engines):
+    """A metadata-only request on node B (an EPD consumer: vLLM holds no
+    inputs to encode the item) for an entry only the remote holds: a remote
+    yes holds no lease, and the remote may lose the value before the
+    worker's load (then only a zero stand-in was left). B's scheduler
+    fetches and verifies it first, commits it to B's LMDB and pins it there;
+    the worker loads the pinned local entry. Without a remote copy the
+    request is failed before any token."""
+    a = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
+    a.scheduler.add_request(vo.make_request("a1", [A]))
+    a.run()
+    a.worker.worker_side.store.flush()
+    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
+    b.scheduler.add_request(vo.make_request("b1", [A], max_tokens=1, inputs=False))
+    out = b.step()
+    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=False)]
+    assert torch.equal(b.encoder_cache[A], encoder_output(A))
+    b.run()
+    assert b.finished == {"b1": FinishReason.LENGTH}
+    store = b.worker.worker_side.store
+    assert store.stats().disk_hits == 1 and store.stats().remote_hits == 0  # read the pinned local entry
+    b.scheduler.add_request(vo.make_request("b2", [B], max_tokens=1, inputs=False))  # nobody stored B
+    b.run()
+    assert b.finished["b2"] == FinishReason.ERROR
 
 
 def test_remote_down_node_b_computes_and_nothing_fails(tiny_model_dir, tmp_path, redis_server, engines):

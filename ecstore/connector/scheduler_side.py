@@ -37,7 +37,7 @@ answer is no, skipped while the remote is unreachable). A remote yes is not
 pinned: the worker fetches, verifies and promotes the entry when it loads it;
 should the remote lose it in between (its own eviction, a crash), that load
 fails like a vanished disk entry (the item is encoded in the same step, see
-below).
+below; items vLLM could not encode are fetched and pinned locally first).
 
 A load is announced exactly for the items ``has_cache_item`` said yes to
 (vLLM then does not run the encoder for them). Before saying yes, the entry's
@@ -45,9 +45,13 @@ record is checked against what the request expects (rows from
 ``ensure_cache_available``, which vLLM calls for the request just before;
 width where vLLM measured it): a misfit is a miss and the encoder runs. A load
 that fails anyway on the worker (corrupt blob) is encoded by the worker in the
-same step (``recomputed``); only where that is impossible does it get a
-stand-in and its request is failed; ``ensure_cache_available`` keeps later
-requests off that stand-in while vLLM's encoder cache holds it.
+same step (``recomputed``). Where that is impossible (no processed inputs, or
+tensor parallelism) the entry is verified before the yes (``availability``;
+a remote-only one fetched, committed locally and pinned first), and an item
+without inputs that is not available fails its request before it is
+scheduled. Only an entry damaged after that check still gets a stand-in and
+its request is failed; ``ensure_cache_available`` keeps later requests off
+that stand-in while vLLM's encoder cache holds it.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from ..config import ECStoreConfig
 from ..errors import ECStoreError
 from ..identity import EncoderIdentity
 from ..store import ECStore
+from .availability import VerifiedEntries, placeholder_computed
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .shared_stats import SharedCounters, record_path
 from .stats import ECStoreConnectorStats, remote_deltas
@@ -113,6 +118,14 @@ class SchedulerSide:
         # ensure_cache_available, which vLLM calls for a request right before
         # it asks has_cache_item for that request's items)
         self._expected_rows: dict[str, int] = {}
+        # vLLM encodes an item again after a failed load only with a single
+        # rank (tensor parallelism: the ranks would disagree) and processed
+        # inputs: items without that are verified before a yes (see
+        # ensure_cache_available).
+        self._can_recompute = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1
+        self._verify_first: set[str] = set()  # this step: verify before a yes
+        self._verified = VerifiedEntries(self.store) if self.store is not None else None
+        self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
         self._rejected_logged: set[str] = set()
         self._uuid_warned = False
         self.stats = ECStoreConnectorStats()
@@ -140,6 +153,9 @@ class SchedulerSide:
             try:
                 local = self.store.pin_if_present(identifier)
                 found = pinned = local and self._fits(identifier)
+                if found and identifier in self._verify_first and not self._is_verified(identifier):
+                    self._release([identifier])  # dropped as corrupt by the check (logged)
+                    found = pinned = local = False
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
                 if local:  # pinned, then found unusable: the pin must not outlive the answer
@@ -155,6 +171,8 @@ class SchedulerSide:
                 found = False
             if found:
                 self.stats.add("remote_lookup_hits")
+                if identifier in self._verify_first and self.store.disk is not None:
+                    found = pinned = self._fetch_and_pin(identifier)
         if found:
             self._step_hits[identifier] = pinned  # a remote yes holds no lease
         return found
@@ -166,6 +184,35 @@ class SchedulerSide:
             self._uuid_warned = True
             log.warning(CLIENT_UUID_WARNING.format(identifier=identifier))
         return why is not None
+
+    def _fetch_and_pin(self, identifier: str) -> bool:
+        """A remote entry vLLM could not compute again: fetched and verified
+        now, committed to the local disk tier and pinned there, so that the
+        worker's load reads a verified, leased entry (a remote yes holds no
+        lease: the remote could lose it before the load). False (a miss)
+        if any of that fails."""
+        assert self.store is not None
+        pinned = False
+        try:
+            if self.store.get(identifier) is None:  # verified, promoted to LMDB (queued)
+                return False
+            self.store.wait_committed()
+            pinned = self.store.pin_if_present(identifier)
+            if not (pinned and self._fits(identifier)):  # a misfit is released by _fits
+                return False
+            return self._is_verified(identifier) or self._released(identifier)
+        except ECStoreError as e:
+            log.warning("ecstore: fetching %s from the remote failed, treated as a miss: %s", identifier, e)
+            if pinned:
+                self._release([identifier])
+            return False
+
+    def _is_verified(self, identifier: str) -> bool:
+        return self._verified is not None and self._verified.check(identifier)
+
+    def _released(self, identifier: str) -> bool:
+        self._release([identifier])
+        return False
 
     def _fits(self, identifier: str) -> bool:
         """Whether the pinned entry's shape fits what the request expects
@@ -224,6 +271,7 @@ class SchedulerSide:
             else:
                 self.stats.add("misses")
             return
+        self._vllm_holds.add(identifier)
         # Announce a load exactly when has_cache_item said yes: then vLLM
         # did not schedule the encoder for it. Anything else is computed.
         if identifier in self._step_hits:
@@ -249,7 +297,10 @@ class SchedulerSide:
         too (retryable) instead of silently using zeros. Once vLLM frees the
         entry (``free_encoder_mm_hashes``; or the worker reports the stand-in
         ``cleared``, e.g. after ``reset_encoder_cache``), the item is looked
-        up and computed afresh.
+        up and computed afresh. Only items the request still has to read
+        count: one whose placeholder lies wholly within the first
+        ``num_computed_tokens`` tokens (in its KV cache already: a decoding
+        request, or a prefix-cache hit) is never read again.
         """
         features = getattr(request, "mm_features", None) or []
         self._expected_rows = {}
@@ -258,18 +309,38 @@ class SchedulerSide:
                 self._expected_rows[feature.identifier] = int(request.get_num_encoder_embeds(i))
             except Exception:  # an older Request without it: rows are checked by the worker
                 pass
-        if not self._poisoned:
+        if not self.is_consumer:
             return True
-        for feature in features:
+        pending = [f for f in features if not placeholder_computed(f, num_computed_tokens)]
+        for feature in pending:
             if feature.identifier in self._poisoned:
-                if request.request_id not in self._failed_reqs:
-                    log.error("ecstore: request %s failed: vLLM's encoder cache holds a stand-in "
-                              "for %s, whose load failed; retry once vLLM has evicted it",
-                              request.request_id, feature.identifier)
-                    self._failed_reqs.add(request.request_id)
-                self._unavailable.add(request.request_id)
-                return False
+                return self._fail(request, f"vLLM's encoder cache holds a stand-in for {feature.identifier}, "
+                                           "whose load failed; retry once vLLM has evicted it")
+        # A failed load is reported to vLLM only after the step's tokens were
+        # processed (a request ending in that step would end normally, on the
+        # stand-in), so items vLLM could not encode again are verified before
+        # a yes; an item vLLM holds no inputs for must be available, or the
+        # request is failed now, before any token (vLLM would find it missing
+        # from its encoder cache and stop the engine).
+        for feature in pending:
+            has_inputs = getattr(feature, "data", None) is not None
+            if self._can_recompute and has_inputs:
+                continue
+            identifier = feature.identifier
+            self._verify_first.add(identifier)
+            if not has_inputs and identifier not in self._vllm_holds and not self.has_cache_item(identifier):
+                return self._fail(request, f"the encoder output {identifier} is not available "
+                                           "(not stored, or failed its checks) and vLLM holds no inputs "
+                                           "to compute it")
         return True
+
+    def _fail(self, request: Any, why: str) -> bool:
+        """Have vLLM fail ``request`` (retryable; logged once); False."""
+        if request.request_id not in self._failed_reqs:
+            log.error("ecstore: request %s failed: %s", request.request_id, why)
+            self._failed_reqs.add(request.request_id)
+        self._unavailable.add(request.request_id)
+        return False
 
     def _width(self, modality: str) -> int | None:
         # vLLM measures encoder output widths at start-up on producer
@@ -292,8 +363,11 @@ class SchedulerSide:
         self._release([i for i, pinned in self._step_hits.items() if pinned])
         self._step_hits = {}
         self._producer_hits.clear()
+        self._verify_first.clear()
+        freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
+        self._vllm_holds.difference_update(freed)
         if self._poisoned:
-            self._unpoison(getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
+            self._unpoison(freed)
         return meta
 
     def _to_publish(self, scheduler_output: Any) -> list[str]:

@@ -33,7 +33,7 @@ tiny_model.setup_single_process_env()
 from vllm.config import ECTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -90,13 +90,17 @@ def vllm_config(model_dir: str | Path, role: str, extra: Mapping[str, Any],
 
 
 def make_request(req_id: str, identifiers: Sequence[str], *, max_tokens: int = 3,
-                 text_tokens: Sequence[int] = (10, 11, 12)) -> Request:
-    """A request with one image per identifier, then ``text_tokens``."""
+                 text_tokens: Sequence[int] = (10, 11, 12), inputs: bool = True) -> Request:
+    """A request with one image per identifier, then ``text_tokens``.
+    ``inputs``: vLLM holds processed inputs for each image (it can encode
+    it); False: a metadata-only item (an EPD consumer's pre-computed
+    embedding input without its tensor), which only the connector can
+    provide."""
     prompt: list[int] = []
     features = []
     for ident in identifiers:
         features.append(MultiModalFeatureSpec(
-            data=None, modality="image", identifier=ident, mm_hash=ident,
+            data=MultiModalKwargsItem({}) if inputs else None, modality="image", identifier=ident, mm_hash=ident,
             mm_position=PlaceholderRange(offset=len(prompt), length=EMBEDS_PER_IMAGE)))
         prompt += [IMAGE_TOKEN_ID] * EMBEDS_PER_IMAGE
     prompt += list(text_tokens)
@@ -131,8 +135,9 @@ def run_worker_step(worker: ECConnectorBase, scheduler_output: SchedulerOutput,
     freed, bind the metadata, load (consumer roles), "encode" every
     scheduled encoder input with ``encode(mm_hash)``, save each new output,
     collect the worker metadata, clear the metadata. Checks that every
-    placeholder the step needs is in ``encoder_cache`` afterwards (the
-    model runner raises "Encoder cache miss" otherwise)."""
+    placeholder the step reads (overlapping the tokens it computes, as
+    vLLM's ``_gather_mm_embeddings``) is in ``encoder_cache`` afterwards
+    (the model runner raises "Encoder cache miss" otherwise)."""
     for mm_hash in scheduler_output.free_encoder_mm_hashes:
         encoder_cache.pop(mm_hash, None)
     output = ECConnectorOutput()
@@ -145,11 +150,18 @@ def run_worker_step(worker: ECConnectorBase, scheduler_output: SchedulerOutput,
     try:
         for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
             for i in input_ids:
+                if features[req_id][i].data is None:
+                    continue  # as vLLM's runner: nothing to encode (then an encoder cache miss below)
                 mm_hash = features[req_id][i].identifier
                 encoder_cache[mm_hash] = encode(mm_hash)
                 worker.save_caches(encoder_cache=encoder_cache, mm_hash=mm_hash)
-        for req_id in scheduler_output.num_scheduled_tokens:
+        computed = _num_computed_tokens(scheduler_output)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            start = computed.get(req_id, 0)
             for feature in features.get(req_id, []):
+                pos = feature.mm_position
+                if pos.offset >= start + n or pos.offset + pos.length <= start:
+                    continue  # not read this step (computed before, or later)
                 if feature.identifier not in encoder_cache:
                     raise AssertionError(f"Encoder cache miss for {feature.identifier}")
     finally:
@@ -158,6 +170,14 @@ def run_worker_step(worker: ECConnectorBase, scheduler_output: SchedulerOutput,
         output.ec_connector_worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
     return output
+
+
+def _num_computed_tokens(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's tokens computed before this step."""
+    out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    out.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return out
 
 
 _SEEN_FEATURES: dict[str, list[MultiModalFeatureSpec]] = {}
