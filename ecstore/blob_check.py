@@ -88,6 +88,19 @@ def check_shape(shape: tuple[Any, ...], what: str) -> tuple[int, ...]:
     return shape
 
 
+def check_put_shape(hdr: BlobHeader) -> BlobHeader:
+    """``hdr`` if its tensor has a shape ``ECStore.put`` stores (2-D with no
+    empty dimension, as :func:`ecstore.codec.check_storable` demands); else
+    CorruptBlobError. An entry of any other shape (a well-formed blob ecstore
+    never writes) is unusable: a 1-D or empty "encoder output" must never
+    reach the model. Used where entries come from outside this process's
+    writes (the remote tier)."""
+    if len(hdr.shape) != 2 or 0 in hdr.shape:
+        raise CorruptBlobError(f"tensor of shape {list(hdr.shape)}: ecstore stores only 2-D tensors "
+                               f"with no empty dimension")
+    return hdr
+
+
 def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
     """Parse and strictly check a blob's safetensors header (no data read).
 

@@ -292,6 +292,96 @@ def test_value_of_another_identity_is_a_miss_and_kept(tmp_path: Path, redis_serv
     assert r.exists(dst) == 1
 
 
+def forged_value(name: str, tensor: torch.Tensor, *, model: str = MODEL) -> bytes:
+    """A remote value with a valid frame, record and checksum for ``tensor``
+    (of any shape, even one ``put`` refuses), as anyone able to write to the
+    server could make it."""
+    from ecstore import codec
+    from ecstore.remote import frame
+
+    blob = codec.encode(tensor, identifier=name, model=model)
+    parts = frame.pack(name, blob, tensor.dtype, tuple(tensor.shape))
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (16, 0), (0,), (4,), (2, 3, 4), (), (1, 1, 1, 1, 1, 1, 1, 1)])
+def test_well_formed_value_of_a_shape_put_never_writes_is_a_miss_and_deleted(
+        tmp_path: Path, redis_server: RedisServer, shape: tuple[int, ...]) -> None:
+    """A value with a valid frame, checksum and identity whose tensor is not
+    what ``put`` stores (2-D, no empty dimension) is unusable: a miss, never
+    an exception (an empty one escaped ``ECStore.get`` as torch's ValueError,
+    which the vLLM worker does not catch), and deleted like any corrupt value."""
+    with open_store(tmp_path, "b", redis_server.url) as b:
+        k = KEY_PREFIX + b.key("img")
+        r = redis_server.client()
+        r.set(k, forged_value(b.stored_name("img"), torch.ones(shape, dtype=DTYPE)))
+        assert b.get("img") is None
+        st = b.remote.stats()
+        assert (st.misses, st.hits, st.foreign, st.corrupt_dropped) == (1, 0, 0, 1)
+        b.flush()
+        assert b.disk.entry_count() == 0
+    assert r.exists(k) == 0
+
+
+@pytest.mark.parametrize("field", ["identifier", "dtype", "shape"])
+def test_value_whose_record_disagrees_with_its_blob_is_corrupt_not_foreign(
+        tmp_path: Path, redis_server: RedisServer, field: str) -> None:
+    """One flipped bit in the record (which the blob's checksum does not
+    cover) makes a value whose record and blob disagree: corrupt, so deleted,
+    and a producer that recomputes the entry stores it again. It was called
+    "foreign" when the record's identifier or dtype differed from the one
+    asked for (checked before the blob): never deleted, a warning on every
+    read, and SET NX kept every later put of the key out."""
+    t = make_tensor(4, rows=8, cols=64)
+    with open_store(tmp_path, None, redis_server.url) as a:
+        a.put("img", t)
+        a.flush()
+        k, name = KEY_PREFIX + a.key("img"), a.stored_name("img")
+    r = redis_server.client()
+    value = bytearray(r.get(k))
+    if field == "identifier":
+        at = bytes(value).index(name.encode()) + len(name) - 1  # the record's copy comes first
+    elif field == "dtype":
+        at = bytes(value).index(b"bfloat16") + 1
+    else:  # the first dimension (u64 right after the record's fixed part)
+        import struct
+        at = 4 + 1 + 4 + struct.calcsize("<BQQQQQQQBHI")
+    value[at] ^= 0x01
+    r.set(k, bytes(value))
+    with open_store(tmp_path, "p", redis_server.url) as p:  # a producer recomputes the entry
+        assert p.get("img") is None
+        st = p.remote.stats()
+        assert (st.foreign, st.corrupt_dropped) == (0, 1)
+        assert r.exists(k) == 0
+        assert p.put("img", t)
+        p.flush()
+    with open_store(tmp_path, None, redis_server.url) as b:
+        assert same_tensor(b.get("img"), t)
+
+
+def test_foreign_value_warning_is_rate_limited(tmp_path: Path, redis_server: RedisServer,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A valid value of another identity is kept (not ours to delete) and
+    read again by every get of its key: one warning per LOG_EVERY_S (the
+    tier's clock), not one per read."""
+    from ecstore.remote.tier import LOG_EVERY_S
+
+    caplog.set_level(logging.WARNING, logger="ecstore")
+    clock = FakeClock()
+    with open_store(tmp_path, None, redis_server.url, clock=clock) as b:
+        k = KEY_PREFIX + b.key("img")
+        redis_server.client().set(k, forged_value(b.stored_name("other"), make_tensor(1)))
+        for _ in range(5):
+            assert b.get("img") is None
+        assert b.remote.stats().foreign == 5
+        assert caplog.text.count("treated as a miss") == 1
+        clock.advance(LOG_EVERY_S)
+        assert b.get("img") is None
+        assert caplog.text.count("treated as a miss") == 2
+        assert "4 more" in caplog.text  # the next warning says how many were not logged
+    assert redis_server.client().exists(k) == 1
+
+
 def test_maxmemory_eviction_under_churn_gives_misses_not_errors(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis", extra=["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"])
     server.workdir.mkdir()

@@ -11,10 +11,14 @@ buffer too and a read can hand out a view of it instead of a copy.
 ``record`` is :func:`ecstore.codec.pack_record` (identifier, dtype, shape,
 sizes, blob checksum: the same record LMDB keeps beside the blob) and
 ``blob`` the same safetensors bytes LMDB stores. :func:`unpack` checks the
-framing and the record; :func:`decode_entry` checks the blob against the
-record and the identity the reader expects. Anything that does not check out
-is a miss: :class:`ForeignValue` (a well-formed value of another entry: keep
-it) or :class:`ecstore.codec.CorruptBlobError` (garbage: delete it).
+framing and the record; :func:`check_value` checks a value on its own
+(checksum, strict header, record against header, a shape ``put`` stores);
+:func:`decode_entry` does that first, then compares the value with the
+identity the reader expects. Anything that does not check out is a miss:
+:class:`ecstore.codec.CorruptBlobError` (garbage, or a value whose record
+and blob disagree: delete it) or, only for a value that passed
+:func:`check_value`, :class:`ForeignValue` (a valid value of another entry:
+keep it).
 """
 
 from __future__ import annotations
@@ -98,22 +102,47 @@ def unpack(value: Any) -> tuple[Record, memoryview]:
     return rec, blob
 
 
+def check_value(value: Any, *, key: str | None = None) -> tuple[Record, memoryview, blob_check.BlobHeader]:
+    """(record, blob view, parsed header) of a remote value that checks out on
+    its own: framing, record, the blob's size and checksum, its strict
+    header, the record against the header (:func:`blob_check.check_entry`,
+    the one entry check LMDB reads use too; with ``key``, the key's model
+    and dtype against the header), and a tensor shape ``put`` stores
+    (:func:`blob_check.check_put_shape`). Raises CorruptBlobError naming
+    the first failure, never another exception but MemoryError."""
+    try:
+        rec, blob = unpack(value)
+        hdr = blob_check.check_entry(rec, blob, key=key)
+        return rec, blob, blob_check.check_put_shape(hdr)
+    except (CorruptBlobError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001  (hostile bytes: whatever a library raises is a bad value)
+        raise CorruptBlobError(f"unreadable remote value: {type(e).__name__}: {e}") from None
+
+
 def decode_entry(value: Any, *, identifier: str, model: str, dtype_name: str) -> RemoteEntry:
     """Verify a remote value for (identifier, model, dtype) and decode it.
 
-    Raises ForeignValue for another entry's value, CorruptBlobError for
-    garbage (bad framing, checksum, or a blob that disagrees with its record).
+    Integrity comes first (:func:`check_value`): a value that fails it
+    raises CorruptBlobError, whatever identity its record claims (one
+    flipped bit in the record's identifier is damage, not another entry).
+    Only a value that passes it and belongs to another identifier, model,
+    dtype or record version raises ForeignValue. Raises nothing else but
+    MemoryError: whatever torch or numpy raise on a value is CorruptBlobError.
     """
-    rec, blob = unpack(value)
+    rec, blob, hdr = check_value(value)
     if rec.version != codec.RECORD_VERSION:
         raise ForeignValue(f"holds a record of version {rec.version} (no encoder identity)")
-    if rec.identifier != identifier or rec.dtype != dtype_name:
-        raise ForeignValue(f"holds identifier {rec.identifier!r} dtype {rec.dtype}")
-    # The one entry check LMDB reads use too (record, checksum, strict header).
-    hdr = blob_check.check_entry(rec, blob, identifier=identifier, dtype=dtype_name)
+    if hdr.identifier != identifier or hdr.dtype != dtype_name:
+        raise ForeignValue(f"holds identifier {hdr.identifier!r} dtype {hdr.dtype}")
     if hdr.model != model:
         raise ForeignValue(f"holds an entry of model {hdr.model!r}")
-    return RemoteEntry(_view(blob, hdr), blob, rec)
+    try:
+        return RemoteEntry(_view(blob, hdr), blob, rec)
+    except (CorruptBlobError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001  (torch/numpy on a value that passed the checks)
+        raise CorruptBlobError(f"undecodable remote value: {type(e).__name__}: {e}") from None
 
 
 def _view(blob: memoryview, hdr: blob_check.BlobHeader) -> torch.Tensor:

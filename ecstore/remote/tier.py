@@ -51,7 +51,8 @@ NEGATIVE_MAX = 65536
 #: sending values (SET NX alone would also keep the first value, but only
 #: after the bytes crossed the network).
 EXISTS_FIRST_BYTES = 1 << 20
-#: A refused command (server full...) is logged at most once per this many seconds.
+#: A refused command (server full...), a foreign or a corrupt value is logged
+#: (as a warning) at most once per this many seconds, each kind on its own.
 LOG_EVERY_S = 10.0
 
 
@@ -115,7 +116,7 @@ class RemoteTier:
         self._stats = RemoteStats()
         self._lock = threading.Lock()  # stats, negative cache, log limiter
         self._negative: OrderedDict[str, float] = OrderedDict()  # key -> expiry (clock)
-        self._last_refused_log = float("-inf")
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last warning, not logged since)
         self._writes: WriteQueue | None = None
         if not readonly:
             self._writes = WriteQueue(self._write, refusing=self.breaker.refusing,
@@ -138,6 +139,23 @@ class RemoteTier:
         elif t.after is BreakerState.CLOSED:
             log.info("ecstore: remote tier %s reachable again", self.backend.description)
 
+    def _warn_limited(self, kind: str, msg: str, *args: object) -> None:
+        """``log.warning(msg % args)`` at most once per LOG_EVERY_S for each
+        ``kind`` (a debug line otherwise); a warning says how many were not
+        logged since the previous one. A key read again and again (a foreign
+        value stays) must not flood the log."""
+        with self._lock:
+            now = self.clock()
+            last, quiet = self._logged.get(kind, (float("-inf"), 0))
+            loud = now - last >= LOG_EVERY_S
+            self._logged[kind] = (now, 0) if loud else (last, quiet + 1)
+        if not loud:
+            log.debug(msg, *args)
+        elif quiet:
+            log.warning(msg + " (%d more like it not logged in the last %.3g s)", *args, quiet, now - last)
+        else:
+            log.warning(msg, *args)
+
     def _call(self, what: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
         """(True, result) or (False, None) when the circuit is open or the call failed."""
         if not self.breaker.allow():
@@ -153,13 +171,7 @@ class RemoteTier:
         except RemoteRefused as e:  # the server is up: not a reason to open the circuit
             self._count(errors=1)
             self._note(self.breaker.record_success())
-            with self._lock:
-                now = self.clock()
-                quiet = now - self._last_refused_log < LOG_EVERY_S
-                if not quiet:
-                    self._last_refused_log = now
-            if not quiet:
-                log.warning("ecstore: remote %s refused: %s", what, e)
+            self._warn_limited("refused", "ecstore: remote %s refused: %s", what, e)
             return False, None
         except Exception as e:  # noqa: BLE001  (a backend bug must not fail a request either)
             self._count(errors=1)
@@ -204,8 +216,10 @@ class RemoteTier:
     def get(self, key: str, identifier: str) -> frame.RemoteEntry | None:
         """The verified entry under ``key`` for ``identifier``, or None (miss).
 
-        A corrupt value is deleted (if still unchanged); a value of another
-        identifier, model or dtype is left alone. Never raises.
+        A corrupt or unusable value (:func:`frame.check_value` fails) is
+        deleted (if still unchanged); a valid value of another identifier,
+        model or dtype is left alone. Warnings about either are rate-limited
+        (:data:`LOG_EVERY_S`). Never raises.
         """
         t0 = time.perf_counter()
         ok, value = self._call("get", lambda: self.backend.get(key))
@@ -220,18 +234,23 @@ class RemoteTier:
             entry = frame.decode_entry(value, identifier=identifier, model=self.model,
                                        dtype_name=self.dtype_name)
         except frame.ForeignValue as e:
-            log.warning("ecstore: remote value %s %s, not %r (%s): treated as a miss", key, e,
-                        identifier, self.model)
+            self._warn_limited("foreign", "ecstore: remote value %s %s, not %r (%s): treated as a miss",
+                               key, e, identifier, self.model)
             self._count(misses=1, foreign=1)
             return None
         except CorruptBlobError as e:
-            log.warning("ecstore: corrupt remote value %s (%s) at %s: treated as a miss%s", key, e,
-                        self.backend.description, "" if self.readonly else ", removed")
+            self._warn_limited("corrupt", "ecstore: corrupt remote value %s (%s) at %s: treated as a miss%s",
+                               key, e, self.backend.description, "" if self.readonly else ", removed")
             self._count(misses=1)
             if not self.readonly:
                 ok, deleted = self._call("delete", lambda: self.backend.delete_if_unchanged(key, value))
                 if ok and deleted:
                     self._count(corrupt_dropped=1)
+            return None
+        except Exception as e:  # noqa: BLE001  (MemoryError...: a miss, the value left alone)
+            self._warn_limited("undecodable", "ecstore: remote value %s could not be decoded (%s: %s): "
+                               "treated as a miss", key, type(e).__name__, e)
+            self._count(misses=1, errors=1)
             return None
         self._count(hits=1)
         return entry
