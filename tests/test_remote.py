@@ -473,6 +473,41 @@ def test_password_protected_server_and_no_password_in_logs_or_config(
         server.kill()
 
 
+def test_password_holding_url_delimiters_works_and_never_shows(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real server whose password holds '@', ':' and '/' (percent-encoded,
+    as it must be): the store authenticates with it, and no piece of it
+    appears in the backend's description, any log line (the tail after an
+    '@' was shown in every one: "redis://:***@tail@127.0.0.1..."), or
+    ``ecstore-dump stats``."""
+    from urllib.parse import quote
+
+    pieces = ("Hq4pw", "Tl5pw", "Rz6pw")
+    password = f"{pieces[0]}@{pieces[1]}:{pieces[2]}/x"
+    caplog.set_level(logging.DEBUG, logger="ecstore")
+    server = RedisServer(tmp_path / "redis", password=password)
+    server.workdir.mkdir()
+    server.start()
+    try:
+        url = f"redis://default:{pieces[0]}@{pieces[1]}:{quote(pieces[2] + '/x', safe='')}@127.0.0.1:{server.port}/0"
+        t = make_tensor(13)
+        with open_store(tmp_path, "a", url) as a:
+            assert a.remote.backend.description == f"redis://default:***@127.0.0.1:{server.port}/0"
+            a.put("p", t)
+            a.flush()
+            assert a.stats().remote_puts == 1
+        rc, out = dump("stats", url)
+        assert rc == 0 and not any(p in out for p in pieces)
+        server.kill()
+        with open_store(tmp_path, "b", url, clock=FakeClock()) as d:
+            while d.remote.breaker.state is not BreakerState.OPEN:
+                d.get("p")
+        assert "unreachable" in caplog.text
+        assert not any(p in caplog.text for p in pieces), caplog.text
+    finally:
+        server.kill()
+
+
 def test_unix_socket_url(tmp_path: Path) -> None:
     sock = tmp_path / "r.sock"
     server = RedisServer(tmp_path / "redis", extra=["--unixsocket", str(sock), "--unixsocketperm", "700"])

@@ -145,3 +145,77 @@ def test_tls_query_options_reach_the_cluster_client() -> None:
 
     url = "rediss+cluster://u:p@a:1,b:2?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=false&other=1"
     assert _ssl_options(url) == {"ssl_ca_certs": "/etc/ca.pem", "ssl_check_hostname": False}
+
+
+# Passwords holding URL delimiters: each piece is distinctive, so that
+# finding one in a message means the password leaked.
+PIECES = ("Qz7sec", "Wx8ret", "Vb9pwd")
+
+
+@pytest.mark.parametrize("userinfo, password", [
+    (f"ecuser:{PIECES[0]}@{PIECES[1]}", f"{PIECES[0]}@{PIECES[1]}"),  # '@': the last '@' ends it
+    (f"ecuser:{PIECES[0]}:{PIECES[1]}", f"{PIECES[0]}:{PIECES[1]}"),  # ':' after the first
+    (f"ecuser:{PIECES[0]}%2F{PIECES[1]}%40{PIECES[2]}%3A", f"{PIECES[0]}/{PIECES[1]}@{PIECES[2]}:"),
+    (f":{PIECES[0]}@{PIECES[1]}:{PIECES[2]}", f"{PIECES[0]}@{PIECES[1]}:{PIECES[2]}"),  # no user name
+    (f"us@er:{PIECES[0]}", PIECES[0]),  # an '@' in the user name
+], ids=["at", "colon", "percent-encoded", "no-user", "at-in-user"])
+def test_password_with_url_delimiters_parses_and_is_masked(userinfo: str, password: str) -> None:
+    """A password holding '@' or ':' (or any character percent-encoded) is
+    the password redis-py uses, and no piece of it is shown: the mask runs
+    to the last '@' of the host part (it stopped at the first, showing
+    "redis://ecuser:***@tail@host"), in URLs, errors of a bad URL and the
+    backend's description (what every log line names)."""
+    from ecstore.remote.backend import RedisBackend
+
+    url = f"redis://{userinfo}@127.0.0.1:1/0"
+    t = parse_remote_url(url)
+    assert t.password == password and t.hosts == (("127.0.0.1", 1),)
+    backend = RedisBackend(t, 0.1)
+    try:
+        for shown in (mask_url(url), t.masked, backend.description):
+            assert not any(p in shown for p in PIECES), shown
+            assert shown.endswith("***@127.0.0.1:1/0")
+        assert not any(p in repr(t) for p in PIECES)
+    finally:
+        backend.close()
+    with pytest.raises(ConfigError) as info:
+        parse_remote_url(url.replace(":1/0", ":notaport/0"))
+    assert not any(p in str(info.value) for p in PIECES), str(info.value)
+    assert "notaport" in str(info.value)  # the part after the password still names the problem
+
+
+@pytest.mark.parametrize("delimiter", ["/", "?", "#"])
+def test_password_with_an_unencoded_delimiter_never_shows_in_the_error(delimiter: str) -> None:
+    """A password holding '/', '?' or '#' unencoded ends the host part early
+    (as in redis-py: the URL is malformed, the password must be
+    percent-encoded). The ConfigError masks everything up to the last '@'
+    and quotes no piece of the URL ("port 's3cr' is not a number in
+    'redis://ecuser:s3cr/et@...'" showed it twice)."""
+    for url in (f"redis://ecuser:{PIECES[0]}{delimiter}{PIECES[1]}@ec-redis:6379/0",
+                f"redis://:{PIECES[0]}{delimiter}{PIECES[1]}@ec-redis:6379/0",
+                f"redis://{PIECES[0]}{delimiter}{PIECES[1]}@ec-redis:6379/0",
+                f"rediss+cluster://ecuser:123{delimiter}{PIECES[1]}@a:1,b:2"):
+        with pytest.raises(ConfigError) as info:
+            ECStoreConfig(remote_url=url)
+        assert not any(p in str(info.value) for p in PIECES), str(info.value)
+        assert "percent-encode" in str(info.value)
+        assert not any(p in mask_url(url) for p in PIECES), mask_url(url)
+
+
+@pytest.mark.parametrize("url, why", [
+    (f"redis://ecuser:{PIECES[0]}@{PIECES[1]}@h:1/x", "database 'x' is not a number"),
+    (f"redis://u:{PIECES[0]}@h:1/x?ssl_ca_certs=/etc/ca@{PIECES[1]}.pem", "database is not a number"),
+    (f"ecuser:{PIECES[0]}@h:6379", "no scheme"),
+    (f"redis://u:{PIECES[0]}@[::1:6379/0", "Invalid IPv6 URL"),
+    (f"lm://u:{PIECES[0]}/{PIECES[1]}@h:1", "unsupported scheme"),
+])
+def test_every_bad_url_error_is_a_config_error_with_no_piece_of_the_password(url: str, why: str) -> None:
+    """Whatever is wrong with a URL holding a password, the error is a
+    ConfigError naming the problem and showing no piece of the password
+    (a URL with no scheme was shown whole; a bracket left open raised
+    urllib's ValueError)."""
+    with pytest.raises(ConfigError, match=why) as info:
+        ECStoreConfig(remote_url=url)
+    assert not any(p in str(info.value) for p in PIECES[:1]), str(info.value)
+    if "ssl_ca_certs" not in url:  # an '@' in a query value may end the password: hidden too
+        assert not any(p in str(info.value) for p in PIECES), str(info.value)

@@ -12,7 +12,10 @@ Accepted forms (LMCache's ``remote_url`` style)::
 ``valkey://`` / ``valkeys://`` are accepted as spellings of ``redis://`` /
 ``rediss://``. The port defaults to 6379, the database to 0 (a cluster has
 only database 0). A password given in the URL wins over the ``remote_password``
-key (normally set with ``LMCACHE_EC_REMOTE_PASSWORD``).
+key (normally set with ``LMCACHE_EC_REMOTE_PASSWORD``). As for redis-py, the
+user info runs to the last ``@`` of the host part, so a password may hold
+``@`` and ``:``; ``/``, ``?``, ``#`` and ``%`` must be percent-encoded
+(``%2F``, ``%3F``, ``%23``, ``%25``), as may anything else.
 
 Nothing here logs: :func:`mask_url` is what every message uses to show a URL.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from ..errors import ConfigError
 
@@ -35,19 +38,72 @@ _SCHEMES = {
     "unix": (False, False),
 }
 
-_USERINFO = re.compile(r"(?P<head>://[^@/]*?:)(?P<secret>[^@/]*)(?P<at>@)")
-_QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|pass|auth)=)(?P<secret>[^&#]*)", re.IGNORECASE)
+#: ``://user:`` then the password, up to the *last* ``@`` before the host
+#: part ends (at ``/``, ``?``, ``#`` or a line end). The user name holds no
+#: ``:``; either may hold ``@`` (the password wins the extra ones).
+_USERINFO = re.compile(r"(?P<head>://[^:/?#\r\n]*:)(?P<secret>[^/?#\r\n]*)(?P<at>@)")
+_QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|pass|auth)=)(?P<secret>[^&\s]*)", re.IGNORECASE)
 
 
 def mask_url(url: object) -> str:
     """``url`` with any password replaced by ``***`` (safe to log or print).
 
-    Works on malformed text too: whatever sits between ``://user:`` and ``@``
-    and any ``password=`` query value is masked.
+    Works on text holding URLs too (error messages): whatever sits between
+    ``://user:`` and the last ``@`` of the host part, and any ``password=``
+    query value, is masked. A lone URL with an ``@`` where none can be (the
+    host part ended early inside a password: :func:`_misplaced_at`) is
+    masked up to its last ``@`` instead.
     """
     text = str(url)
+    if _malformed_userinfo(text):
+        return _mask_raw(text)
     text = _USERINFO.sub(lambda m: f"{m['head']}***{m['at']}", text)
     return _QUERY_SECRET.sub(lambda m: f"{m['head']}***", text)
+
+
+def _malformed_userinfo(text: str) -> bool:
+    """Is ``text`` one URL (no white space) with an ``@`` where none can be?"""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() == "unix" or any(c.isspace() for c in text):
+        return False
+    try:
+        return _misplaced_at(urlsplit("x://" + rest))
+    except ValueError:
+        return "@" in rest[_host_part_end(rest):]
+
+
+def _host_part_end(rest: str) -> int:
+    """Where the host part of ``rest`` (a URL after ``://``) ends: its first
+    ``/``, ``?`` or ``#`` (as for urlsplit and redis-py)."""
+    return min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+
+
+def _at_after_host(url: str) -> bool:
+    """Does an ``@`` follow the host part of ``url``? Then the host part may
+    have ended inside a password (an unencoded ``/``, ``?`` or ``#``), and
+    any piece of the URL may be a piece of it. (A unix socket's path may
+    hold ``@``; it has no host part.)"""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.strip().lower() == "unix":
+        return False
+    return "@" in rest[_host_part_end(rest):]
+
+
+def _mask_raw(url: str) -> str:
+    """``url`` masked for an error about it: as :func:`mask_url`, and when
+    an ``@`` follows the host part (:func:`_at_after_host`) everything from
+    the password (or from the start, if no user name ends before the host
+    part) to the *last* ``@`` of the URL is hidden; in text with no scheme,
+    all before its last ``@``."""
+    if "://" not in url and "@" in url:
+        return mask_url("***@" + url.rpartition("@")[2])
+    if not _at_after_host(url):
+        return mask_url(url)
+    scheme, _, rest = url.partition("://")
+    at = rest.rfind("@")
+    colon = rest.find(":", 0, _host_part_end(rest))
+    user = rest[:colon + 1] if 0 <= colon < at else ""
+    return mask_url(f"{scheme}://{user}***@{rest[at + 1:]}")  # no '@' is left: no recursion
 
 
 def redact(text: str, *secrets: str | None) -> str:
@@ -88,9 +144,16 @@ class RemoteTarget:
         return mask_url(self.url)
 
 
-def _bad(url: str, source: str, why: str) -> ConfigError:
+def _bad(url: str, source: str, why: str, *values: object) -> ConfigError:
+    """The ConfigError for ``url``: ``why`` (``{}`` marks where each of
+    ``values``, pieces of the URL, is quoted) and the URL masked. Where an
+    ``@`` follows the host part, any piece may be part of a password: the
+    URL is masked up to its last ``@`` and no piece is quoted."""
+    if values:
+        hide = _at_after_host(url) or "://" not in url
+        why = why.format(*("" if hide else f" {v!r}" for v in values))
     return ConfigError(
-        f"remote_url (from {source}): {why} in {mask_url(url)!r}; expected redis://host:port/db, "
+        f"remote_url (from {source}): {why} in {_mask_raw(url)!r}; expected redis://host:port/db, "
         f"rediss://..., redis+cluster://h1:p1,h2:p2, or unix:///path/to/socket")
 
 
@@ -106,10 +169,18 @@ def _host_port(text: str, url: str, source: str) -> tuple[str, int]:
     try:
         port = int(port_text) if port_text else DEFAULT_PORT
     except ValueError:
-        raise _bad(url, source, f"port {port_text!r} is not a number") from None
+        raise _bad(url, source, "port{} is not a number", port_text) from None
     if not 0 < port < 65536:
-        raise _bad(url, source, f"port {port} is out of range")
+        raise _bad(url, source, "port{} is out of range", port)
     return host, port
+
+
+def _misplaced_at(parts: SplitResult) -> bool:
+    """An ``@`` where a redis URL can hold none: in the path (only ``/db``),
+    the fragment, or a query field without ``=`` (where the host part ended
+    early inside a password holding ``/``, ``?`` or ``#``)."""
+    fields = parts.query.split("&")
+    return "@" in parts.path or "@" in parts.fragment or any("@" in f and "=" not in f for f in fields)
 
 
 def parse_remote_url(url: object, source: str = "ECStoreConfig argument",
@@ -126,10 +197,16 @@ def parse_remote_url(url: object, source: str = "ECStoreConfig argument",
         raise _bad(text, source, "no scheme")
     scheme = text.split("://", 1)[0].lower()
     if scheme not in _SCHEMES:
-        raise _bad(text, source, f"unsupported scheme {scheme!r}")
+        raise _bad(text, source, "unsupported scheme{}", scheme)
     tls, cluster = _SCHEMES[scheme]
-    parts = urlsplit("x://" + text.split("://", 1)[1])  # keep the comma-separated netloc intact
-    query = parse_qs(parts.query)
+    try:
+        parts = urlsplit("x://" + text.split("://", 1)[1])  # keep the comma-separated netloc intact
+        query = parse_qs(parts.query)
+    except ValueError as e:  # "Invalid IPv6 URL"...
+        raise _bad(text, source, f"{e}") from None
+    if scheme != "unix" and _misplaced_at(parts):
+        raise _bad(text, source, "an '@' after the host part (percent-encode a '/', '?' or '#' in the "
+                   "user name or password: %2F, %3F, %23)")
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username = pw = None
     if userinfo:
@@ -158,9 +235,9 @@ def parse_remote_url(url: object, source: str = "ECStoreConfig argument",
     try:
         db = int(db_text) if db_text else 0
     except ValueError:
-        raise _bad(text, source, f"database {db_text!r} is not a number") from None
+        raise _bad(text, source, "database{} is not a number", db_text) from None
     if db < 0:
-        raise _bad(text, source, f"database {db} is negative")
+        raise _bad(text, source, "database{} is negative", db)
     if cluster and db != 0:
         raise _bad(text, source, "a cluster has only database 0")
     return RemoteTarget(text, tls, cluster, hosts, socket_path, db, username, pw)
