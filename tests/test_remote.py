@@ -577,6 +577,49 @@ def test_dump_list_stats_verify_a_remote(tmp_path: Path, monkeypatch: pytest.Mon
         server.kill()
 
 
+def test_dump_of_a_remote_holding_keys_of_other_types_under_the_prefix(tmp_path: Path,
+                                                                      redis_server: RedisServer) -> None:
+    """Keys under ``ecstore:1:`` that are not strings (a list, a hash: not
+    ecstore's, which writes only strings) are shown as unreadable by
+    ``list``/``stats`` and as bad by ``verify``, and every command goes on
+    (a pipelined GETRANGE's WRONGTYPE ended each with exit 2). ``verify
+    --delete-bad`` deletes the bad ecstore values but leaves such keys alone."""
+    import json
+
+    with open_store(tmp_path, "a", redis_server.url) as a:
+        a.put("good", make_tensor(1))
+        a.put("bad", make_tensor(2))
+        a.flush()
+        good, bad = a.key("good"), a.key("bad")
+    r = redis_server.client()
+    value = bytearray(r.get(KEY_PREFIX + bad))
+    value[-1] ^= 1
+    r.set(KEY_PREFIX + bad, bytes(value))
+    r.rpush(KEY_PREFIX + "junk-list", b"x")
+    r.hset(KEY_PREFIX + "junk-hash", "f", "v")
+    url = redis_server.url
+    rc, out = dump("list", url, "--json")
+    assert rc == 0
+    listed = {e["key"]: e for e in json.loads(out)["entries"]}
+    assert set(listed) == {good, bad, "junk-list", "junk-hash"}
+    assert listed[good]["error"] is None and listed[good]["identifier"] == "good"
+    assert "a list" in listed["junk-list"]["error"] and "a hash" in listed["junk-hash"]["error"]
+    rc, out = dump("list", url)
+    assert rc == 0 and "(unreadable: a list" in out and "4 entries" in out
+    rc, out = dump("stats", url, "--json")
+    assert rc == 0 and json.loads(out)["unreadable"] == 2
+    rc, out = dump("verify", url, "--json")
+    res = json.loads(out)
+    assert rc == 1 and res["checked"] == 4
+    assert {b["key"] for b in res["bad"]} == {bad, "junk-list", "junk-hash"}
+    rc, out = dump("verify", url, "--delete-bad")
+    assert rc == 1 and "3 bad, 1 deleted, 2 left alone" in out
+    assert r.exists(KEY_PREFIX + bad) == 0
+    assert r.exists(KEY_PREFIX + "junk-list") == 1 and r.exists(KEY_PREFIX + "junk-hash") == 1
+    with open_store(tmp_path, "b", url) as b:  # the remote tier reads past them too
+        assert b.get("good") is not None
+
+
 @pytest.mark.parametrize("command", ["list", "stats", "verify"])
 def test_dump_of_an_unreachable_remote_is_one_clear_error(tmp_path: Path, command: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,8 @@
 The reading and checking is :mod:`ecstore.remote.inspect` (a library); this
 module only picks the command and prints its results. Reads never change
 anything; ``verify --delete-bad`` removes values that fail verification (only
-if unchanged since they were read). URLs are shown masked.
+if unchanged since they were read; never a key of another type than a
+string, which is not ecstore's). URLs are shown masked.
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ def _cmd_verify(backend: RedisBackend, args: argparse.Namespace) -> int:
     bad = res.bad or []
     if args.json:
         json_out({"remote": backend.description, "checked": res.checked, "bad": bad,
-                  "deleted": res.deleted, "vanished": res.vanished})
+                  "deleted": res.deleted, "vanished": res.vanished, "kept": res.kept})
     else:
         for b in bad:
             out(f"BAD {b['key']}: {b['error']}")
         out(f"checked {res.checked} values at {backend.description}: {len(bad)} bad"
-            + (f", {res.deleted} deleted" if res.deleted else ""))
+            + (f", {res.deleted} deleted" if res.deleted else "")
+            + (f", {res.kept} left alone (keys of another type: not ecstore's)" if res.kept else ""))
     return ExitCode.BAD if bad else ExitCode.OK

@@ -5,6 +5,10 @@ formats their results). Reads
 never change anything; ``verify --delete-bad`` is the one write (it removes
 values that fail verification, only if unchanged since they were read).
 
+A key under the prefix that is not a string (a list, a hash...: ecstore
+writes only strings) is not ecstore's: ``list``/``stats`` show it as
+unreadable, ``verify`` as bad, and ``--delete-bad`` leaves it alone.
+
 The password comes from the URL, else ``LMCACHE_EC_REMOTE_PASSWORD``; it is
 never printed (URLs are shown masked).
 """
@@ -17,12 +21,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import blob_check
 from ..codec import CorruptBlobError
 from ..errors import ECStoreError
 from ..key import parse_key
 from . import frame
-from .backend import KEY_PREFIX, RedisBackend
+from .backend import KEY_PREFIX, RedisBackend, RemoteRefused
 from .url import parse_remote_url, supported_scheme
 
 #: Bytes of each value read by list/stats (frame head + record; more is fetched if needed).
@@ -56,13 +59,25 @@ def connect(url: str, timeout_s: float = 10.0) -> RedisBackend:
     return RedisBackend(target, timeout_s)
 
 
-def _info(raw_key: bytes, head: bytes, size: int, pttl: int) -> RemoteEntryInfo:
+def _other_type(backend: RedisBackend, raw_key: bytes) -> str | None:
+    """Why ``raw_key`` is no ecstore value if it holds another type than a
+    string (None: a string, or gone): ecstore writes only strings."""
+    kind = backend.client.type(raw_key)
+    kind = kind.decode("utf-8", "replace") if isinstance(kind, bytes) else str(kind)
+    if kind in ("string", "none"):
+        return None
+    return f"a {kind}, not an ecstore value (a string): not ecstore's, left alone"
+
+
+def _info(raw_key: bytes, head: bytes, size: int, pttl: int, error: str | None = None) -> RemoteEntryInfo:
     key = raw_key.decode("utf-8", "replace")[len(KEY_PREFIX):]
     try:
         model: str | None = parse_key(key).model
     except Exception:  # noqa: BLE001  (a foreign key under our prefix: shown, not fatal)
         model = None
     ttl = None if pttl < 0 else pttl
+    if error is not None:
+        return RemoteEntryInfo(key, model, None, None, None, size, None, ttl, error)
     try:
         rec = frame.unpack_record(head)
     except CorruptBlobError as e:
@@ -101,9 +116,16 @@ def _iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
             pipe.getrange(k, 0, HEAD_BYTES - 1)
             pipe.strlen(k)
             pipe.pttl(k)
-        res = pipe.execute()
+        res = pipe.execute(raise_on_error=False)  # a key of another type fails alone
         for i, k in enumerate(batch):
             head, size, pttl = res[3 * i: 3 * i + 3]
+            failed = next((x for x in (head, size, pttl) if isinstance(x, Exception)), None)
+            if failed is not None:
+                other = _other_type(backend, k)
+                if other is None:
+                    raise failed  # not a WRONGTYPE: the server's error (the caller maps it)
+                yield _info(k, b"", 0, pttl if isinstance(pttl, int) else -1, other)
+                continue
             if size == 0:
                 continue  # evicted or deleted since the scan
             if size > len(head) and frame.record_end(head) > len(head):
@@ -136,16 +158,22 @@ def server_info(backend: RedisBackend) -> dict[str, Any]:
 
 @dataclass
 class VerifyResult:
-    """What :func:`verify` found: values checked, bad ones (key, error), deleted, vanished meanwhile."""
+    """What :func:`verify` found: values checked, bad ones (key, error),
+    deleted, vanished meanwhile, and kept: bad keys ``delete_bad`` left
+    alone (keys of another type than a string, not ecstore's)."""
 
     checked: int = 0
     bad: list[dict[str, str]] | None = None
     deleted: int = 0
     vanished: int = 0
+    kept: int = 0
 
 
 def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
-    """Read every value in full and check framing, record, checksum and header."""
+    """Read every value in full and check it as the remote tier does
+    (:func:`frame.check_value`: framing, record, checksum, header, shape)
+    and against its key. A key of another type than a string is bad and
+    never deleted: ecstore did not write it."""
     with _client_errors(backend):
         return _verify(backend, delete_bad)
 
@@ -155,16 +183,35 @@ def _verify(backend: RedisBackend, delete_bad: bool) -> VerifyResult:
     assert result.bad is not None
     for k in backend.client.scan_iter(match=KEY_PREFIX + "*", count=1000):
         key = k.decode("utf-8", "replace")[len(KEY_PREFIX):]
-        value = backend.get(key)
+        try:
+            value = backend.get(key)
+        except RemoteRefused:
+            other = _other_type(backend, k)
+            if other is None:
+                raise  # not a WRONGTYPE
+            result.checked += 1
+            result.bad.append({"key": key, "error": other})
+            result.kept += delete_bad
+            continue
         if value is None:
             result.vanished += 1
             continue
         result.checked += 1
         try:
-            rec, blob = frame.unpack(value)
-            blob_check.check_entry(rec, blob, key=key)  # the entry check every read runs
+            frame.check_value(value, key=key)  # the check every remote read runs, and the key
         except CorruptBlobError as e:
             result.bad.append({"key": key, "error": str(e)})
-            if delete_bad and backend.delete_if_unchanged(key, value):
+            if delete_bad and _delete_if_unchanged(backend, k, key, value):
                 result.deleted += 1
     return result
+
+
+def _delete_if_unchanged(backend: RedisBackend, raw_key: bytes, key: str, value: bytes) -> bool:
+    """``backend.delete_if_unchanged``; False, not an error, for a key whose
+    type changed since it was read (the script's STRLEN fails on it)."""
+    try:
+        return backend.delete_if_unchanged(key, value)
+    except RemoteRefused:
+        if _other_type(backend, raw_key) is None:
+            raise
+        return False
