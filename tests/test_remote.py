@@ -663,6 +663,10 @@ def test_cluster_shares_entries_across_slots_and_survives_a_dead_master(tmp_path
             assert all(same_tensor(b.get(name), t) for name, t in tensors.items())  # comma seed list
             rc, out = dump("list", f"redis+cluster://127.0.0.1:{p[1]}", "--json")
             assert rc == 0 and len(json.loads(out)["entries"]) == len(tensors)
+            rc, out = dump("stats", f"redis+cluster://127.0.0.1:{p[1]}", "--json")  # an AttributeError before
+            stats = json.loads(out)
+            assert rc == 0 and stats["groups"][0]["entries"] == len(tensors)
+            assert stats["server"]["used_memory"] > 0 and stats["server"]["redis_version"]
             nodes[0].kill()  # a master (and its slots) gone: misses, never an exception
             with open_store(tmp_path, "c", f"redis+cluster://127.0.0.1:{p[1]}", clock=clock) as c:
                 got = [c.get(name) for name in tensors]

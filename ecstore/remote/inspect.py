@@ -145,8 +145,12 @@ def server_info(backend: RedisBackend) -> dict[str, Any]:
     """Memory, eviction policy and eviction counters of the server (INFO)."""
     info: dict[str, Any] = {}
     with _client_errors(backend):
-        raw = backend.client.info()
-    nodes = raw.values() if backend.is_cluster else [raw]  # a cluster answers per node
+        client = backend.client
+        raw = client.info(target_nodes=client.PRIMARIES) if backend.is_cluster else client.info()
+    # Every master answers, by node name; one node's answer alone comes flat
+    # (a single master; the default target, a random node, always did).
+    per_node = bool(raw) and all(isinstance(v, dict) for v in raw.values())
+    nodes = list(raw.values()) if backend.is_cluster and per_node else [raw]
     for node in nodes:
         for field in ("redis_version", "maxmemory_policy"):
             info.setdefault(field, node.get(field))
