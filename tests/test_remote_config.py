@@ -219,3 +219,20 @@ def test_every_bad_url_error_is_a_config_error_with_no_piece_of_the_password(url
     assert not any(p in str(info.value) for p in PIECES[:1]), str(info.value)
     if "ssl_ca_certs" not in url:  # an '@' in a query value may end the password: hidden too
         assert not any(p in str(info.value) for p in PIECES), str(info.value)
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=soon", "health_check_interval=often"])
+def test_a_query_option_redis_py_rejects_is_a_config_error(query: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from ecstore import ECStore
+    from ecstore.cli import main as dump_main
+
+    url = f"redis://:{SECRET}@127.0.0.1:1/0?{query}"
+    with pytest.raises(ConfigError, match=query.split("=")[0]) as info:
+        ECStore(ECStoreConfig(remote_url=url), model="m", dtype=torch.float32)
+    assert SECRET not in str(info.value)
+    assert dump_main(["list", url]) == 2  # one clear error line, no traceback
+    err = capsys.readouterr().err
+    assert query.split("=")[0] in err and SECRET not in err and "Traceback" not in err

@@ -137,7 +137,10 @@ class RedisBackend:
                     url = real + url[len(alias):]
             # from_url keeps TLS options given as query arguments (ssl_ca_certs=...); connects lazily.
             self._make_client = lambda: redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **common)
-            _ = self.client
+            try:
+                _ = self.client
+            except (ValueError, TypeError) as e:  # a query option redis-py rejects: ?socket_timeout=soon
+                raise ConfigError(f"remote_url {target.masked!r}: {redact(str(e), *self._secrets)}") from None
 
     @property
     def client(self) -> Any:
