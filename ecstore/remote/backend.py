@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..errors import ConfigError, ECStoreError
+from .deadline import deadline, deadline_class
 from .url import RemoteTarget, redact
 
 log = logging.getLogger("ecstore")
@@ -57,6 +58,32 @@ def _pack_set(key: str, parts: Sequence[Any], px: int | None) -> list[Any]:
     head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(tail), len(k), k, sum(len(v) for v in views))
     end = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in tail)
     return [head, *views, end]
+
+
+def _cluster_client(target: RemoteTarget, common: dict[str, Any]) -> Any:
+    """A RedisCluster over the seed nodes of ``target`` whose node connections
+    are :func:`~ecstore.remote.deadline.deadline_class` ones.
+
+    RedisCluster takes a connection class only when given a ``url`` (it then
+    builds each node's pool from its keyword arguments): the first seed is
+    given as a plain ``redis://host:port`` URL, the others as startup nodes,
+    and TLS as the connection class (with the ``ssl_*`` query options).
+    It connects to the seeds when constructed (raising if none answers),
+    which is why it is built at the first call: an unreachable cluster is then
+    a failed call (a miss), not an error at start-up. One cluster-level retry
+    (after a topology refresh), within the caller's deadline.
+    """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    base = redis.SSLConnection if target.tls else redis.Connection
+    (host, port), *others = target.hosts
+    seed = f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
+    return RedisCluster(url=seed, startup_nodes=[ClusterNode(h, p) for h, p in others],
+                        retry=Retry(NoBackoff(), 1), connection_class=deadline_class(base),
+                        **common, **(_ssl_options(target.url) if target.tls else {}))
 
 
 class RemoteUnavailable(ECStoreError):
@@ -97,9 +124,12 @@ class RedisBackend:
     """:class:`RemoteBackend` over redis-py (a single server, a unix socket,
     or a cluster).
 
-    ``timeout_s`` bounds connecting and every socket read/write (seconds);
-    redis-py's own retries are off but one immediate reconnect (a pooled
-    connection the server closed, e.g. after a restart).
+    ``timeout_s`` bounds each call as a whole (seconds): connecting, sending
+    and reading the whole reply, redirects and retries included (see
+    :mod:`ecstore.remote.deadline`). redis-py's own retries are off but one
+    immediate reconnect after a connection error (a pooled connection the
+    server closed, e.g. after a restart), never after a timeout, and within
+    the same deadline.
     """
 
     def __init__(self, target: RemoteTarget, timeout_s: float) -> None:
@@ -113,6 +143,7 @@ class RedisBackend:
                 f"pip install 'ecstore[redis]'") from None
         self._redis = redis
         self.description = target.masked
+        self.timeout_s = timeout_s
         self._secrets = (target.password,)
         common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                                   "username": target.username, "password": target.password}
@@ -121,24 +152,22 @@ class RedisBackend:
         self._delete_script: Any = None
         self._connect_lock = threading.Lock()
         if target.cluster:
-            from redis.cluster import ClusterNode, RedisCluster
-
-            # RedisCluster connects to the seed nodes when constructed (and
-            # raises if none answers): built at the first call instead, so an
-            # unreachable cluster is a failed call (a miss), not an error here.
-            def make() -> Any:
-                return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], ssl=target.tls,
-                                    retry=Retry(NoBackoff(), 1), **common, **_ssl_options(target.url))
-            self._make_client: Callable[[], Any] = make
+            self._make_client: Callable[[], Any] = lambda: _cluster_client(target, common)
         else:
             url = target.url
             for alias, real in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
                 if url.lower().startswith(alias):
                     url = real + url[len(alias):]
-            # from_url keeps TLS options given as query arguments (ssl_ca_certs=...); connects lazily.
-            self._make_client = lambda: redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **common)
+            # Retries only after a connection error (a stale pooled
+            # connection), never after a timeout.
+            retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
             try:
-                _ = self.client
+                # The URL picks the connection class (TLS, unix socket); its
+                # query arguments (ssl_ca_certs=...) are redis-py's.
+                base = redis.connection.parse_url(url).get("connection_class", redis.Connection)
+                self._make_client = lambda: redis.Redis.from_url(
+                    url, retry=retry, connection_class=deadline_class(base), **common)
+                _ = self.client  # connects lazily
             except (ValueError, TypeError) as e:  # a query option redis-py rejects: ?socket_timeout=soon
                 raise ConfigError(f"remote_url {target.masked!r}: {redact(str(e), *self._secrets)}") from None
 
@@ -157,10 +186,12 @@ class RedisBackend:
         return client
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (which reaches the client through :attr:`client`), its
-        failures as RemoteUnavailable / RemoteRefused."""
+        """``fn()`` (which reaches the client through :attr:`client`) within
+        ``timeout_s`` from now (or an enclosing, sooner deadline), its failures
+        as RemoteUnavailable / RemoteRefused."""
         try:
-            return fn()
+            with deadline(self.timeout_s):
+                return fn()
         except Exception as e:  # noqa: BLE001  (cluster topology errors, malformed replies...)
             raise self.error_of(e) from None
 

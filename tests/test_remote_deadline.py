@@ -1,0 +1,102 @@
+"""``remote_timeout_seconds`` bounds each remote call as a whole.
+
+Against real sockets: a small RESP server (tests/helpers/fake_redis.py) that
+drips its GET reply or never answers, counting what it was sent. The
+mechanism is asserted (commands sent, connections made, breaker state); wall
+times only with a wide margin (the old code took 10x the timeout for the
+drip, 2x for a silent server, 3x for three silent seeds).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from conftest import gib
+from helpers.fake_redis import FakeRedis
+
+from ecstore import ECStore
+from ecstore.config import ECStoreConfig
+from ecstore.remote.breaker import BreakerState
+
+MODEL = "org/tiny-vlm"
+T = 0.5  # remote_timeout_seconds of these tests
+SLACK = 3 * T  # a generous bound on one call (scheduling on a busy machine)
+
+
+class FakeClock:
+    """The breaker's clock: the circuit stays open once opened."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_store(tmp_path: Path, url: str, disk: str | None = None) -> ECStore:
+    cfg = ECStoreConfig(local_disk=None if disk is None else str(tmp_path / disk),
+                        max_local_disk_size=gib(64 << 20) if disk else 0,
+                        remote_url=url, remote_timeout_seconds=T)
+    return ECStore(cfg, model=MODEL, dtype=torch.bfloat16, _remote_clock=FakeClock())
+
+
+def timed(fn):
+    t0 = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - t0
+
+
+def test_a_reply_dripping_slower_than_the_timeout_is_a_failure(tmp_path: Path) -> None:
+    # Every 1 KiB chunk comes within the socket timeout; the whole reply takes 20 x 0.25 s.
+    with FakeRedis("drip", chunks=20, gap_s=0.25) as server:
+        with open_store(tmp_path, server.url) as store:
+            for _ in range(3):
+                got, took = timed(lambda: store.get("img"))
+                assert got is None
+                assert took < SLACK, f"get took {took:.2f} s with remote_timeout_seconds={T}"
+            # Counted as failures: the circuit opened, the remote is not asked any more.
+            assert store.stats().remote_errors == 3
+            assert store.remote is not None and store.remote.breaker.state is BreakerState.OPEN
+            assert store.get("img") is None
+    assert server.commands["GET"] == 3
+
+
+def test_a_timed_out_command_is_not_sent_again(tmp_path: Path) -> None:
+    with FakeRedis("silent") as server:
+        with open_store(tmp_path, server.url) as store:
+            got, took = timed(lambda: store.get("img"))
+            assert got is None and took < SLACK
+            found, took = timed(lambda: store.remote_contains("other"))
+            assert not found and took < SLACK
+    # redis-py's retry re-sent both after the timeout (each call then took 2x the timeout).
+    assert (server.commands["GET"], server.commands["EXISTS"]) == (1, 1)
+
+
+def test_cluster_seeds_after_the_deadline_are_not_tried(tmp_path: Path) -> None:
+    """Three seed nodes that never answer CLUSTER SLOTS: one timeout, not one per seed."""
+    seeds = [FakeRedis("silent") for _ in range(3)]
+    try:
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in seeds)
+        with open_store(tmp_path, url) as store:
+            got, took = timed(lambda: store.get("img"))
+            assert got is None
+    finally:
+        for s in seeds:
+            s.close()
+    # The first seed tried took the whole timeout; the others were not even connected to.
+    assert sum(s.accepted for s in seeds) == 1
+    assert sum(s.commands["CLUSTER"] for s in seeds) == 1
+    assert took < SLACK
+
+
+def test_a_tls_handshake_that_never_ends_is_one_timeout(tmp_path: Path) -> None:
+    """A server that accepts but never answers the TLS hello: the handshake
+    counts against the same deadline and the connect is not retried."""
+    with FakeRedis("silent") as server:
+        with open_store(tmp_path, f"rediss://127.0.0.1:{server.port}/0") as store:
+            got, took = timed(lambda: store.get("img"))
+            assert got is None
+    assert server.accepted == 1  # before: a second connect after the timed-out handshake
+    assert took < SLACK
