@@ -336,8 +336,9 @@ class ECStore:
         the data pages; see ``ecstore.lmdb``).
 
         With a remote tier it also waits until those puts were sent to the
-        remote (or dropped: the remote down, slow or its queue full; bounded
-        by ``remote_timeout_seconds`` per batch, never raises), so that other
+        remote (or dropped: the remote down, slow or its queue full; each
+        batch bounded by ``remote_timeout_seconds``, and with a remote that
+        stopped answering the whole wait too; never raises), so that other
         nodes see them too. No-op without a disk or remote tier.
         """
         self._wait_committed()

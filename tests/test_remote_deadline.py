@@ -9,12 +9,14 @@ drip, 2x for a silent server, 3x for three silent seeds).
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import torch
 from conftest import gib
 from helpers.fake_redis import FakeRedis
+from helpers.tensors import make_tensor
 
 from ecstore import ECStore
 from ecstore.config import ECStoreConfig
@@ -72,6 +74,32 @@ def test_a_timed_out_command_is_not_sent_again(tmp_path: Path) -> None:
             assert not found and took < SLACK
     # redis-py's retry re-sent both after the timeout (each call then took 2x the timeout).
     assert (server.commands["GET"], server.commands["EXISTS"]) == (1, 1)
+
+
+def test_writes_queued_behind_a_timed_out_batch_are_dropped_with_it(tmp_path: Path) -> None:
+    """wait_committed with a hung server waits for one batch, not one per queued batch."""
+    with FakeRedis("silent") as server:
+        with open_store(tmp_path, server.url) as store:
+            assert store.remote is not None
+            queue = store.remote._writes
+            assert queue is not None
+            all_queued, first = threading.Event(), []
+            send = queue._send
+
+            def hooked(batch) -> None:  # the first batch waits until every put is queued
+                if not first:
+                    first.append(len(batch))
+                    assert all_queued.wait(10)
+                send(batch)
+            queue._send = hooked
+            for i in range(150):  # more than two batches (BATCH_ITEMS = 64) behind the first
+                assert store.put(f"img-{i}", make_tensor(i % 7))
+            all_queued.set()
+            _, took = timed(store.wait_committed)
+            assert store.stats().remote_puts_dropped == 150
+    # Only the first batch was sent (before: every batch, each waiting out the timeout).
+    assert server.commands["SET"] == first[0]
+    assert took < SLACK
 
 
 def test_cluster_seeds_after_the_deadline_are_not_tried(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@
     ECStore.put      ─► local tiers + RemoteTier.submit ─► writer thread ─► pipelined SET NX
 
 Failure is a miss, never an error: every remote call is bounded by
-``timeout_s`` (connect and each socket read/write), goes through a
+``timeout_s`` as a whole (connect, command, the whole reply; see
+:mod:`~ecstore.remote.deadline`), goes through a
 :class:`CircuitBreaker` (after a few consecutive failures the remote is not
 asked at all until a back-off has passed; then one probe call decides), and
 any failure is counted in :class:`RemoteStats` and answered as a miss (reads)
@@ -16,8 +17,11 @@ Threading: every public method may be called from any thread. Writes are
 sent by one background thread per tier (:class:`~ecstore.remote.writer.WriteQueue`):
 ``submit`` blocks at most ``timeout_s`` when ``queue_bytes`` of values are
 already waiting (back-pressure), then drops the write, and drops it at once
-while the circuit is open. ``drain`` waits for the writes queued before its
-call (bounded by the timeouts), not for an empty queue.
+while the circuit is open. One write batch (its EXISTS and SET round trips
+together) is bounded by ``timeout_s``; when one fails for want of the
+server (unreachable, timed out) the writes still queued are dropped with it.
+``drain`` waits for the writes queued before its call, not for an empty
+queue: with a server that stopped answering it returns within ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..codec import CorruptBlobError
 from . import frame
 from .backend import RemoteBackend, RemoteRefused, RemoteUnavailable
 from .breaker import BreakerState, CircuitBreaker, Transition
+from .deadline import deadline
 from .url import redact
 from .writer import Batch, PendingWrite, WriteQueue
 
@@ -90,8 +95,9 @@ class RemoteTier:
     """Args:
         backend: the byte store (e.g. :class:`~ecstore.remote.backend.RedisBackend`).
         model, dtype: what this handle stores (checked on every read).
-        timeout_s: the back-pressure wait of ``submit`` (the backend bounds
-            each call by its own timeout).
+        timeout_s: the back-pressure wait of ``submit`` and the bound of one
+            write batch (seconds; the backend bounds each call by its own
+            timeout).
         ttl_s: expiry of written values (0: none; capacity is then the
             server's ``maxmemory`` policy).
         queue_bytes: tensor bytes waiting to be written before ``submit`` waits.
@@ -156,8 +162,11 @@ class RemoteTier:
         else:
             log.warning(msg, *args)
 
-    def _call(self, what: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
-        """(True, result) or (False, None) when the circuit is open or the call failed."""
+    def _call(self, what: str, fn: Callable[[], T],
+              on_unavailable: Callable[[], object] | None = None) -> tuple[bool, T | None]:
+        """(True, result) or (False, None) when the circuit is open or the
+        call failed; ``on_unavailable`` is called when it failed for want of
+        the server (unreachable, timed out: what opens the circuit)."""
         if not self.breaker.allow():
             self._count(skipped=1)
             return False, None
@@ -167,6 +176,8 @@ class RemoteTier:
             self._count(errors=1)
             log.debug("ecstore: remote %s failed: %s", what, e)
             self._note(self.breaker.record_failure())
+            if on_unavailable is not None:
+                on_unavailable()
             return False, None
         except RemoteRefused as e:  # the server is up: not a reason to open the circuit
             self._count(errors=1)
@@ -178,6 +189,8 @@ class RemoteTier:
             log.warning("ecstore: remote %s failed unexpectedly: %s: %s", what, type(e).__name__,
                         redact(str(e), getattr(self.backend, "description", "")))
             self._note(self.breaker.record_failure())
+            if on_unavailable is not None:
+                on_unavailable()
             return False, None
         self._note(self.breaker.record_success())
         return True, result
@@ -281,13 +294,22 @@ class RemoteTier:
             self._writes.drain()
 
     def _write(self, batch: Batch) -> None:
-        """Writer thread: one SET NX pipeline (after one EXISTS pipeline for big batches)."""
+        """Writer thread: one SET NX pipeline (after one EXISTS pipeline for
+        big batches), both within ``timeout_s`` from now."""
+        with deadline(self.timeout_s):
+            self._write_batch(batch)
+
+    def _drop_queued(self) -> None:
+        if self._writes is not None:
+            self._writes.drop_queued()
+
+    def _write_batch(self, batch: Batch) -> None:
         t0 = time.perf_counter()
         keys = [k for k, _ in batch]
         present = [False] * len(batch)
         if sum(it.nbytes for _, it in batch) >= EXISTS_FIRST_BYTES:
             # Big values: one EXISTS round trip to skip sending what is there.
-            ok, there = self._call("lookup", lambda: self.backend.exists_many(keys))
+            ok, there = self._call("lookup", lambda: self.backend.exists_many(keys), self._drop_queued)
             if not ok or there is None:
                 self._count(puts_dropped=len(batch))
                 return
@@ -300,7 +322,7 @@ class RemoteTier:
             if blob is None:
                 blob = codec.encode(it.tensor, identifier=it.identifier, model=self.model)
             values.append((k, frame.pack(it.identifier, blob, it.tensor.dtype, tuple(it.tensor.shape))))
-        ok, written = self._call("put", lambda: self.backend.set_many(values, self.ttl_s))
+        ok, written = self._call("put", lambda: self.backend.set_many(values, self.ttl_s), self._drop_queued)
         if not ok or written is None:
             self._count(puts_dropped=len(todo))
         else:

@@ -12,7 +12,7 @@ Tickets: every queued write takes the next number of one counter. ``drain``
 before its call is still queued or being sent, so writes submitted after the
 call, however many and however fast, never hold it up. After ``close`` began
 ``submit`` drops (counted, returns False); a write queued before is sent
-before the thread exits.
+(or dropped, see ``drop_queued``) before the thread exits.
 
 Threading: every method may be called from any thread.
 """
@@ -134,6 +134,20 @@ class WriteQueue:
         if self._busy_since is not None:
             return self._busy_since
         return next(iter(self._queue.values())).ticket if self._queue else None
+
+    def drop_queued(self) -> int:
+        """Drop every write still queued (not the batch being sent), counted
+        by ``on_dropped``; how many. The tier calls it when a batch failed
+        because the remote is unreachable or too slow, so that ``drain`` and
+        ``close`` wait for one timed-out batch, not for one per queued batch."""
+        with self._cv:
+            n = len(self._queue)
+            self._queued_bytes -= sum(item.nbytes for item in self._queue.values())
+            self._queue.clear()
+            self._cv.notify_all()
+        if n:
+            self._on_dropped(n)
+        return n
 
     @property
     def pending(self) -> int:
