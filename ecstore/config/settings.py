@@ -81,9 +81,10 @@ class ECStoreConfig:
             (``repr`` leaves it out; :func:`describe_config` masks it).
         remote_password: password of the remote when the URL has none
             (normally ``LMCACHE_EC_REMOTE_PASSWORD``).
-        remote_timeout_seconds: bound of connecting and of each socket
-            read/write to the remote; also how long ``put`` waits for room
-            in a full remote write queue before dropping that write.
+        remote_timeout_seconds: bound of each remote call as a whole
+            (connect, command, the whole reply; docs/remote.md), and of one
+            remote write batch; also how long ``put`` waits for room in a
+            full remote write queue before dropping that write.
         remote_ttl_seconds: expiry of values written to the remote (0: none;
             the server's ``maxmemory`` policy bounds it).
         max_remote_queue_size: GiB of tensors waiting for the background
@@ -277,7 +278,7 @@ KEYS: dict[str, KeySpec] = {
     "remote_timeout_seconds": KeySpec(
         "float", "s", "a duration in seconds: a finite number > 0",
         lambda v, _s: parse_number(v, "remote_timeout_seconds"),
-        "bound of each remote connect/read/write; a slower remote is a miss"),
+        "bound of each remote call as a whole (connect, command, reply); a slower remote is a miss"),
     "remote_ttl_seconds": KeySpec(
         "float", "s", "a duration in seconds: a finite number >= 0 (0: no expiry)",
         lambda v, _s: parse_number(v, "remote_ttl_seconds"), "expiry of values written to the remote"),
