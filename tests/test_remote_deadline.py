@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import gib
 from helpers.fake_redis import FakeRedis
@@ -128,3 +129,36 @@ def test_a_tls_handshake_that_never_ends_is_one_timeout(tmp_path: Path) -> None:
             assert got is None
     assert server.accepted == 1  # before: a second connect after the timed-out handshake
     assert took < SLACK
+
+
+def test_bytes_a_call_moves_extend_its_deadline(monkeypatch) -> None:
+    """A large value moving at network speed is not cut off at
+    ``remote_timeout_seconds`` (a 130 MB entry takes ~0.5 s on loopback
+    here, the default timeout): each byte moved extends the call's deadline
+    by 1 / MIN_RATE_BYTES_PER_S seconds, while a call that moves nothing
+    still ends at the deadline. A fake monotonic clock and a socket pair:
+    the arithmetic, exactly."""
+    import socket
+
+    from ecstore.remote import deadline as dl
+
+    now = [100.0]
+    monkeypatch.setattr(dl, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(dl, "MIN_RATE_BYTES_PER_S", 1000)  # bytes/s: 500 bytes buy 0.5 s
+    a, b = socket.socketpair()
+    try:
+        s = dl.DeadlineSocket(a)
+        s.settimeout(5.0)
+        with dl.deadline(0.5):  # until 100.5
+            b.sendall(b"x" * 500)
+            assert s.recv(1000) == b"x" * 500  # until 101.0
+            now[0] = 100.9
+            b.sendall(b"y" * 10)
+            assert s.recv(1000) == b"y" * 10  # past the first deadline: not cut off; until 101.01
+            now[0] = 101.02
+            b.sendall(b"z")
+            with pytest.raises(socket.timeout):
+                s.recv(1000)
+    finally:
+        a.close()
+        b.close()

@@ -82,7 +82,8 @@ class ECStoreConfig:
         remote_password: password of the remote when the URL has none
             (normally ``LMCACHE_EC_REMOTE_PASSWORD``).
         remote_timeout_seconds: bound of each remote call as a whole
-            (connect, command, the whole reply; docs/remote.md), and of one
+            (connect, command, the whole reply; plus the time its bytes take
+            at 64 MiB/s; docs/remote.md), and of one
             remote write batch; also how long ``put`` waits for room in a
             full remote write queue before dropping that write.
         remote_ttl_seconds: expiry of values written to the remote (0: none;

@@ -124,9 +124,10 @@ class RedisBackend:
     """:class:`RemoteBackend` over redis-py (a single server, a unix socket,
     or a cluster).
 
-    ``timeout_s`` bounds each call as a whole (seconds): connecting, sending
-    and reading the whole reply, redirects and retries included (see
-    :mod:`ecstore.remote.deadline`). redis-py's own retries are off but one
+    ``timeout_s`` bounds each call as a whole (seconds, plus the time its
+    bytes take at :data:`~ecstore.remote.deadline.MIN_RATE_BYTES_PER_S`):
+    connecting, sending and reading the whole reply, redirects and retries
+    included (see :mod:`ecstore.remote.deadline`). redis-py's own retries are off but one
     immediate reconnect after a connection error (a pooled connection the
     server closed, e.g. after a restart), never after a timeout, and within
     the same deadline.

@@ -16,6 +16,13 @@ at most until then:
   touching the network (redis-py turns that into its ``TimeoutError``), so
   retries and cluster redirects after the deadline fail at once.
 
+Every byte sent or received moves the deadline on by ``1 /``
+:data:`MIN_RATE_BYTES_PER_S` seconds: a call may take ``seconds`` plus the
+time its bytes take at that rate, so a large entry moving at network speed
+is not cut off (a 130 MB value at 250 MB/s takes 0.5 s, the default
+timeout), while a server that stops answering, or drips its reply slower
+than that rate, is.
+
 Without a deadline (``ecstore-dump``'s long scans) the connections behave as
 plain redis-py ones. The deadline is per thread: a pooled connection is used
 by one thread at a time. Cost on a hit: a clock read per socket operation
@@ -63,6 +70,19 @@ def time_left() -> float | None:
     """Seconds until the calling thread's deadline (may be <= 0), None if none."""
     at = _local.at
     return None if at is None else at - _monotonic()
+
+
+#: Each byte a call moves extends its deadline by 1 / this many seconds
+#: (bytes per second): the slowest transfer rate a call is allowed beyond
+#: ``remote_timeout_seconds``.
+MIN_RATE_BYTES_PER_S = 64 << 20
+
+
+def _moved(n: int) -> None:
+    """``n`` bytes moved: extend the calling thread's deadline, if any."""
+    at = _local.at
+    if at is not None and n > 0:
+        _local.at = at + n / MIN_RATE_BYTES_PER_S
 
 
 #: An operation ends at most this long after the deadline (or times out at
@@ -134,18 +154,26 @@ class DeadlineSocket:
     # reads ``recv_into(buf, 0)`` as "read 0 bytes".
     def recv(self, bufsize: int, *flags: int) -> bytes:
         self._arm()
-        return self._sock.recv(bufsize, *flags)
+        data = self._sock.recv(bufsize, *flags)
+        _moved(len(data))
+        return data
 
     def recv_into(self, buffer: Any, *args: int) -> int:
         self._arm()
-        return self._sock.recv_into(buffer, *args)
+        n = self._sock.recv_into(buffer, *args)
+        _moved(n)
+        return n
 
     def send(self, data: Any, *flags: int) -> int:
         self._arm()
-        return self._sock.send(data, *flags)
+        n = self._sock.send(data, *flags)
+        _moved(n)
+        return n
 
     def sendall(self, data: Any, *flags: int) -> None:
-        # Python bounds a whole sendall by the timeout set before it.
+        # Python bounds a whole sendall by the timeout set before it: what
+        # it may take at MIN_RATE_BYTES_PER_S is granted up front.
+        _moved(memoryview(data).nbytes)
         self._arm()
         self._sock.sendall(data, *flags)
 
