@@ -740,6 +740,46 @@ def test_tls_server_with_rediss_url(tmp_path: Path) -> None:
         server.kill()
 
 
+def test_tls_cluster_with_rediss_cluster_url(tmp_path: Path) -> None:
+    """A TLS Redis Cluster (``rediss+cluster://``, as managed services run
+    it): entries are shared through it, password and CA from the URL. A
+    one-node cluster holding every slot; the cluster client's connections
+    are the deadline-bounded TLS ones."""
+    import shutil
+    import subprocess
+
+    from ecstore.testing.redis_server import self_signed_cert
+
+    (tmp_path / "redis").mkdir()
+    cert = self_signed_cert(tmp_path / "redis")
+    server = RedisServer(tmp_path / "redis", password=SECRET, tls=cert,
+                         extra=["--cluster-enabled", "yes", "--tls-cluster", "yes",
+                                "--cluster-config-file", str(tmp_path / "redis" / "nodes.conf")])
+    server.start()
+    try:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        assert cli is not None
+        subprocess.run([cli, "--tls", "--cacert", str(cert[0]), "-p", str(server.port), "-a", SECRET,
+                        "--no-auth-warning", "CLUSTER", "ADDSLOTSRANGE", "0", "16383"],
+                       check=True, timeout=60, capture_output=True)
+        client = server.client()
+        give_up = time.monotonic() + 60
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < give_up, "the one-node cluster never took its slots"
+            time.sleep(0.05)  # polling a condition with a bound (as start_cluster does)
+        url = server.url.replace("rediss://", "rediss+cluster://")
+        t = make_tensor(14, rows=32, cols=128)
+        with open_store(tmp_path, "a", url) as a:
+            a.put("tls-cluster", t)
+            a.flush()
+            assert a.stats().remote_puts == 1 and a.stats().remote_errors == 0
+        with open_store(tmp_path, "b", url) as b:
+            assert same_tensor(b.get("tls-cluster"), t)
+            assert b.stats().remote_hits == 1
+    finally:
+        server.kill()
+
+
 def test_hung_server_is_a_miss_after_the_timeout(tmp_path: Path, redis_server: RedisServer) -> None:
     import os
     import signal
