@@ -217,6 +217,34 @@ def test_an_item_vllm_cannot_encode_and_nobody_stored_fails_its_request_not_the_
     assert eng.finished == {"r1": FinishReason.ERROR, "r2": FinishReason.LENGTH}
 
 
+def test_after_vllm_resets_its_encoder_cache_a_lost_item_vllm_cannot_encode_fails_its_request(
+        tiny_model_dir, disk_extra, engines):
+    """The scheduler side trusts vLLM's encoder cache for items it allocated
+    and vLLM did not free; vLLM's reset_encoder_cache (weights updated)
+    frees without telling. The worker reports the loaded entries gone from
+    vLLM's cache, so a later metadata-only request whose entry the store
+    lost is failed before any token instead of stopping the engine ("Encoder
+    cache miss"). (Within the one step before that report reaches the
+    scheduler, the old answer stands: see correctness.md.)"""
+    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    eng.scheduler.add_request(vo.make_request("r0", [A], max_tokens=1, inputs=False))
+    eng.run()
+    assert eng.finished["r0"] == FinishReason.LENGTH
+    eng.scheduler.reset_encoder_cache()  # weights updated: vLLM drops its encoder cache
+    eng.encoder_cache.clear()
+    with open_store(eng.connector) as st:  # the store lost A meanwhile
+        assert st.delete(A)
+        st.flush()
+    eng.scheduler.add_request(vo.make_request("r1", [B], max_tokens=1))  # a step: the worker reports
+    eng.run()
+    eng.scheduler.add_request(vo.make_request("r2", [A], max_tokens=1, inputs=False))
+    eng.run()
+    assert eng.finished["r2"] == FinishReason.ERROR and not eng.tokens.get("r2")
+
+
 def test_an_entry_damaged_after_it_was_verified_fails_its_request_and_its_stand_in_is_never_served(
         tiny_model_dir, disk_extra, engines):
     """The last resort: an entry the scheduler verified earlier goes bad

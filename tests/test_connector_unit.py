@@ -671,3 +671,19 @@ def test_consumer_only_trusts_the_stored_width(connectors, disk_extra):
     assert wm.loaded == [("r1", A)]
     assert [(r, i) for r, i, _ in wm.failed] == [("r1", B)]
     assert tuple(cache[B].shape) == (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)  # stand-in, LM width
+
+
+def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs_it(connectors, disk_extra):
+    """vLLM asked about A for a request with inputs (no verification needed:
+    the worker can encode A again) and did not allocate it; a metadata-only
+    request for A in the same step must not reuse that unverified yes for a
+    corrupt entry (its load would fail onto a zero stand-in): A is verified,
+    dropped, and that request failed before any token."""
+    sched, _ = connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    corrupt(sched, A)
+    assert sched.has_cache_item(A)  # the request with inputs (then not allocated)
+    assert sched.ensure_cache_available(vo.make_request("r2", [A], inputs=False), 0) is False
+    assert "r2" in sched.scheduler_side.take_unavailable_requests()
+    assert leased(sched, A) == set()
+

@@ -9,6 +9,7 @@ fails.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from helpers import vllm_objects as vo
 from helpers.scheduler_engine import SHAPE, encoder_output
 from vllm.v1.engine import FinishReason
 
+from ecstore import ECStore
 from ecstore.connector import LoadSpec
 
 pytestmark = pytest.mark.vllm
@@ -74,6 +76,9 @@ def test_an_item_node_b_cannot_encode_is_fetched_verified_and_pinned_before_the_
     b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
     b.scheduler.add_request(vo.make_request("b1", [A], max_tokens=1, inputs=False))
     out = b.step()
+    assert "b1" not in out.num_scheduled_tokens  # deferred while A is fetched (off the scheduler thread)
+    assert b.connector.scheduler_side._fetches.wait_idle(60)
+    out = b.step()
     assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=False)]
     assert torch.equal(b.encoder_cache[A], encoder_output(A))
     b.run()
@@ -83,6 +88,7 @@ def test_an_item_node_b_cannot_encode_is_fetched_verified_and_pinned_before_the_
     b.scheduler.add_request(vo.make_request("b2", [B], max_tokens=1, inputs=False))  # nobody stored B
     b.run()
     assert b.finished["b2"] == FinishReason.ERROR
+    assert not b.tokens.get("b2")
 
 
 def test_remote_down_node_b_computes_and_nothing_fails(tiny_model_dir, tmp_path, redis_server, engines):
@@ -128,3 +134,64 @@ def test_password_of_the_remote_never_reaches_the_logs(tiny_model_dir, tmp_path,
         assert secret not in caplog.text
     finally:
         server.kill()
+
+
+def test_a_remote_entry_the_local_store_cannot_take_is_loaded_from_the_remote(
+        tiny_model_dir, tmp_path, redis_server, engines):
+    """Node B's local disk is smaller than A's entry: the fetched, verified
+    entry cannot be committed and pinned there. The metadata-only request is
+    then served as before the fetch existed (an unpinned remote yes, the
+    worker loads from the remote), not failed."""
+    a = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
+    a.scheduler.add_request(vo.make_request("a1", [A]))
+    a.run()
+    a.worker.worker_side.store.flush()
+    tiny = dict(node(tmp_path, "b", redis_server.url), max_local_disk_size=0.00001)  # ~10 KiB < A's 16 KiB
+    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", tiny))
+    b.scheduler.add_request(vo.make_request("b1", [A], max_tokens=1, inputs=False))
+    b.step()
+    assert b.connector.scheduler_side._fetches.wait_idle(60)
+    b.run()
+    assert b.finished == {"b1": FinishReason.LENGTH}
+    assert torch.equal(b.encoder_cache[A], encoder_output(A))
+
+
+def test_the_remote_fetch_never_holds_the_scheduler_while_another_process_writes(
+        tiny_model_dir, tmp_path, redis_server, connectors):
+    """docs/disaggregation.md: a PD instance never waits for the store's
+    write lock. Fetching a remote entry into the local store needs a commit;
+    while another process (an encoder instance committing) holds the lock,
+    ensure_cache_available defers the request instead of waiting (a fetch
+    on the scheduler thread waited until the lock was released)."""
+    import subprocess
+    import sys
+    import threading
+
+    src = node(tmp_path, "src", redis_server.url)
+    s_src, _ = connectors("ec_both", src)
+    with ECStore(replace(s_src.config, local_cpu=False), model=s_src._vllm_config.model_config.model,
+                 dtype=torch.float32, identity=s_src.identity) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    pd = node(tmp_path, "pd", redis_server.url)
+    sched, _ = connectors("ec_consumer", pd)
+    helper = Path(__file__).parent / "helpers" / "lmdb_lock_holder.py"
+    holder = subprocess.Popen([sys.executable, str(helper), pd["local_disk"]],
+                              text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    answers: list[bool] = []
+    asked = threading.Thread(target=lambda: answers.append(
+        sched.ensure_cache_available(vo.make_request("r1", [A], inputs=False), 0)), daemon=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        asked.start()
+        asked.join(timeout=60)  # a hang detector: the old code waited for the lock
+        assert not asked.is_alive(), "the scheduler waited for another process's write lock"
+        assert answers == [False]  # deferred (fetching), not failed
+        assert "r1" not in sched.scheduler_side.take_unavailable_requests()
+    finally:
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        holder.wait(timeout=60)
+    assert sched.scheduler_side._fetches.wait_idle(60)
+    assert sched.ensure_cache_available(vo.make_request("r1", [A], inputs=False), 0) is True
+

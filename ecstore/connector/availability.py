@@ -5,18 +5,29 @@ for items vLLM could not encode again (no processed inputs, or tensor
 parallelism) the scheduler verifies the entry before its yes (see
 ``SchedulerSide.ensure_cache_available``). :class:`VerifiedEntries` remembers
 the entries it verified, so that a popular entry is read once per scheduler
-process, not at every request. Scheduler thread only (not thread-safe).
+process, not at every request. :class:`RemoteFetches` brings such an entry
+that only the remote tier holds into the local disk tier, verified, on a
+thread of its own: the scheduler defers the request meanwhile (it never waits
+for the network or for another process's write lock). Both are thread-safe.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+import threading
+from collections import OrderedDict, deque
 from typing import Any
+
+from ..errors import ECStoreError
 
 from ..store import ECStore
 
+log = logging.getLogger("ecstore")
+
 #: Entries the scheduler remembers as verified.
 VERIFIED_MEMO_ENTRIES = 4096
+#: Finished fetches remembered until the scheduler asks (the oldest go first).
+FETCH_RESULTS = 4096
 
 
 def placeholder_computed(feature: Any, num_computed_tokens: int) -> bool:
@@ -41,6 +52,7 @@ class VerifiedEntries:
         self.store = store
         self.limit = limit
         self._tags: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._lock = threading.Lock()  # the scheduler thread and the fetch thread
 
     def check(self, identifier: str) -> bool:
         """Whether ``identifier``'s disk-tier entry passes every check a load
@@ -52,13 +64,118 @@ class VerifiedEntries:
             return False
         rec = disk.record(self.store.key(identifier))
         tag = None if rec is None else (rec.checksum, rec.created_ns)
-        if tag is not None and self._tags.get(identifier) == tag:
-            self._tags.move_to_end(identifier)
-            return True
-        self._tags.pop(identifier, None)
+        with self._lock:
+            if tag is not None and self._tags.get(identifier) == tag:
+                self._tags.move_to_end(identifier)
+                return True
+            self._tags.pop(identifier, None)
         if tag is None or not self.store.verify(identifier):
             return False
-        self._tags[identifier] = tag
-        while len(self._tags) > self.limit:
-            self._tags.popitem(last=False)
+        with self._lock:
+            self._tags[identifier] = tag
+            while len(self._tags) > self.limit:
+                self._tags.popitem(last=False)
         return True
+
+
+class Fetch:
+    """States of :class:`RemoteFetches` (plain strings, for logs)."""
+
+    RUNNING = "running"
+    LOCAL = "local"  # committed to the local disk tier and verified there
+    REMOTE_ONLY = "remote-only"  # verified, but the local tier did not take it (too large, key taken)
+    FAILED = "failed"  # the remote lost it, it failed its checks, or the fetch failed
+
+
+class RemoteFetches:
+    """Remote entries fetched into the local disk tier on one background
+    thread (started at the first fetch; daemon). :meth:`start` queues a
+    fetch (no-op while one runs); :meth:`state` says how it went. A fetch
+    gets the entry through the store (remote value verified, promoted to the
+    local tier), waits for that commit, and verifies the local entry. Its
+    result is kept until :meth:`forget` (bounded: :data:`FETCH_RESULTS`)."""
+
+    def __init__(self, store: ECStore, verified: VerifiedEntries) -> None:
+        self.store = store
+        self.verified = verified
+        self._cv = threading.Condition()
+        self._todo: deque[str] = deque()
+        self._states: OrderedDict[str, str] = OrderedDict()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def state(self, identifier: str) -> str | None:
+        with self._cv:
+            return self._states.get(identifier)
+
+    def start(self, identifier: str) -> None:
+        """Fetch ``identifier`` unless a fetch of it is running, or found it
+        remote-only (the local tier would not take it)."""
+        with self._cv:
+            if self._closed or self._states.get(identifier) in (Fetch.RUNNING, Fetch.REMOTE_ONLY):
+                return
+            self._states[identifier] = Fetch.RUNNING
+            self._states.move_to_end(identifier)
+            self._todo.append(identifier)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ecstore-fetch", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def forget(self, identifier: str) -> None:
+        with self._cv:
+            if self._states.get(identifier) != Fetch.RUNNING:
+                self._states.pop(identifier, None)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until no fetch is queued or running (at most ``timeout_s``
+        seconds); whether that happened."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: not self._todo and Fetch.RUNNING not in self._states.values(), timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the fetch it is in (bounded by the store's
+        remote timeout and its commit); queued fetches are dropped."""
+        with self._cv:
+            self._closed = True
+            self._todo.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._todo and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                identifier = self._todo.popleft()
+            outcome = self._fetch(identifier)
+            with self._cv:
+                self._states[identifier] = outcome
+                self._cv.notify_all()
+                while len(self._states) > FETCH_RESULTS:
+                    oldest = next(iter(self._states))
+                    if self._states[oldest] == Fetch.RUNNING:
+                        break
+                    del self._states[oldest]
+
+    def _fetch(self, identifier: str) -> str:
+        try:
+            if self.store.get(identifier) is None:  # the remote value, verified; promoted (queued)
+                return Fetch.FAILED
+            self.store.wait_committed()
+            if self.verified.check(identifier):
+                return Fetch.LOCAL
+            log.warning("ecstore: the remote entry %s could not be kept in the local store (larger than it, "
+                        "or its key holds another entry): loaded from the remote unpinned", identifier)
+            return Fetch.REMOTE_ONLY
+        except ECStoreError as e:
+            log.warning("ecstore: fetching %s from the remote failed, treated as a miss: %s", identifier, e)
+            return Fetch.FAILED
+        except Exception as e:  # noqa: BLE001  (a defect must not stop later fetches)
+            log.error("ecstore: fetching %s from the remote failed: %r", identifier, e)
+            return Fetch.FAILED

@@ -59,7 +59,8 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
     ``saved``/``evicted`` feed the scheduler's index in memory-only mode;
     ``loaded``/``failed`` let the scheduler release leases and fail requests
     whose entry could not be loaded; ``cleared`` names identifiers whose
-    zero stand-in (put in for a failed load) has left vLLM's encoder cache;
+    zero stand-in (put in for a failed load), or whose loaded entry, has
+    left vLLM's encoder cache (freed, or the cache was reset);
     ``stats`` carries worker-side counters
     (vLLM's V1 model runner does not collect worker connector stats itself).
     Loads are reported per (request, identifier): each announced load holds
@@ -73,7 +74,7 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
     failed: list[tuple[str, str, str]] = field(default_factory=list)  # (req_id, identifier, reason)
     #: loads that failed and were encoded in the same step instead (req_id, identifier)
     recomputed: list[tuple[str, str]] = field(default_factory=list)
-    cleared: list[str] = field(default_factory=list)  # stand-ins gone from vLLM's encoder cache
+    cleared: list[str] = field(default_factory=list)  # stand-ins and loaded entries gone from vLLM's encoder cache
     stats: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> "ECStoreWorkerMetadata":

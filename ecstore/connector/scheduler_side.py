@@ -37,7 +37,7 @@ answer is no, skipped while the remote is unreachable). A remote yes is not
 pinned: the worker fetches, verifies and promotes the entry when it loads it;
 should the remote lose it in between (its own eviction, a crash), that load
 fails like a vanished disk entry (the item is encoded in the same step, see
-below; items vLLM could not encode are fetched and pinned locally first).
+below; items vLLM could not encode are fetched into the local store first).
 
 A load is announced exactly for the items ``has_cache_item`` said yes to
 (vLLM then does not run the encoder for them). Before saying yes, the entry's
@@ -47,7 +47,8 @@ width where vLLM measured it): a misfit is a miss and the encoder runs. A load
 that fails anyway on the worker (corrupt blob) is encoded by the worker in the
 same step (``recomputed``). Where that is impossible (no processed inputs, or
 tensor parallelism) the entry is verified before the yes (``availability``;
-a remote-only one fetched, committed locally and pinned first), and an item
+a remote-only one fetched and committed locally on a background thread, its
+request deferred meanwhile, then pinned), and an item
 without inputs that is not available fails its request before it is
 scheduled. Only an entry damaged after that check still gets a stand-in and
 its request is failed; ``ensure_cache_available`` keeps later requests off
@@ -66,7 +67,7 @@ from ..config import ECStoreConfig
 from ..errors import ECStoreError
 from ..identity import EncoderIdentity
 from ..store import ECStore
-from .availability import VerifiedEntries, placeholder_computed
+from .availability import Fetch, RemoteFetches, VerifiedEntries, placeholder_computed
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .shared_stats import SharedCounters, record_path
 from .stats import ECStoreConnectorStats, remote_deltas
@@ -125,6 +126,12 @@ class SchedulerSide:
         self._can_recompute = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1
         self._verify_first: set[str] = set()  # this step: verify before a yes
         self._verified = VerifiedEntries(self.store) if self.store is not None else None
+        self._step_verified: set[str] = set()  # this step: yeses that passed that check
+        # Remote-only entries of such items: fetched into the local store
+        # (verified, then pinned like any local entry) off this thread.
+        self._fetches = RemoteFetches(self.store, self._verified) if (
+            self.store is not None and self._verified is not None and self.store.remote is not None
+            and self.store.disk is not None) else None
         self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
         self._rejected_logged: set[str] = set()
         self._uuid_warned = False
@@ -141,8 +148,12 @@ class SchedulerSide:
         if identifier in self._step_hits:
             # Already answered yes this step (and pinned, if local) for a
             # request that was not allocated after all: the pin is still ours
-            # to hand on.
-            return True
+            # to hand on; unless this request needs a verified yes and that
+            # one was not (then asked again below).
+            if identifier not in self._verify_first or identifier in self._step_verified:
+                return True
+            if self._step_hits.pop(identifier):
+                self._release([identifier])
         pinned = False
         if self.memory_only or self.store is None:
             found = local = identifier in self.mirror
@@ -153,9 +164,12 @@ class SchedulerSide:
             try:
                 local = self.store.pin_if_present(identifier)
                 found = pinned = local and self._fits(identifier)
-                if found and identifier in self._verify_first and not self._is_verified(identifier):
-                    self._release([identifier])  # dropped as corrupt by the check (logged)
-                    found = pinned = local = False
+                if found and identifier in self._verify_first:
+                    if self._is_verified(identifier):
+                        self._step_verified.add(identifier)
+                    else:
+                        self._release([identifier])  # dropped as corrupt by the check (logged)
+                        found = pinned = local = False
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
                 if local:  # pinned, then found unusable: the pin must not outlive the answer
@@ -169,10 +183,16 @@ class SchedulerSide:
             except ECStoreError as e:  # an identifier no key can be made of (share_client_uuids)
                 log.warning("ecstore: remote lookup of %.200s failed, treated as a miss: %s", identifier, e)
                 found = False
+            if found and identifier in self._verify_first and self._fetches is not None:
+                # Not promised unpinned: fetched into the local store first
+                # (ensure_cache_available defers its request meanwhile).
+                if self._fetches.state(identifier) == Fetch.REMOTE_ONLY:  # the local store cannot take it
+                    self._step_verified.add(identifier)
+                else:
+                    self._fetches.start(identifier)
+                    found = False
             if found:
                 self.stats.add("remote_lookup_hits")
-                if identifier in self._verify_first and self.store.disk is not None:
-                    found = pinned = self._fetch_and_pin(identifier)
         if found:
             self._step_hits[identifier] = pinned  # a remote yes holds no lease
         return found
@@ -185,34 +205,8 @@ class SchedulerSide:
             log.warning(CLIENT_UUID_WARNING.format(identifier=identifier))
         return why is not None
 
-    def _fetch_and_pin(self, identifier: str) -> bool:
-        """A remote entry vLLM could not compute again: fetched and verified
-        now, committed to the local disk tier and pinned there, so that the
-        worker's load reads a verified, leased entry (a remote yes holds no
-        lease: the remote could lose it before the load). False (a miss)
-        if any of that fails."""
-        assert self.store is not None
-        pinned = False
-        try:
-            if self.store.get(identifier) is None:  # verified, promoted to LMDB (queued)
-                return False
-            self.store.wait_committed()
-            pinned = self.store.pin_if_present(identifier)
-            if not (pinned and self._fits(identifier)):  # a misfit is released by _fits
-                return False
-            return self._is_verified(identifier) or self._released(identifier)
-        except ECStoreError as e:
-            log.warning("ecstore: fetching %s from the remote failed, treated as a miss: %s", identifier, e)
-            if pinned:
-                self._release([identifier])
-            return False
-
     def _is_verified(self, identifier: str) -> bool:
         return self._verified is not None and self._verified.check(identifier)
-
-    def _released(self, identifier: str) -> bool:
-        self._release([identifier])
-        return False
 
     def _fits(self, identifier: str) -> bool:
         """Whether the pinned entry's shape fits what the request expects
@@ -322,17 +316,24 @@ class SchedulerSide:
         # a yes; an item vLLM holds no inputs for must be available, or the
         # request is failed now, before any token (vLLM would find it missing
         # from its encoder cache and stop the engine).
+        deferred = False
         for feature in pending:
             has_inputs = getattr(feature, "data", None) is not None
             if self._can_recompute and has_inputs:
                 continue
             identifier = feature.identifier
             self._verify_first.add(identifier)
-            if not has_inputs and identifier not in self._vllm_holds and not self.has_cache_item(identifier):
-                return self._fail(request, f"the encoder output {identifier} is not available "
-                                           "(not stored, or failed its checks) and vLLM holds no inputs "
-                                           "to compute it")
-        return True
+            if has_inputs or identifier in self._vllm_holds or self.has_cache_item(identifier):
+                continue
+            if self._fetches is not None and self._fetches.state(identifier) == Fetch.RUNNING:
+                deferred = True  # being fetched from the remote: asked again next step
+                continue
+            if self._fetches is not None:
+                self._fetches.forget(identifier)
+            return self._fail(request, f"the encoder output {identifier} is not available "
+                                       "(not stored, or failed its checks) and vLLM holds no inputs "
+                                       "to compute it")
+        return not deferred
 
     def _fail(self, request: Any, why: str) -> bool:
         """Have vLLM fail ``request`` (retryable; logged once); False."""
@@ -364,6 +365,7 @@ class SchedulerSide:
         self._step_hits = {}
         self._producer_hits.clear()
         self._verify_first.clear()
+        self._step_verified.clear()
         freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
         self._vllm_holds.difference_update(freed)
         if self._poisoned:
@@ -419,8 +421,10 @@ class SchedulerSide:
                 self.mirror.pop(identifier, None)
             done.append((req_id, identifier))
         for identifier in wm.cleared:
-            # The stand-in is gone (vLLM freed it, or reset its encoder cache).
+            # Gone from vLLM's encoder cache (freed, or the cache was reset):
+            # a stand-in, or an entry a worker loaded.
             self._unpoison([identifier])
+            self._vllm_holds.discard(identifier)
         self._finish_loads(done)
         self.stats.merge(wm.stats)
 
@@ -465,6 +469,8 @@ class SchedulerSide:
         return self.stats.snapshot_and_reset()
 
     def shutdown(self) -> None:
+        if self._fetches is not None:
+            self._fetches.close()
         if self._shared is not None:
             self._shared.close(remove=True)
             self._shared = None

@@ -94,6 +94,7 @@ class WorkerSide:
         # seen gone from it since the last report (vLLM freed or reset them).
         self._standins: dict[str, torch.Tensor] = {}
         self._cleared: list[str] = []
+        self._in_cache: set[str] = set()  # loaded into vLLM's encoder cache by this worker
         self._stats: dict[str, float] = {}
         self._rank: int | None = None
         self._disk_evictions_seen = 0
@@ -128,6 +129,13 @@ class WorkerSide:
             if encoder_cache.get(identifier) is not standin:
                 del self._standins[identifier]
                 self._cleared.append(identifier)
+        # Entries loaded into vLLM's encoder cache that are gone from it
+        # (freed, or the cache was reset: vLLM reports no free then): the
+        # scheduler side stops counting on vLLM holding them.
+        gone = [i for i in self._in_cache if i not in encoder_cache]
+        for identifier in gone:
+            self._in_cache.discard(identifier)
+            self._cleared.append(identifier)
         if not meta.loads or not self.is_consumer:
             return  # a producer never loads (its scheduler side announces nothing)
         t0 = time.perf_counter()
@@ -166,6 +174,7 @@ class WorkerSide:
                 encoder_cache[spec.identifier] = self._standins[spec.identifier] = standin
                 continue
             encoder_cache[spec.identifier] = tensor
+            self._in_cache.add(spec.identifier)
             self._standins.pop(spec.identifier, None)
             self._loaded.append((spec.req_id, spec.identifier))
             self._count("loads")
