@@ -2,15 +2,15 @@
 
 Against real sockets: a small RESP server (tests/helpers/fake_redis.py) that
 drips its GET reply or never answers, counting what it was sent. The
-mechanism is asserted (commands sent, connections made, breaker state); wall
-times only with a wide margin (the old code took 10x the timeout for the
-drip, 2x for a silent server, 3x for three silent seeds).
+mechanism is asserted (commands sent, connections made, breaker state), no
+wall time (the old code took 10x the timeout for the drip, 2x for a silent
+server, 3x for three silent seeds: each of those shows in what the server
+saw).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,6 @@ from ecstore.remote.breaker import BreakerState
 
 MODEL = "org/tiny-vlm"
 T = 0.5  # remote_timeout_seconds of these tests
-SLACK = 3 * T  # a generous bound on one call (scheduling on a busy machine)
 
 
 class FakeClock:
@@ -45,21 +44,15 @@ def open_store(tmp_path: Path, url: str, disk: str | None = None) -> ECStore:
     return ECStore(cfg, model=MODEL, dtype=torch.bfloat16, _remote_clock=FakeClock())
 
 
-def timed(fn):
-    t0 = time.monotonic()
-    result = fn()
-    return result, time.monotonic() - t0
-
-
 def test_a_reply_dripping_slower_than_the_timeout_is_a_failure(tmp_path: Path) -> None:
     # Every 1 KiB chunk comes within the socket timeout; the whole reply takes 20 x 0.25 s.
     with FakeRedis("drip", chunks=20, gap_s=0.25) as server:
         with open_store(tmp_path, server.url) as store:
             for _ in range(3):
-                got, took = timed(lambda: store.get("img"))
-                assert got is None
-                assert took < SLACK, f"get took {took:.2f} s with remote_timeout_seconds={T}"
-            # Counted as failures: the circuit opened, the remote is not asked any more.
+                assert store.get("img") is None
+            # Counted as failures (the whole reply did not come in time; before,
+            # each get read all of it, ~10x the timeout, and the circuit stayed
+            # closed): the circuit opened, the remote is not asked any more.
             assert store.stats().remote_errors == 3
             assert store.remote is not None and store.remote.breaker.state is BreakerState.OPEN
             assert store.get("img") is None
@@ -69,10 +62,8 @@ def test_a_reply_dripping_slower_than_the_timeout_is_a_failure(tmp_path: Path) -
 def test_a_timed_out_command_is_not_sent_again(tmp_path: Path) -> None:
     with FakeRedis("silent") as server:
         with open_store(tmp_path, server.url) as store:
-            got, took = timed(lambda: store.get("img"))
-            assert got is None and took < SLACK
-            found, took = timed(lambda: store.remote_contains("other"))
-            assert not found and took < SLACK
+            assert store.get("img") is None
+            assert not store.remote_contains("other")
     # redis-py's retry re-sent both after the timeout (each call then took 2x the timeout).
     assert (server.commands["GET"], server.commands["EXISTS"]) == (1, 1)
 
@@ -96,11 +87,10 @@ def test_writes_queued_behind_a_timed_out_batch_are_dropped_with_it(tmp_path: Pa
             for i in range(150):  # more than two batches (BATCH_ITEMS = 64) behind the first
                 assert store.put(f"img-{i}", make_tensor(i % 7))
             all_queued.set()
-            _, took = timed(store.wait_committed)
+            store.wait_committed()
             assert store.stats().remote_puts_dropped == 150
     # Only the first batch was sent (before: every batch, each waiting out the timeout).
     assert server.commands["SET"] == first[0]
-    assert took < SLACK
 
 
 def test_cluster_seeds_after_the_deadline_are_not_tried(tmp_path: Path) -> None:
@@ -109,15 +99,13 @@ def test_cluster_seeds_after_the_deadline_are_not_tried(tmp_path: Path) -> None:
     try:
         url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in seeds)
         with open_store(tmp_path, url) as store:
-            got, took = timed(lambda: store.get("img"))
-            assert got is None
+            assert store.get("img") is None
     finally:
         for s in seeds:
             s.close()
     # The first seed tried took the whole timeout; the others were not even connected to.
     assert sum(s.accepted for s in seeds) == 1
     assert sum(s.commands["CLUSTER"] for s in seeds) == 1
-    assert took < SLACK
 
 
 def test_a_tls_handshake_that_never_ends_is_one_timeout(tmp_path: Path) -> None:
@@ -125,10 +113,8 @@ def test_a_tls_handshake_that_never_ends_is_one_timeout(tmp_path: Path) -> None:
     counts against the same deadline and the connect is not retried."""
     with FakeRedis("silent") as server:
         with open_store(tmp_path, f"rediss://127.0.0.1:{server.port}/0") as store:
-            got, took = timed(lambda: store.get("img"))
-            assert got is None
+            assert store.get("img") is None
     assert server.accepted == 1  # before: a second connect after the timed-out handshake
-    assert took < SLACK
 
 
 def test_bytes_a_call_moves_extend_its_deadline(monkeypatch) -> None:
