@@ -1,18 +1,25 @@
 """Config values the store cannot use are refused with a short, clear
 ConfigError (issue 14, defect 12): out-of-range sizes and lease times, NUL
 bytes, ``file:`` URIs without ``//``, URI queries/fragments, huge values in
-messages, LMCache keys ecstore does not support."""
+messages, LMCache keys ecstore does not support. Also the config review's
+defects: YAML numbers where text is meant (``ec_namespace: 1.10``), bounded
+messages for huge names, ``min_file_blob_size``'s limit, quotes after
+whitespace in the environment, YAML merge keys, sizes of a tier a shared
+level turned off."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from ecstore.config import ECStoreConfig, load_config
+from ecstore import ECStore
+from ecstore.config import NUMBER_MAX, ECStoreConfig, load_config, settings_table
 from ecstore.errors import ConfigError
 
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"
@@ -36,6 +43,8 @@ def load_error(**kwargs: Any) -> str:
     ("max_local_cpu_size", 1e300),
     ("max_write_queue_size", 10**40),
     ("lease_seconds", 1e11),
+    ("min_file_blob_size", 1e9),
+    ("min_file_blob_size", 65536.5),
 ])
 def test_out_of_range_numbers_are_config_errors(tmp_path: Path, key: str, value: float) -> None:
     msg = load_error(overrides={"local_disk": str(tmp_path / "s"), "max_local_disk_size": 1, key: value})
@@ -122,3 +131,69 @@ def test_unsupported_lmcache_key_is_named_as_such(tmp_path: Path, how: str) -> N
         return
     assert "did you mean 'chunk_size'" not in msg
     assert "chunk_size" in msg and "LMCache" in msg and "not" in msg
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "ec.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# -------------------------------------------------------------------------- YAML numbers are not text
+@pytest.mark.parametrize("text, kind", [
+    ("1.10", "number"), ("1.1", "number"), ("0123", "number"), ("0x1f", "number"), ("7", "number"),
+    ("on", "boolean"), ("false", "boolean"), ("2024-01-01", "date"), ("[a, b]", "list"), ("{a: 1}", "dict"),
+])
+def test_namespace_written_as_a_yaml_number_is_refused_not_misread(tmp_path: Path, text: str, kind: str) -> None:
+    """``ec_namespace: 1.10`` and ``1.1`` were both the pin '1.1', ``0123`` was
+    '83', ``on`` 'True': different weights pins collided. Only text is a pin."""
+    msg = load_error(path=write(tmp_path, f"ec_namespace: {text}\n"))
+    assert "ec_namespace" in msg and kind in msg and f"{tmp_path}/ec.yaml:1" in msg
+    if kind in ("number", "boolean", "date"):
+        assert "quote it" in msg
+    # Quoted, the text is kept as written; two different pins stay different.
+    assert load_config(write(tmp_path, f"ec_namespace: '{text}'\n"), env={}).namespace == text
+    with pytest.raises(ConfigError, match="namespace"):
+        ECStoreConfig(namespace=1.1)  # type: ignore[arg-type]
+
+
+def test_namespace_from_env_and_overrides_is_text() -> None:
+    assert load_config(env={"LMCACHE_EC_NAMESPACE": "0123"}).namespace == "0123"
+    assert load_config(env={}, overrides={"namespace": "1.10"}).namespace == "1.10"
+    assert "quote it" in load_error(overrides={"namespace": 1.1})
+
+
+# -------------------------------------------------------------------------- min_file_blob_size, inf, nan
+def test_min_file_blob_size_has_the_documented_limit() -> None:
+    row = next(r for r in settings_table() if r.name == "min_file_blob_size")
+    assert row.maximum == 65536 and row.unit == "MiB"
+    msg = load_error(overrides={"min_file_blob_size": 1e9})
+    assert "at most 65536 MiB" in msg
+    assert load_config(env={"LMCACHE_EC_MIN_FILE_BLOB_SIZE": "65536"}).file_blobs_from_bytes == 65536 << 20
+
+
+NUMERIC_FIELDS = ["max_local_cpu_size", "max_local_disk_size", "max_write_queue_size", "lease_seconds",
+                  "min_file_blob_size", "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"]
+
+
+def test_every_numeric_field_has_a_limit() -> None:
+    assert sorted(NUMBER_MAX) == sorted(NUMERIC_FIELDS)
+
+
+@pytest.mark.parametrize("name", NUMERIC_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_infinite_or_nan_numbers_are_config_errors(tmp_path: Path, name: str, value: float) -> None:
+    """``min_file_blob_size=inf`` passed ECStoreConfig, then ECStore() raised
+    OverflowError (int(inf)); every numeric field refuses inf and NaN."""
+    with pytest.raises(ConfigError, match=name):
+        ECStoreConfig(**{name: value})
+    assert name in load_error(overrides={name: value})
+    assert name in load_error(overrides={name: str(value)})
+
+
+def test_infinite_min_file_blob_size_never_reaches_the_store(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=1.0, min_file_blob_size=math.inf)
+        ECStore(cfg, model="m", dtype=torch.float16).close()
+
+

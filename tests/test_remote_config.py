@@ -236,3 +236,51 @@ def test_a_query_option_redis_py_rejects_is_a_config_error(query: str,
     assert dump_main(["list", url]) == 2  # one clear error line, no traceback
     err = capsys.readouterr().err
     assert query.split("=")[0] in err and SECRET not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("written", ["0123", "123", "0x1f", "1.50", "true", "2024-01-01"])
+def test_password_written_as_a_yaml_number_is_refused_not_rewritten(tmp_path: Path, written: str) -> None:
+    """``ec_remote_password: 0123`` was sent as '83' (YAML octal); any
+    number, boolean or date is refused with a hint to quote it, and the
+    message never shows the value."""
+    path = tmp_path / "ec.yaml"
+    path.write_text(f"ec_remote_password: {written}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), env={})
+    msg = str(info.value)
+    assert "remote_password" in msg and "quote it" in msg and f"{path}:1" in msg
+    assert written not in msg and "83" not in msg
+    path.write_text(f"ec_remote_password: '{written}'\n")
+    assert load_config(str(path), env={}).remote_password == written
+    assert load_config(env={"LMCACHE_EC_REMOTE_PASSWORD": written}).remote_password == written
+    with pytest.raises(ConfigError, match="remote_password"):
+        load_config(env={}, overrides={"remote_password": 123})
+
+
+@pytest.mark.parametrize("ttl", [0.0001, 0.0004, 0.00099, 5e-324])
+def test_remote_ttl_under_a_millisecond_is_refused(ttl: float) -> None:
+    """The remote's expiry is whole milliseconds: a TTL in (0, 0.001) was
+    sent as PX 0, which Redis refuses, so every remote write failed."""
+    with pytest.raises(ConfigError, match=r"remote_ttl_seconds .*0 or at least 0\.001 s"):
+        ECStoreConfig(remote_url="redis://h:1", remote_ttl_seconds=ttl)
+    with pytest.raises(ConfigError, match=r"LMCACHE_EC_REMOTE_TTL_SECONDS.*0 or at least 0\.001 s"):
+        load_config(env={"LMCACHE_EC_REMOTE_TTL_SECONDS": repr(ttl)})
+
+
+def test_remote_limits_are_documented_and_enforced() -> None:
+    from ecstore.config import settings_table
+
+    rows = {r.name: r for r in settings_table()}
+    assert rows["remote_timeout_seconds"].maximum == 86400
+    assert rows["remote_ttl_seconds"].maximum == 366 * 86400
+    assert rows["max_remote_queue_size"].maximum == 65536
+    assert "0.001" in rows["remote_ttl_seconds"].expected
+    for ttl in (0.0, 0.001, 366 * 86400.0):
+        assert ECStoreConfig(remote_url="redis://h:1", remote_ttl_seconds=ttl).remote_ttl_seconds == ttl
+    with pytest.raises(ConfigError, match="at most"):
+        ECStoreConfig(remote_url="redis://h:1", remote_ttl_seconds=366 * 86400.0 + 1)
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    row = next(ln for ln in docs.splitlines() if ln.startswith("| `remote_ttl_seconds`"))
+    assert "0.001" in row and "366" in row
+    for key, limit in (("remote_timeout_seconds", "86400"), ("max_remote_queue_size", "65536")):
+        assert limit in next(ln for ln in docs.splitlines() if ln.startswith(f"| `{key}`"))

@@ -26,6 +26,8 @@ MAX_SIZE_GIB = 64 * 1024
 #: Longest lease, in seconds (one day): a lease pins an entry against
 #: eviction until released; one that outlived its loader must expire.
 MAX_LEASE_SECONDS = 86400.0
+#: Longest expiry of values written to the remote, in seconds (366 days).
+MAX_TTL_SECONDS = 366 * 86400.0
 
 _FILE_SCHEME = re.compile(r"^file:", re.IGNORECASE)
 
@@ -86,6 +88,7 @@ NUMBER_KINDS = {
     "max_local_disk_size": "a size in GiB",
     "max_write_queue_size": "a size in GiB",
     "lease_seconds": "a duration in seconds",
+    "min_file_blob_size": "a size in MiB",
     "remote_timeout_seconds": "a duration in seconds",
     "remote_ttl_seconds": "a duration in seconds",
     "max_remote_queue_size": "a size in GiB",
@@ -95,18 +98,35 @@ NUMBER_MAX = {
     "max_local_disk_size": float(MAX_SIZE_GIB),
     "max_write_queue_size": float(MAX_SIZE_GIB),
     "lease_seconds": MAX_LEASE_SECONDS,
+    "min_file_blob_size": float(MAX_SIZE_GIB),  # MiB
     "remote_timeout_seconds": MAX_LEASE_SECONDS,
-    "remote_ttl_seconds": 366 * 86400.0,
+    "remote_ttl_seconds": MAX_TTL_SECONDS,
     "max_remote_queue_size": float(MAX_SIZE_GIB),
+}
+#: Smallest value other than 0, where a smaller positive one cannot work: the
+#: remote's expiry is sent in whole milliseconds (``PX``), and a TTL under
+#: 1 ms would be ``PX 0``, which Redis refuses (every write would fail).
+NUMBER_MIN_POSITIVE = {
+    "remote_ttl_seconds": 0.001,
 }
 
 
+def unit_of(name: str) -> str:
+    """The unit of numeric field ``name`` in messages: GiB, MiB or s."""
+    if name == "min_file_blob_size":
+        return "MiB"
+    return "GiB" if "size" in name else "s"
+
+
 def too_big(name: str, number: float) -> str | None:
-    """Why ``number`` is out of range for ``name``, or None."""
+    """Why ``number`` is out of range for ``name`` (over its limit, or a
+    positive value under its smallest usable one), or None."""
     top = NUMBER_MAX.get(name)
     if top is not None and number > top:
-        unit = "GiB" if "size" in name else "s"
-        return f"at most {top:g} {unit}"
+        return f"at most {top:g} {unit_of(name)}"
+    low = NUMBER_MIN_POSITIVE.get(name)
+    if low is not None and 0 < number < low:
+        return f"0 or at least {low:g} {unit_of(name)}"
     return None
 
 
@@ -120,7 +140,7 @@ def check_size(name: str, value: Any, source: str) -> float:
         v = float(value)
     except OverflowError:
         v = math.inf
-    if math.isnan(v) or v < 0:
+    if math.isnan(v) or math.isinf(v) or v < 0:
         raise ConfigError(f"{name} (from {source}): expected {kind} (a finite number >= 0), "
                           f"got {short_repr(value)}")
     limit = too_big(name, v)

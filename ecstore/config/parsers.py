@@ -8,6 +8,7 @@ maps every key to its parser. Pure functions, thread-safe.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from typing import Any
@@ -107,10 +108,33 @@ def parse_remote_url_setting(value: Any, source: str) -> str | None:
     return value.strip()
 
 
+def not_text(value: Any, examples: bool = True) -> str:
+    """Why a non-string ``value`` is refused where text is expected: YAML
+    reads an unquoted ``1.10``, ``0123`` or ``on`` as a number or boolean
+    whose text is lost (``1.1``, ``83``, ``True``), so it must be quoted.
+    ``examples``: name example values in the hint (not for a secret)."""
+    kind = ("boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float))
+            else "date" if isinstance(value, datetime.date) else None)
+    if kind is not None:
+        eg = " (e.g. '1.10', '0123')" if examples else ""
+        return f"YAML read it as a {kind}, not as the text written; quote it{eg} to keep it as written"
+    return f"got a {type(value).__name__}, not a string"
+
+
+def parse_text(value: Any) -> str | None:
+    """A string value as written, or None: a YAML number, boolean, date,
+    list or mapping is ValueError (see :func:`not_text`), never turned into
+    text with ``str()`` (``1.10`` and ``1.1`` would become one value)."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(not_text(value))
+
+
 def parse_secret(value: Any, source: str) -> str | None:
-    """A password as a string, or None."""
+    """A password as a string, or None. A YAML number (``0123``, read as
+    83) is refused with a hint to quote it; the value is never echoed."""
     if value is None:
         return None
-    if not isinstance(value, (str, int)) or isinstance(value, bool):
-        raise ConfigError(f"remote_password (from {source}): expected a string, got a {type(value).__name__}")
-    return str(value) or None
+    if not isinstance(value, str):
+        raise ConfigError(f"remote_password (from {source}): expected a string; {not_text(value, False)}")
+    return value or None

@@ -22,9 +22,10 @@ from ..identity import check_namespace_pin
 from ..redact import mask_value, short_repr
 from ..remote.url import mask_url, parse_remote_url
 from ..store_files import DEFAULT_FILE_MODE, check_file_mode
-from .limits import MAX_LEASE_SECONDS, MAX_SIZE_GIB, NUMBER_MAX, GiB, check_size, normalize_local_disk
+from .limits import (MAX_LEASE_SECONDS, MAX_SIZE_GIB, MAX_TTL_SECONDS, NUMBER_MAX, GiB, check_size,
+                     normalize_local_disk)
 from .parsers import (parse_bool, parse_file_mode, parse_local_disk, parse_number, parse_remote_url_setting,
-                      parse_secret)
+                      parse_secret, parse_text)
 
 
 EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
@@ -55,7 +56,8 @@ class ECStoreConfig:
             the directory's group on purpose. See docs/security.md.
         namespace: pins the weights part of the encoder identity (see
             ecstore.identity): None fingerprints the weights automatically;
-            a string (at most 200 printable characters) replaces that
+            a string (at most 200 printable characters; a YAML number or
+            boolean such as ``1.10`` is refused: quote it) replaces that
             fingerprint and the revision, e.g. to share entries between
             copies of one checkpoint or to mark a change the fingerprint
             cannot see. Change it whenever the weights change.
@@ -87,7 +89,8 @@ class ECStoreConfig:
             remote write batch; also how long ``put`` waits for room in a
             full remote write queue before dropping that write.
         remote_ttl_seconds: expiry of values written to the remote (0: none;
-            the server's ``maxmemory`` policy bounds it).
+            the server's ``maxmemory`` policy bounds it); else at least
+            0.001 (the remote counts whole milliseconds) and at most 366 days.
         max_remote_queue_size: GiB of tensors waiting for the background
             remote writer.
         sources: where each value came from (see :func:`load_config`): one
@@ -255,7 +258,7 @@ KEYS: dict[str, KeySpec] = {
         "mode of the store's files; the directory gets the same bits plus x (0700/0750/0770)"),
     "namespace": KeySpec(
         "str", "-", "a string of at most 200 printable characters (null or empty: automatic)",
-        lambda v, _s: check_namespace_pin(v if v is None or isinstance(v, str) else str(v)),
+        lambda v, _s: check_namespace_pin(parse_text(v)),
         "pin the weights part of the encoder identity (default: fingerprint the weights)"),
     "share_client_uuids": KeySpec(
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
@@ -277,11 +280,12 @@ KEYS: dict[str, KeySpec] = {
         "str", "-", "a string (the remote's password; prefer LMCACHE_EC_REMOTE_PASSWORD)",
         lambda v, s: parse_secret(v, s), "password of the remote when remote_url has none"),
     "remote_timeout_seconds": KeySpec(
-        "float", "s", "a duration in seconds: a finite number > 0",
+        "float", "s", f"a duration in seconds: a finite number > 0, at most {MAX_LEASE_SECONDS:g}",
         lambda v, _s: parse_number(v, "remote_timeout_seconds"),
         "bound of each remote call as a whole (connect, command, reply); a slower remote is a miss"),
     "remote_ttl_seconds": KeySpec(
-        "float", "s", "a duration in seconds: a finite number >= 0 (0: no expiry)",
+        "float", "s", f"a duration in seconds: 0 (no expiry) or a finite number from 0.001 (1 ms, the "
+        f"remote's resolution) to {MAX_TTL_SECONDS:g} (366 days)",
         lambda v, _s: parse_number(v, "remote_ttl_seconds"), "expiry of values written to the remote"),
     "max_remote_queue_size": KeySpec(
         "float", "GiB", _SIZE, lambda v, _s: parse_number(v, "max_remote_queue_size"),
