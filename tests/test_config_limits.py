@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,46 @@ def test_namespace_from_env_and_overrides_is_text() -> None:
     assert load_config(env={"LMCACHE_EC_NAMESPACE": "0123"}).namespace == "0123"
     assert load_config(env={}, overrides={"namespace": "1.10"}).namespace == "1.10"
     assert "quote it" in load_error(overrides={"namespace": 1.1})
+
+
+# -------------------------------------------------------------------------- bounded messages
+LONG = "A" * 200_000
+
+
+@pytest.mark.parametrize("text", [
+    f"ec_local_disk: !<{LONG}> 1\n",         # tag name quoted by PyYAML
+    f"ec_local_disk: *{LONG}\n",             # undefined alias
+    f"ec_local_disk: !!{LONG} 1\n",
+    f"? ec_{LONG}\n: 1\n",                  # unknown ec_ key in explicit-key form
+    f"ec:\n  ? {LONG}\n  : 1\n",           # unknown key under ec:
+    f"? [{', '.join(['x'] * 50_000)}]\n: 1\n",  # a list as a key (warning, then bounded)
+    f"a: [1, 2\n{LONG}: x\n",
+])
+def test_messages_about_huge_yaml_names_are_bounded(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            load_config(path, env={})
+            msg = ""
+        except ConfigError as exc:
+            msg = str(exc)
+    assert msg or caught
+    for shown in [msg] + [str(w.message) for w in caught]:
+        assert len(shown) < 1000, len(shown)
+
+
+@pytest.mark.parametrize("env, overrides", [
+    ({f"LMCACHE_EC_{LONG}": "1"}, {}),
+    ({f"LMCACHE_EC_{LONG}\n": "1"}, {}),
+    ({}, {f"pd_{LONG}": 1}),                  # an LMCache key (pd_* prefix) ecstore does not support
+    ({}, {LONG: 1}),
+])
+def test_messages_about_huge_variable_or_override_names_are_bounded(env: dict[str, str],
+                                                                      overrides: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env, overrides=overrides)
+    assert len(str(info.value)) < 1000 and "AAAA" in str(info.value)
 
 
 # -------------------------------------------------------------------------- min_file_blob_size, inf, nan

@@ -257,6 +257,26 @@ def test_password_written_as_a_yaml_number_is_refused_not_rewritten(tmp_path: Pa
         load_config(env={}, overrides={"remote_password": 123})
 
 
+@pytest.mark.parametrize("text, line", [
+    (f'chunk_size: 256\nec_remote_url: "redis://ecuser:{SECRET}@cache:6379/0\n', 3),   # unclosed quote
+    (f"ec_remote_url: redis://ecuser:{SECRET}@cache:6379/0\n  x: [1\n", 2),           # bad indentation
+    (f"ec_remote_url: [redis://ecuser:{SECRET}@cache:6379/0\nb: 1\n", 2),             # unclosed list
+    (f"ec_remote_url: redis://ecuser:{SECRET}@cache:6379/0 @ x: y\n", 1),
+    (f"ec_remote_url: !<redis://ecuser:{SECRET}@cache:6379/0> x\n", 1),            # the URL as a tag
+])
+def test_malformed_yaml_error_never_shows_the_url_password(tmp_path: Path, text: str, line: int) -> None:
+    """PyYAML's message quotes the offending line (a snippet with a caret):
+    the URL password was in the ConfigError. Now: problem, context and marks
+    only, masked and bounded."""
+    path = tmp_path / "ec.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), env={})
+    msg = str(info.value)
+    assert SECRET not in msg and "malformed YAML" in msg and f"line {line}" in msg, msg
+    assert "^" not in msg and "\n" not in msg and len(msg) < 700
+
+
 @pytest.mark.parametrize("ttl", [0.0001, 0.0004, 0.00099, 5e-324])
 def test_remote_ttl_under_a_millisecond_is_refused(ttl: float) -> None:
     """The remote's expiry is whole milliseconds: a TTL in (0, 0.001) was

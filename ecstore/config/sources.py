@@ -23,12 +23,25 @@ from .settings import (CONFIG_FILE_ENV, CONFIG_FILE_KEY, EC_ENV_PREFIX, EC_KEY_P
 from .yaml_file import read_yaml
 
 
+#: Longest key or variable name quoted as written in a message; longer or
+#: unprintable ones are shown through :func:`short_repr`.
+_MAX_NAME = 100
+
+
+def _name(text: Any) -> str:
+    """A key or variable name as it may appear in a message: as written when
+    short and printable, else bounded (and quoted) by :func:`short_repr`."""
+    if isinstance(text, str) and len(text) <= _MAX_NAME and text.isprintable():
+        return text
+    return short_repr(text, _MAX_NAME)
+
+
 def _closest(key: str, spelled: Callable[[str], str]) -> str:
     """Message tail "; did you mean 'X'?" naming the valid key nearest ``key``
     (ecstore's keys first, then LMCache's), spelled by ``spelled`` in the
     caller's form (``ec_x``, ``ec.x``, ``LMCACHE_EC_X``); the list of
-    ecstore's keys when nothing is close."""
-    for candidates in (KEYS, sorted(LMCACHE_KEYS)):
+    ecstore's keys when nothing is close (or ``key`` is too long to be a typo)."""
+    for candidates in (KEYS, sorted(LMCACHE_KEYS)) if len(key) <= _MAX_NAME else ():
         match = difflib.get_close_matches(key, [c for c in candidates if c != key], n=1, cutoff=0.6)
         if match:
             return f"; did you mean {spelled(match[0])!r}?"
@@ -89,7 +102,7 @@ def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]
                     _put(layers["ec_file"], sub, _Setting(sub_value, sub_src, f"ec.{sub}"))
                 elif not (isinstance(sub, str) and is_lmcache_key(sub)):
                     raise ConfigError(
-                        f"unknown key {EC_SECTION}.{sub} (from {sub_src})"
+                        f"unknown key {_name(f'{EC_SECTION}.{sub}')} (from {sub_src})"
                         + _closest(str(sub), lambda k: f"{EC_SECTION}.{k}")
                     )
         elif isinstance(key, str) and key.startswith(EC_KEY_PREFIX):
@@ -98,7 +111,7 @@ def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]
                 _put(layers["ec_file"], name, _Setting(value, src, key))
             elif not is_lmcache_key(name):
                 raise ConfigError(
-                    f"unknown key {key} (from {src})"
+                    f"unknown key {_name(key)} (from {src})"
                     + _closest(name, lambda k: f"{EC_KEY_PREFIX}{k}")
                 )
         elif isinstance(key, str) and key in KEYS:
@@ -131,7 +144,7 @@ def _collect_env(env: Mapping[str, str], layers: dict[str, dict[str, _Setting]])
                 _put(layers["ec_env"], name, _Setting(_unquote(env[var]), f"env {var}", name))
             elif not is_lmcache_key(name):
                 raise ConfigError(
-                    f"unknown key {name} (from env {var})"
+                    f"unknown key {_name(name)} (from env {_name(var)})"
                     + _closest(name, lambda k: f"{EC_ENV_PREFIX}{k.upper()}")
                 )
         elif var.startswith(ENV_PREFIX):
@@ -153,8 +166,8 @@ def _collect_overrides(overrides: Mapping[Any, Any], layers: dict[str, dict[str,
             hint = f"; overrides take bare key names: did you mean {key[len(EC_KEY_PREFIX):]!r}?"
         elif isinstance(key, str) and is_lmcache_key(key):
             raise ConfigError(
-                f"{key!r} (from override {key}) is an LMCache setting that ecstore does not support; "
-                f"ecstore's keys are: {', '.join(KEYS)}")
+                f"{short_repr(key, _MAX_NAME)} (from override {_name(key)}) is an LMCache setting that "
+                f"ecstore does not support; ecstore's keys are: {', '.join(KEYS)}")
         else:
             hint = _closest(str(key), str)
         raise ConfigError(f"unknown key {short_repr(key)} (from override {short_repr(key)}){hint}")

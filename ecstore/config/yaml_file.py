@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from ..redact import short_repr
+from ..redact import mask_secrets, short_repr
 from .settings import EC_SECTION
 
 
@@ -54,6 +54,49 @@ def read_bounded(path: str, what: str) -> bytes:
         raise ConfigError(f"{what} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few "
                           f"lines of YAML")
     return b"".join(chunks)
+
+
+#: Longest description of a YAML syntax error in a message, in characters.
+MAX_YAML_PROBLEM = 500
+
+
+def _bounded(text: str, limit: int) -> str:
+    """``text`` on one line, secrets masked, at most ``limit`` characters."""
+    text = mask_secrets(" ".join(text[: limit * 4].split()))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong in a malformed file, from PyYAML's error: its context,
+    problem and note with their line and column, but never the snippet of
+    the offending line PyYAML's own message quotes (it may hold a URL's
+    password); secrets masked, at most :data:`MAX_YAML_PROBLEM` characters
+    (tag and alias names are quoted in full by PyYAML)."""
+    part = MAX_YAML_PROBLEM // 3
+
+    def at(mark: Any) -> str:
+        return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+    if isinstance(exc, yaml.MarkedYAMLError):
+        pieces = []
+        if exc.context:
+            shown = exc.context_mark is not None and (
+                exc.problem_mark is None or (exc.context_mark.line, exc.context_mark.column)
+                != (exc.problem_mark.line, exc.problem_mark.column))
+            pieces.append(_bounded(str(exc.context), part) + (at(exc.context_mark) if shown else ""))
+        if exc.problem:
+            pieces.append(_bounded(str(exc.problem), part))
+        if exc.note:
+            pieces.append(_bounded(str(exc.note), part))
+        text = ": ".join(pieces) or type(exc).__name__
+    elif isinstance(exc, yaml.reader.ReaderError):
+        char = exc.character
+        code = char[0] if isinstance(char, bytes) and char else char if isinstance(char, int) else -1
+        text = (f"unacceptable character or byte #x{code:02x} ({_bounded(str(exc.reason), part)}), "
+                f"at position {exc.position}")
+    else:
+        text = str(exc)
+    return _bounded(text, MAX_YAML_PROBLEM)
 
 
 def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]]:
@@ -101,7 +144,7 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
             for key_node, value_node in node.value:
                 key = construct(key_node)
                 if not isinstance(key, (str, int, float, bool)) and key is not None:
-                    key = repr(key)  # a list or mapping used as a key
+                    key = short_repr(key)  # a list or mapping used as a key
                 out.append((key, value_node, key_node.start_mark.line + 1))
             return out
 
@@ -125,7 +168,7 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{what}: malformed YAML{where}: {exc}") from None
+        raise ConfigError(f"{what}: malformed YAML{where}: {yaml_problem(exc)}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
         raise ConfigError(f"{what}: malformed YAML: nested deeper than Python can read "
                           f"({sys.getrecursionlimit()} levels); a config file is a flat mapping") from None
