@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ecstore import ECStore
-from ecstore.config import NUMBER_MAX, ECStoreConfig, load_config, settings_table
+from ecstore.config import NUMBER_MAX, ConfigWarning, ECStoreConfig, load_config, settings_table
 from ecstore.errors import ConfigError
 
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"
@@ -236,5 +236,41 @@ def test_infinite_min_file_blob_size_never_reaches_the_store(tmp_path: Path) -> 
     with pytest.raises(ConfigError):
         cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=1.0, min_file_blob_size=math.inf)
         ECStore(cfg, model="m", dtype=torch.float16).close()
+
+
+# -------------------------------------------------------------------------- YAML merge keys
+@pytest.mark.parametrize("text, expected", [
+    ("b: &b {max_local_disk_size: 1}\n<<: *b\nmax_local_disk_size: 2\n", 2.0),
+    ("b: &b {max_local_disk_size: 1}\nmax_local_disk_size: 2\n<<: *b\n", 2.0),
+    ("b: &b {max_local_disk_size: 1}\n<<: *b\n", 1.0),
+    ("b: &b {max_local_disk_size: 1}\nec:\n  <<: *b\n  max_local_disk_size: 5\n", 5.0),
+    ("b: &b {ec_max_local_disk_size: 1}\n<<: *b\nec: {max_local_disk_size: 6}\n", None),  # two forms: error
+    # Two merged mappings setting one key: whichever yaml.safe_load (LMCache) keeps.
+    ("a: &a {ec_max_local_disk_size: 3}\nb: &b {ec_max_local_disk_size: 4}\n<<: [*a, *b]\n", "safe_load"),
+])
+def test_yaml_merge_key_is_overridden_as_in_yaml(tmp_path: Path, text: str, expected: float | str | None) -> None:
+    """A key written in the mapping beats the one merged by ``<<`` (as
+    yaml.safe_load, i.e. LMCache, reads it); it was refused as set twice."""
+    import yaml
+
+    path = write(tmp_path, f"local_disk: {tmp_path / 's'}\n" + text)
+    loaded = yaml.safe_load(Path(path).read_text())
+    kept = [v for v in (loaded.get("max_local_disk_size"), loaded.get("ec_max_local_disk_size"),
+                        (loaded.get("ec") or {}).get("max_local_disk_size")) if v is not None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # the anchors' keys a, b are unknown
+        if expected is None:
+            with pytest.raises(ConfigError, match="set twice"):
+                load_config(path, env={})
+            return
+        cfg = load_config(path, env={})
+    if expected == "safe_load":
+        expected = float(loaded["ec_max_local_disk_size"])
+    assert cfg.max_local_disk_size == expected and expected in kept
+
+
+def test_key_written_twice_in_one_mapping_is_still_an_error(tmp_path: Path) -> None:
+    msg = load_error(path=write(tmp_path, "max_local_disk_size: 1\nmax_local_disk_size: 2\n"))
+    assert "set twice" in msg
 
 

@@ -56,8 +56,27 @@ def read_bounded(path: str, what: str) -> bytes:
     return b"".join(chunks)
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 #: Longest description of a YAML syntax error in a message, in characters.
 MAX_YAML_PROBLEM = 500
+
+
+def merged_pairs(pairs: list[tuple[Any, Any, int, bool]]) -> list[tuple[Any, Any, int]]:
+    """(key, value, line) of a mapping's entries given as (key, value, line,
+    merged), with YAML's "<<" merge rules: a key written in the mapping itself
+    overrides a merged one, and of merged keys the one PyYAML puts last wins
+    (``yaml.safe_load`` keeps the same value). A key written twice in the
+    mapping itself is kept twice (the loader refuses it as set twice)."""
+    seen: set[tuple[type, Any]] = set()
+    kept = []
+    for key, value, line, merged in reversed(pairs):
+        tagged = (type(key), key)  # 1 and True are different keys
+        if merged and tagged in seen:
+            continue
+        seen.add(tagged)
+        kept.append((key, value, line))
+    kept.reverse()
+    return kept
 
 
 def _bounded(text: str, limit: int) -> str:
@@ -139,14 +158,18 @@ def read_yaml(path: str, origin: str) -> list[tuple[Any, Any, int, list[tuple[An
             )
 
         def pairs(node: yaml.MappingNode) -> list[tuple[Any, yaml.Node, int]]:
-            loader.flatten_mapping(node)  # resolve "<<" merge keys
+            """(key, value node, line) of each entry of ``node``, "<<" merge
+            keys resolved as YAML does (:func:`merged_pairs`)."""
+            explicit = sum(1 for key_node, _ in node.value if key_node.tag != _MERGE_TAG)
+            loader.flatten_mapping(node)  # merged pairs first, then the mapping's own
+            first_own = len(node.value) - explicit
             out = []
-            for key_node, value_node in node.value:
+            for index, (key_node, value_node) in enumerate(node.value):
                 key = construct(key_node)
                 if not isinstance(key, (str, int, float, bool)) and key is not None:
                     key = short_repr(key)  # a list or mapping used as a key
-                out.append((key, value_node, key_node.start_mark.line + 1))
-            return out
+                out.append((key, value_node, key_node.start_mark.line + 1, index < first_own))
+            return merged_pairs(out)
 
         entries: list[tuple[Any, Any, int, list[tuple[Any, Any, int]] | None]] = []
         for key, value_node, line in pairs(root):
