@@ -238,6 +238,21 @@ def test_infinite_min_file_blob_size_never_reaches_the_store(tmp_path: Path) -> 
         ECStore(cfg, model="m", dtype=torch.float16).close()
 
 
+# -------------------------------------------------------------------------- env quotes
+@pytest.mark.parametrize("raw", [' "/data/ec"', "'/data/ec'  ", '\t"/data/ec"\n'])
+def test_env_quotes_inside_whitespace_are_stripped(raw: str) -> None:
+    """As LMCache's ``_parse_quoted_string``: strip, then one pair of quotes
+    (the quotes were kept: ``<cwd>/"/data/ec"``)."""
+    cfg = load_config(env={"LMCACHE_EC_LOCAL_DISK": raw, "LMCACHE_EC_MAX_LOCAL_DISK_SIZE": ' "1" '})
+    assert (cfg.local_disk, cfg.max_local_disk_size) == ("/data/ec", 1.0)
+
+
+def test_env_values_keep_what_the_quotes_hold() -> None:
+    cfg = load_config(env={"LMCACHE_EC_REMOTE_PASSWORD": '" pw with spaces "', "LMCACHE_EC_NAMESPACE": " x "})
+    assert cfg.remote_password == " pw with spaces "
+    assert load_config(env={"LMCACHE_EC_REMOTE_PASSWORD": " unquoted "}).remote_password == " unquoted "
+
+
 # -------------------------------------------------------------------------- YAML merge keys
 @pytest.mark.parametrize("text, expected", [
     ("b: &b {max_local_disk_size: 1}\n<<: *b\nmax_local_disk_size: 2\n", 2.0),

@@ -129,9 +129,13 @@ def _collect_file(path: str, origin: str, layers: dict[str, dict[str, _Setting]]
 
 
 def _unquote(text: str) -> str:
-    """Strip one pair of matching surrounding quotes, as LMCache does for env values."""
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
+    """Strip one pair of matching surrounding quotes, as LMCache's
+    ``_parse_quoted_string`` does for env values: whitespace around the quotes
+    goes with them (``' "/data/ec"'`` is ``/data/ec``); what is inside the
+    quotes is kept as written. An unquoted value is returned unchanged."""
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+        return stripped[1:-1]
     return text
 
 
