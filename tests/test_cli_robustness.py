@@ -273,6 +273,23 @@ def test_config_from_a_device_is_refused_quickly(special: str) -> None:
     one_line_error(r.stderr)
 
 
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_empty_config_argument_is_refused_not_replaced_by_the_env_file(tmp_path: Path, empty: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--config ""`` (an unset shell variable) read $LMCACHE_CONFIG_FILE instead."""
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text(f"ec_local_disk: {tmp_path / 'from-env'}\nec_max_local_disk_size: 3\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(env_file))
+    for argv in (["config", "--config", empty], ["list", "--config", empty], ["stats", "--config", empty]):
+        rc, out, err = run(*argv)
+        assert rc == 2 and out == "" and "--config" in one_line_error(err) and "empty" in err, (argv, out, err)
+    assert str(env_file) in run("config")[1]  # without --config, the variable is read
+    from ecstore.config import load_config
+    from ecstore.errors import ConfigError
+    with pytest.raises(ConfigError, match="empty"):
+        load_config(empty, env={"LMCACHE_CONFIG_FILE": str(env_file)})
+
+
 def test_oversized_config_file_is_refused(tmp_path: Path) -> None:
     big = tmp_path / "big.yaml"
     big.write_text("# filler\n" * 200_000)

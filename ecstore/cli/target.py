@@ -58,6 +58,10 @@ def output_mode(target: Target) -> int:
 
 def load_effective_config(path: str | None, *, show_warnings: bool) -> ECStoreConfig:
     """The effective config (:func:`ecstore.config.load_config`); its warnings go to stderr when ``show_warnings``."""
+    if path is not None and not path.strip():
+        # Not "no --config": `--config "$UNSET"` must not read $LMCACHE_CONFIG_FILE instead.
+        raise CLIError("--config: the path is empty; give a YAML file, or leave --config out "
+                       "to use $LMCACHE_CONFIG_FILE")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = load_config(path)

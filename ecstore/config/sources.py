@@ -195,6 +195,10 @@ def _choose_file(
             raise ConfigError(f"config file (from {origin}): expected a path, got {short_repr(value)}")
         if "\0" in value:
             raise ConfigError(f"config file (from {origin}): the path {short_repr(value)} contains a NUL byte")
+        if not value.strip() and origin == "argument path":
+            # An explicit "" is a mistake (an unset shell variable), not "use $LMCACHE_CONFIG_FILE".
+            raise ConfigError(f"config file (from {origin}): the path is empty; give a YAML file, "
+                              f"or None to fall back to {CONFIG_FILE_KEY} / ${CONFIG_FILE_ENV}")
         if value.strip():
             return os.path.abspath(os.path.expanduser(value.strip())), origin
     return None
@@ -214,8 +218,9 @@ def load_config(
 
     Args:
         path: YAML file to read. If None, ``overrides["config_file"]`` is used,
-            else ``env["LMCACHE_CONFIG_FILE"]``, else no file is read. The
-            file is never written.
+            else ``env["LMCACHE_CONFIG_FILE"]``, else no file is read (an empty
+            override or variable counts as not given; an empty ``path`` is a
+            ConfigError). The file is never written.
         env: environment to read (default ``os.environ``).
         overrides: programmatic values (the vLLM connector's
             ``ec_connector_extra_config``): ecstore key names, plus an optional
