@@ -558,6 +558,8 @@ def test_extra_config_and_config_file(connectors, tmp_path):
         assert cfg.max_local_disk_size == 0.02 and cfg.lease_seconds == 45
         assert cfg.source_of("lease_seconds") == "override lease_seconds"
         assert cfg.config_file == str(yaml_file)
+        # As docs/configuration.md says: the extra config's config_file is an override (was "argument path").
+        assert cfg.source_of("config_file") == "override config_file"
     assert config_from_vllm(sched._vllm_config) == sched.config
     assert (tmp_path / "from-yaml" / "data.mdb").exists()
 

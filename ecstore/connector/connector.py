@@ -54,8 +54,8 @@ def _ec_transfer_config(vllm_config: "VllmConfig") -> "ECTransferConfig":
 def config_from_vllm(vllm_config: "VllmConfig") -> ECStoreConfig:
     """The effective ecstore config for a vLLM engine."""
     extra = dict(_ec_transfer_config(vllm_config).ec_connector_extra_config or {})
-    path = extra.pop("config_file", None)
-    return load_config(path, overrides=extra)
+    # config_file stays an override: source_of("config_file") is "override config_file".
+    return load_config(overrides=extra)
 
 
 def model_dtype(vllm_config: "VllmConfig") -> torch.dtype:
