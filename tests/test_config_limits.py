@@ -289,3 +289,22 @@ def test_key_written_twice_in_one_mapping_is_still_an_error(tmp_path: Path) -> N
     assert "set twice" in msg
 
 
+# -------------------------------------------------------------------------- sizes of a tier turned off
+@pytest.mark.parametrize("text, env, warned", [
+    ("local_cpu: false\nec_max_local_cpu_size: 3\n", {}, "local_cpu"),
+    ("ec_max_local_cpu_size: 3\n", {"LMCACHE_LOCAL_CPU": "no"}, "LMCACHE_LOCAL_CPU"),
+    ("local_disk: null\nec_max_local_disk_size: 3\n", {}, "local_disk"),
+    ("local_cpu: false\nec_local_cpu: false\nec_max_local_cpu_size: 3\n", {}, None),  # on purpose
+    ("local_cpu: false\nmax_local_cpu_size: 3\n", {}, None),  # the KV cache's own sizes
+    ("local_cpu: false\nec_local_cpu: true\nec_max_local_cpu_size: 3\n", {}, None),
+])
+def test_ec_size_of_a_tier_a_shared_level_turned_off_warns(tmp_path: Path, text: str, env: dict[str, str],
+                                                           warned: str | None) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(write(tmp_path, text), env=env)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    if warned is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warned in messages[0] and "unused" in messages[0], messages

@@ -261,6 +261,7 @@ def load_config(
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    effective: dict[str, tuple[str, _Setting]] = {}
     for key in KEYS:
         for level in reversed(_LEVELS):
             setting = layers[level].get(key)
@@ -269,8 +270,35 @@ def load_config(
             if setting is not None:
                 values[key] = _parse(key, setting)
                 sources[key] = setting.source
+                effective[key] = (level, setting)
                 break
         else:
             sources[key] = "default"
     sources.update(extra_sources)
-    return ECStoreConfig(**values, sources=sources)
+    cfg = ECStoreConfig(**values, sources=sources)
+    _warn_unused_sizes(cfg, effective)
+    return cfg
+
+
+# A size the encoder cache is given on its own levels, and the tier it sizes.
+_GATED_SIZES = (("max_local_cpu_size", "local_cpu", "ec_local_cpu: true"),
+                ("max_local_disk_size", "local_disk", "ec_local_disk: /some/dir"))
+
+
+def _warn_unused_sizes(cfg: ECStoreConfig, effective: Mapping[str, tuple[str, _Setting]]) -> None:
+    """ConfigWarning when a size addressed to the encoder cache only
+    (``ec_max_local_cpu_size``...) sizes a tier a shared level (the KV
+    cache's ``local_cpu: false``, ``local_disk: null``) turned off."""
+    for size_key, tier_key, fix in _GATED_SIZES:
+        size = effective.get(size_key)
+        tier = effective.get(tier_key)
+        if (size is None or tier is None or size[0] in _SHARED_LEVELS or tier[0] not in _SHARED_LEVELS
+                or getattr(cfg, tier_key)):
+            continue
+        warnings.warn(
+            f"{size[1].spelled} (from {size[1].source}) sizes the encoder cache's {tier_key} tier, but "
+            f"{tier[1].spelled} (from {tier[1].source}, shared with LMCache's KV cache) turns that tier "
+            f"off, so the size is unused; set it for the encoder cache (e.g. {fix}) or drop the size",
+            ConfigWarning,
+            stacklevel=3,
+        )
