@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
+from . import split_read
 from .blob_check import MAX_HEADER_BYTES, BlobHeader, check_entry, check_shape, parse_header, storable_dtype
 from .codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
 from .pool import POOL
@@ -104,14 +105,16 @@ def _copy_out_hashed(blob: Any, hdr: BlobHeader, expected: int) -> torch.Tensor 
 
 
 def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, model: str | None = None,
-                    dtype: torch.dtype | str | None = None, key: str | None = None) -> torch.Tensor:
+                    dtype: torch.dtype | str | None = None, key: str | None = None,
+                    split_from: int | None = None) -> torch.Tensor:
     """:func:`read_entry` for a blob kept in a file (``fd``, open for
     reading; the caller closes it). The file must be exactly the record's
     ``blob_size``; its beginning (length prefix and header) is read and
     checked like an LMDB blob's, then the data is read straight into the
     destination (``os.preadv``, which releases the GIL) in
     :data:`FUSED_CHUNK` pieces, each fed to the checksum right after it was
-    read. Raises only :class:`CorruptBlobError` (a short file, an I/O
+    read (with ``split_from`` bytes of data or more, by the caller and a
+    helper thread: :mod:`ecstore.split_read`). Raises only :class:`CorruptBlobError` (a short file, an I/O
     error, a checksum or header mismatch); never returns a tensor whose
     blob failed a check."""
     try:
@@ -137,11 +140,16 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
         h = xxhash.xxh3_64(head)
         n, preadv, update = hdr.data_nbytes, os.preadv, h.update
         mv = memoryview(dst)  # type: ignore[arg-type]  # ndarray has the buffer protocol on 3.11 too
-        for i in range(0, n, FUSED_CHUNK):
-            c = min(FUSED_CHUNK, n - i)
-            if preadv(fd, [mv[i:i + c]], hdr.data_offset + i) != c:  # short: the file shrank under us
-                _read_into(fd, mv[i:i + c], hdr.data_offset + i)
-            update(mv[i:i + c])
+        if split_from is not None and n >= split_from:
+            split_read.read_hashed(fd, mv[:n], hdr.data_offset, update, FUSED_CHUNK)
+        else:
+            for i in range(0, n, FUSED_CHUNK):
+                c = min(FUSED_CHUNK, n - i)
+                if preadv(fd, [mv[i:i + c]], hdr.data_offset + i) != c:  # short: the file shrank under us
+                    _read_into(fd, mv[i:i + c], hdr.data_offset + i)
+                update(mv[i:i + c])
+    except EOFError as e:
+        raise CorruptBlobError(str(e)) from None
     except OSError as e:
         raise CorruptBlobError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
     if h.intdigest() != rec.checksum:

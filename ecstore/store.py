@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from . import codec
+from . import codec, split_read
 from .calls import CallGate
 from .config import ECStoreConfig
 from .errors import ECStoreError, StoreFullError, check_same_process
@@ -132,7 +132,8 @@ class ECStore:
         if config.local_disk:
             self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes,
-                                 file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes)
+                                 file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
+                                 split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
             self._legacy = self.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
                 self._writer = Writer(self.disk, self.model, config.write_queue_bytes,

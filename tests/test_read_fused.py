@@ -112,3 +112,22 @@ def test_read_entry_raises_on_a_checksum_mismatch():
     bad[len(bad) // 2] ^= 0x80
     with pytest.raises(CorruptEntryError, match="checksum mismatch"):
         blob_read.read_entry(rec, bytes(bad))
+
+
+@pytest.mark.parametrize("where", ["chunk boundary", "last byte"])
+def test_an_entry_read_on_two_cores_round_trips_and_a_flipped_byte_is_a_miss(tmp_path, where, store_at):
+    """Entries of ``split_read.SPLIT_READ_BYTES`` and more kept in files are
+    read by the caller and a helper thread: the same guarantee holds."""
+    from ecstore import split_read
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(split_read.SPLIT_READ_BYTES // (COLS * 2) + 3, COLS, generator=g).to(torch.bfloat16)
+    with store_at(tmp_path) as st:
+        st.put("big", t)
+        st.put("twin", t.clone())
+        st.flush()
+        off = 8 + len(codec.header_bytes(t, st.stored_name("big"), st.model))
+        _flip(st, "big", {"chunk boundary": off + 5 * blob_read.FUSED_CHUNK, "last byte": -1}[where])
+    with store_at(tmp_path) as st:
+        assert st.get("big") is None and not st.contains("big")
+        twin = st.get("twin")
+        assert twin is not None and torch.equal(twin, t)

@@ -72,6 +72,13 @@ class ECStoreConfig:
             fresh ``torch.empty`` memory, whose page faults cost ~3-6x a
             memcpy on the benchmark VM. Default true; false only to compare
             (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
+        split_reads: read a disk-tier entry of at least
+            :data:`ecstore.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
+            of its own on two cores: the caller and one helper thread per
+            process (``docs/benchmarks.md``: ~1.2-1.4x instead of ~1.4-1.6x
+            a memcpy on an idle benchmark VM, but ~20% slower than one core
+            when every core is busy). Default true; false where the
+            process's cores are all taken (e.g. CPU inference).
         min_file_blob_size: blobs (stored tensors plus their header) of at
             least this many MiB are kept in files of their own in the
             store's ``blobs/`` directory instead of inside LMDB: durable
@@ -110,6 +117,7 @@ class ECStoreConfig:
     namespace: str | None = None
     share_client_uuids: bool = False
     pooled_blobs: bool = True
+    split_reads: bool = True
     min_file_blob_size: float = 0.5
     remote_url: str | None = field(default=None, repr=False)
     remote_password: str | None = field(default=None, repr=False)
@@ -121,7 +129,7 @@ class ECStoreConfig:
 
     def __post_init__(self) -> None:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
-        for name in ("local_cpu", "share_client_uuids", "pooled_blobs"):
+        for name in ("local_cpu", "share_client_uuids", "pooled_blobs", "split_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} (from {src(name)}): expected true or false, "
                                   f"got {short_repr(getattr(self, name))}")
@@ -268,6 +276,10 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: parse_bool(v),
         "build each put's blob in the pool of already-faulted memory (false: fresh memory, to compare)"),
+    "split_reads": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: parse_bool(v),
+        "read disk-tier entries of 8 MiB and more on two cores (false: one core, for busy machines)"),
     "min_file_blob_size": KeySpec(
         "float", "MiB", f"a size in MiB: a finite number >= 0, at most {MAX_SIZE_GIB} (e.g. 4 or 0.5)",
         lambda v, _s: parse_number(v, "min_file_blob_size"),

@@ -73,8 +73,9 @@ class StoreHandle:
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
                  map_size_bytes: int | None = None, file_mode: int | None = None,
-                 file_blobs_from: int | None = None) -> None:
+                 file_blobs_from: int | None = None, split_reads_from: int | None = None) -> None:
         self.path = path
+        self.split_reads_from = split_reads_from  # blob files this large are read on two cores
         self.capacity_bytes = int(capacity_bytes)
         self.readonly = readonly
         self.counters = TierCounters()

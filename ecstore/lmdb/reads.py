@@ -118,7 +118,7 @@ class TierReads(StoreHandle):
                 return None
             raise CorruptBlobError(f"blob file {ref.name} is missing")
         try:
-            return blob_read.read_file_entry(rec, fd, **expect)
+            return blob_read.read_file_entry(rec, fd, split_from=self.split_reads_from, **expect)
         finally:
             os.close(fd)
 

@@ -58,7 +58,7 @@ class LMDBTier(TierReads):
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
                  map_size_bytes: int | None = None, file_mode: int | None = None,
-                 file_blobs_from: int | None = None) -> None:
+                 file_blobs_from: int | None = None, split_reads_from: int | None = None) -> None:
         """``map_size_bytes`` overrides the LMDB map size (default
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
@@ -77,9 +77,14 @@ class LMDBTier(TierReads):
         files of their own (default
         :data:`~ecstore.lmdb.handle.FILE_BLOBS_FROM`; 0: every blob); a
         read-write open also removes the blob files dead processes left
-        behind (:meth:`~ecstore.lmdb.blobfiles.BlobFiles.sweep`)."""
+        behind (:meth:`~ecstore.lmdb.blobfiles.BlobFiles.sweep`).
+
+        ``split_reads_from``: blob files with at least this many bytes of
+        data are read on two cores (:mod:`ecstore.split_read`); None (the
+        default): one core."""
         super().__init__(path, capacity_bytes, readonly=readonly, create=create, schema_target=schema_target,
-                         map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from)
+                         map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from,
+                         split_reads_from=split_reads_from)
         if not readonly:
             self._initial_eviction()
             try:  # best effort, like the eviction: leftovers wait for the next open

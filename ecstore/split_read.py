@@ -1,0 +1,124 @@
+"""Reading a large blob file on two cores: the caller and one helper thread.
+
+A large entry's hit is bound by copying its bytes out of the page cache
+(``preadv``) and hashing them (xxh3): one core does ~1.5x a memcpy. Here the
+caller and a helper thread claim 1 MiB chunks in file order from one counter
+and read each straight into the destination (``preadv`` releases the GIL);
+the caller hashes the chunks in order as they land. Work-sharing, not
+splitting: when the helper is busy elsewhere (another thread's read) the
+caller simply reads every chunk itself, so a read is never slower than on
+one core by more than one chunk's wait.
+
+Safety: :func:`read_hashed` returns or raises only after the helper has
+stopped writing into the destination (a destination handed back to the pool
+must never be written again). Thread-safe; the helper thread is per process
+(re-created in a forked child).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+#: Entries with at least this many data bytes are read on two cores.
+SPLIT_READ_BYTES = 8 << 20
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecstore-read")
+        return _executor
+
+
+def _forget_pool_in_child() -> None:
+    global _executor, _executor_lock
+    _executor = None  # the parent's thread does not exist in the child
+    _executor_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+class _Chunks:
+    """The chunks of one read and who has claimed, read or failed them."""
+
+    def __init__(self, fd: int, dst: memoryview, offset: int, chunk: int) -> None:
+        self.fd, self.dst, self.offset, self.chunk = fd, dst, offset, chunk
+        self.count = -(-len(dst) // chunk)
+        self.cv = threading.Condition()
+        self.next = 0  # the next chunk nobody has claimed
+        self.done = [False] * self.count
+        self.error: BaseException | None = None
+        self.closed = False  # the caller is leaving: claim nothing more
+
+    def claim(self) -> int | None:
+        with self.cv:
+            if self.closed or self.error is not None or self.next >= self.count:
+                return None
+            i, self.next = self.next, self.next + 1
+            return i
+
+    def read(self, i: int) -> None:
+        """Read chunk ``i`` into the destination (short reads retried);
+        EOFError at the end of the file."""
+        lo = i * self.chunk
+        view = self.dst[lo:lo + self.chunk]
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], self.offset + lo + done)
+            if got == 0:
+                raise EOFError("blob file shorter than its record")
+            done += got
+        with self.cv:
+            self.done[i] = True
+            self.cv.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = error
+            self.cv.notify_all()
+
+    def help(self) -> None:
+        """The helper thread's part: claim and read until nothing is left."""
+        try:
+            while (i := self.claim()) is not None:
+                self.read(i)
+        except BaseException as e:  # handed to the caller, which raises it
+            self.fail(e)
+
+
+def read_hashed(fd: int, dst: memoryview, offset: int, update: Any, chunk: int) -> None:
+    """Fill ``dst`` from ``fd`` at ``offset`` and feed the bytes, in order,
+    to ``update`` (a hash's ``update``), ``chunk`` bytes at a time, with a
+    helper thread reading chunks ahead. Raises ``OSError`` (a failed read) or
+    ``EOFError`` (the file is shorter), only after the helper has stopped
+    writing into ``dst``."""
+    work = _Chunks(fd, dst, offset, chunk)
+    helper: Future[None] | None = _helper_pool().submit(work.help) if work.count > 1 else None
+    try:
+        for i in range(work.count):
+            while not work.done[i]:
+                j = work.claim()
+                if j is not None:
+                    work.read(j)  # the caller's own share (this one or ahead)
+                    continue
+                with work.cv:
+                    while not work.done[i] and work.error is None:
+                        work.cv.wait()
+                    if work.error is not None:
+                        raise work.error
+            lo = i * chunk
+            update(dst[lo:lo + chunk])
+    finally:
+        with work.cv:
+            work.closed = True
+        if helper is not None and not helper.cancel():
+            helper.result()  # wait for the chunk it may be reading (help never raises)

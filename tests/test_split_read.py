@@ -1,0 +1,106 @@
+"""``split_read.read_hashed``: a large blob file read by the caller and a
+helper thread (ecstore/split_read.py), against real files. The bytes and the
+hash must be exactly a one-core read's; a busy helper must not hold the
+read up; a failed read must leave the destination alone once it raised."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+from ecstore import split_read
+
+CHUNK = 1 << 20
+#: Safety bound (s) on every wait: reached only by a broken build.
+BOUND_S = 60.0
+
+
+def _file(tmp_path, n: int, seed: int = 0) -> tuple[str, bytes]:
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    path = str(tmp_path / f"blob-{n}")
+    with open(path, "wb") as f:
+        f.write(b"H" * 100 + data)
+    return path, data
+
+
+@pytest.mark.parametrize("n", [split_read.SPLIT_READ_BYTES, split_read.SPLIT_READ_BYTES + 12345, 3 * CHUNK + 1])
+def test_bytes_and_hash_are_a_one_core_reads(tmp_path, n):
+    path, data = _file(tmp_path, n)
+    dst = np.zeros(n, np.uint8)
+    h = xxhash.xxh3_64(b"head")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        split_read.read_hashed(fd, memoryview(dst), 100, h.update, CHUNK)
+    finally:
+        os.close(fd)
+    assert dst.tobytes() == data
+    assert h.intdigest() == xxhash.xxh3_64(b"head" + data).intdigest()
+
+
+def test_a_busy_helper_does_not_hold_the_read_up(tmp_path):
+    """The helper thread is taken by another task for the whole read: the
+    caller reads every chunk itself (else it would wait forever here)."""
+    path, data = _file(tmp_path, split_read.SPLIT_READ_BYTES + 7)
+    release = threading.Event()
+    busy = split_read._helper_pool().submit(release.wait, BOUND_S)
+    try:
+        dst = np.zeros(len(data), np.uint8)
+        h = xxhash.xxh3_64()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            split_read.read_hashed(fd, memoryview(dst), 100, h.update, CHUNK)
+        finally:
+            os.close(fd)
+        assert not busy.done()  # the helper never got to this read
+        assert dst.tobytes() == data and h.intdigest() == xxhash.xxh3_64(data).intdigest()
+    finally:
+        release.set()
+        busy.result(BOUND_S)
+
+
+def test_a_short_file_raises_and_nothing_is_written_after(tmp_path):
+    """The file ends before the destination is full: EOFError, raised only
+    once the helper stopped writing (a destination goes back to the pool)."""
+    path, data = _file(tmp_path, split_read.SPLIT_READ_BYTES)
+    dst = np.zeros(len(data) + 5 * CHUNK, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(EOFError):
+            split_read.read_hashed(fd, memoryview(dst), 100, xxhash.xxh3_64().update, CHUNK)
+        dst[:] = 7  # the caller reuses the memory at once
+        split_read._helper_pool().submit(lambda: None).result(BOUND_S)  # whatever the helper had queued ran
+    finally:
+        os.close(fd)
+    assert (dst == 7).all()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_split_reads_setting_chooses_the_reader(tmp_path, monkeypatch, split):
+    """``split_reads`` (default true) reads large blob files on two cores;
+    false keeps every read on the caller's core. Either way the hit is the
+    tensor put."""
+    import torch
+
+    from ecstore import ECStore, ECStoreConfig
+
+    calls: list[int] = []
+    real = split_read.read_hashed
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(split_read, "read_hashed", spy)
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=0.25, local_cpu=False,
+                        split_reads=split)
+    t = torch.arange(split_read.SPLIT_READ_BYTES // 2 + 512 * 3, dtype=torch.float32).view(-1, 512)
+    with ECStore(cfg, model="m", dtype=torch.float32) as st:
+        st.put("big", t)
+        st.flush()
+        got = st.get("big")
+    assert got is not None and torch.equal(got, t)
+    assert bool(calls) is split
