@@ -92,7 +92,10 @@ class _Chunks:
             while (i := self.claim()) is not None:
                 self.read(i)
         except BaseException as e:  # handed to the caller, which raises it
-            self.fail(e)
+            # Without its traceback: its frames hold views of the destination,
+            # and the stored error a reference to this object (a cycle that
+            # kept a pool slab alive until the cyclic collector ran).
+            self.fail(e.with_traceback(None))
 
 
 def read_hashed(fd: int, dst: memoryview, offset: int, update: Any, chunk: int) -> None:
@@ -102,7 +105,12 @@ def read_hashed(fd: int, dst: memoryview, offset: int, update: Any, chunk: int) 
     ``EOFError`` (the file is shorter), only after the helper has stopped
     writing into ``dst``."""
     work = _Chunks(fd, dst, offset, chunk)
-    helper: Future[None] | None = _helper_pool().submit(work.help) if work.count > 1 else None
+    helper: Future[None] | None = None
+    if work.count > 1:
+        try:
+            helper = _helper_pool().submit(work.help)
+        except RuntimeError:  # the interpreter is shutting down: the caller reads every chunk
+            helper = None
     try:
         for i in range(work.count):
             while not work.done[i]:
@@ -114,7 +122,7 @@ def read_hashed(fd: int, dst: memoryview, offset: int, update: Any, chunk: int) 
                     while not work.done[i] and work.error is None:
                         work.cv.wait()
                     if work.error is not None:
-                        raise work.error
+                        raise work.error  # stored without its traceback (see help)
             lo = i * chunk
             update(dst[lo:lo + chunk])
     finally:
@@ -122,3 +130,6 @@ def read_hashed(fd: int, dst: memoryview, offset: int, update: Any, chunk: int) 
             work.closed = True
         if helper is not None and not helper.cancel():
             helper.result()  # wait for the chunk it may be reading (help never raises)
+        # Nothing of this read keeps the destination alive: an error raised
+        # from work.error carries a traceback through this frame (a cycle).
+        work.dst, work.error = memoryview(b""), None

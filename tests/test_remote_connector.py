@@ -18,7 +18,7 @@ from helpers import vllm_objects as vo
 from helpers.scheduler_engine import SHAPE, encoder_output
 from vllm.v1.engine import FinishReason
 
-from ecstore import ECStore
+from ecstore import ECStore, ECStoreConfig
 from ecstore.connector import LoadSpec
 
 pytestmark = pytest.mark.vllm
@@ -194,4 +194,70 @@ def test_the_remote_fetch_never_holds_the_scheduler_while_another_process_writes
         holder.wait(timeout=60)
     assert sched.scheduler_side._fetches.wait_idle(60)
     assert sched.ensure_cache_available(vo.make_request("r1", [A], inputs=False), 0) is True
+
+
+def test_a_fetch_that_fails_fails_its_request_instead_of_deferring_it_forever(
+        tiny_model_dir, tmp_path, redis_server, connectors):
+    """The remote answers "yes" for A (EXISTS) but its value belongs to
+    another identifier (kept there on purpose: a foreign value), so every
+    fetch fails. has_cache_item restarted the failed fetch at every step
+    and the request was deferred forever, the value downloaded again each
+    time; now the request is failed once its fetch failed."""
+    import redis
+
+    from ecstore.remote.backend import KEY_PREFIX
+
+    src = node(tmp_path, "src", redis_server.url)
+    s_src, _ = connectors("ec_both", src)
+    with ECStore(replace(s_src.config, local_cpu=False), model=s_src._vllm_config.model_config.model,
+                 dtype=torch.float32, identity=s_src.identity) as st:
+        st.put(B, encoder_output(B))
+        st.flush()
+        ka, kb = st.key(A), st.key(B)
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(KEY_PREFIX + ka, r.get(KEY_PREFIX + kb))  # a valid value of another identifier under A's key
+    sched, _ = connectors("ec_consumer", node(tmp_path, "pd", redis_server.url))
+    side = sched.scheduler_side
+    answers = []
+    for _ in range(3):
+        answers.append(sched.ensure_cache_available(vo.make_request("r1", [A], inputs=False), 0))
+        assert side._fetches.wait_idle(60)
+        side.build_connector_meta(vo.SchedulerOutput.make_empty())
+        if "r1" in side.take_unavailable_requests():
+            break
+    else:
+        raise AssertionError(f"never failed, deferred at every step: {answers}")
+    assert answers == [False, False]  # deferred while fetching, then failed
+
+
+def test_closing_the_fetcher_leaves_no_fetch_running(tmp_path):
+    """close() drops the fetches still queued: none stays "running" (a
+    request waiting for one would be deferred forever)."""
+    import threading
+
+    from ecstore.connector.availability import Fetch, RemoteFetches, VerifiedEntries
+
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=0.01, local_cpu=False)
+    with ECStore(cfg, model="m", dtype=torch.float32) as store:
+        entered, release = threading.Event(), threading.Event()
+        real_get = store.get
+
+        def held_get(identifier, *args, **kwargs):
+            if identifier == "x":
+                entered.set()
+                assert release.wait(60)
+            return real_get(identifier, *args, **kwargs)
+
+        store.get = held_get  # type: ignore[method-assign]
+        fetches = RemoteFetches(store, VerifiedEntries(store))
+        fetches.start("x")
+        assert entered.wait(60)
+        fetches.start("y")  # queued behind x
+        closer = threading.Thread(target=fetches.close)
+        closer.start()
+        release.set()
+        closer.join(60)
+        assert not closer.is_alive()
+        assert fetches.state("x") == Fetch.FAILED and fetches.state("y") is None
+        assert fetches.wait_idle(0)
 

@@ -148,3 +148,35 @@ def test_bytes_a_call_moves_extend_its_deadline(monkeypatch) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_sendall_gets_the_time_its_bytes_take_and_none_after_the_deadline(monkeypatch) -> None:
+    """Python bounds a whole ``sendall`` by the socket's timeout, which
+    redis-py sets to remote_timeout_seconds: the time a large SET's bytes
+    take at MIN_RATE_BYTES_PER_S must extend that timeout too, not only
+    the deadline (a 130 MB put needed 260 MB/s to get through). Once the
+    deadline has passed, a sendall fails at once instead of granting
+    itself more time. A fake monotonic clock and a socket pair."""
+    import socket
+
+    from ecstore.remote import deadline as dl
+
+    now = [100.0]
+    monkeypatch.setattr(dl, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(dl, "MIN_RATE_BYTES_PER_S", 1000)  # bytes/s: 500 bytes buy 0.5 s
+    a, b = socket.socketpair()
+    try:
+        s = dl.DeadlineSocket(a)
+        s.settimeout(0.3)  # redis-py's socket_timeout
+        with dl.deadline(0.3):  # until 100.3
+            s.sendall(b"x" * 500)
+            assert s._real == pytest.approx(0.8)  # the socket's own bound grew with the bytes
+            assert dl.time_left() == pytest.approx(0.8)
+            now[0] = 101.2  # past the extended deadline
+            with pytest.raises(socket.timeout):
+                s.sendall(b"y" * 10_000)  # no grant once the deadline passed
+        assert b.recv(1000) == b"x" * 500
+    finally:
+        a.close()
+        b.close()
+

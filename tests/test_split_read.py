@@ -104,3 +104,50 @@ def test_the_split_reads_setting_chooses_the_reader(tmp_path, monkeypatch, split
         got = st.get("big")
     assert got is not None and torch.equal(got, t)
     assert bool(calls) is split
+
+
+def test_a_failed_read_lets_go_of_its_destination_without_the_cyclic_collector(tmp_path):
+    """A read that fails (the file is shorter than the record says) must not
+    keep its destination, a pool slab of up to 128 MiB, alive: the helper's
+    stored error held a traceback through frames holding it (a reference
+    cycle, freed only when the cyclic collector ran)."""
+    import gc
+    import weakref
+
+    path, _ = _file(tmp_path, CHUNK)  # one chunk of data; the destination wants 16
+    fd = os.open(path, os.O_RDONLY)
+    survived = 0
+    gc.disable()
+    try:
+        for _ in range(20):
+            dst = np.zeros(16 * CHUNK, np.uint8)
+            ref = weakref.ref(dst)
+            with pytest.raises(EOFError):
+                split_read.read_hashed(fd, memoryview(dst), 100, xxhash.xxh3_64().update, CHUNK)
+            del dst
+            survived += ref() is not None
+    finally:
+        gc.enable()
+        os.close(fd)
+    assert survived == 0, f"{survived}/20 destinations still alive after the failed read"
+
+
+def test_a_read_while_the_interpreter_shuts_down_is_read_on_one_core(tmp_path, monkeypatch):
+    """After concurrent.futures' exit hook ran (interpreter shutdown), its
+    executors refuse new work with RuntimeError, which escaped the read
+    (not an ECStoreError). The caller then reads every chunk itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    closed = ThreadPoolExecutor(max_workers=1)
+    closed.shutdown()
+    monkeypatch.setattr(split_read, "_helper_pool", lambda: closed)
+    path, data = _file(tmp_path, split_read.SPLIT_READ_BYTES)
+    dst = np.zeros(len(data), np.uint8)
+    h = xxhash.xxh3_64()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        split_read.read_hashed(fd, memoryview(dst), 100, h.update, CHUNK)
+    finally:
+        os.close(fd)
+    assert dst.tobytes() == data and h.intdigest() == xxhash.xxh3_64(data).intdigest()
+

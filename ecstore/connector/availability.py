@@ -109,10 +109,12 @@ class RemoteFetches:
             return self._states.get(identifier)
 
     def start(self, identifier: str) -> None:
-        """Fetch ``identifier`` unless a fetch of it is running, or found it
-        remote-only (the local tier would not take it)."""
+        """Fetch ``identifier`` unless a fetch of it has a result not yet
+        forgotten (running, or ended: the scheduler decides what a failed
+        or vanished fetch means and forgets it; never fetched again and
+        again for one request)."""
         with self._cv:
-            if self._closed or self._states.get(identifier) in (Fetch.RUNNING, Fetch.REMOTE_ONLY):
+            if self._closed or identifier in self._states:
                 return
             self._states[identifier] = Fetch.RUNNING
             self._states.move_to_end(identifier)
@@ -139,6 +141,8 @@ class RemoteFetches:
         remote timeout and its commit); queued fetches are dropped."""
         with self._cv:
             self._closed = True
+            for identifier in self._todo:
+                self._states.pop(identifier, None)  # dropped, never fetched
             self._todo.clear()
             self._cv.notify_all()
             thread = self._thread

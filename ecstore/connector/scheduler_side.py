@@ -167,6 +167,8 @@ class SchedulerSide:
                 if found and identifier in self._verify_first:
                     if self._is_verified(identifier):
                         self._step_verified.add(identifier)
+                        if self._fetches is not None:
+                            self._fetches.forget(identifier)  # a fetch that brought it here is done
                     else:
                         self._release([identifier])  # dropped as corrupt by the check (logged)
                         found = pinned = local = False
@@ -185,11 +187,14 @@ class SchedulerSide:
                 found = False
             if found and identifier in self._verify_first and self._fetches is not None:
                 # Not promised unpinned: fetched into the local store first
-                # (ensure_cache_available defers its request meanwhile).
-                if self._fetches.state(identifier) == Fetch.REMOTE_ONLY:  # the local store cannot take it
+                # (ensure_cache_available defers its request meanwhile, and
+                # fails it if the fetch failed, or its entry is gone again).
+                state = self._fetches.state(identifier)
+                if state == Fetch.REMOTE_ONLY:  # the local store cannot take it
                     self._step_verified.add(identifier)
                 else:
-                    self._fetches.start(identifier)
+                    if state is None:
+                        self._fetches.start(identifier)
                     found = False
             if found:
                 self.stats.add("remote_lookup_hits")

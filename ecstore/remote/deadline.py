@@ -133,9 +133,13 @@ class DeadlineSocket:
         self._sock.settimeout(value)
         self._real = value
 
-    def _arm(self) -> None:
+    def _arm(self, grant: int = 0) -> None:
         """Set the real socket's timeout for one operation (raises
-        socket.timeout once the deadline passed, unless non-blocking)."""
+        socket.timeout once the deadline passed, unless non-blocking).
+        ``grant``: bytes the operation moves as a whole (``sendall``), whose
+        time at MIN_RATE_BYTES_PER_S extends both the deadline and the
+        socket's own timeout for it (Python bounds a whole ``sendall`` by
+        that timeout)."""
         at = _local.at
         wanted = self._timeout
         if at is None or wanted == 0:
@@ -145,6 +149,12 @@ class DeadlineSocket:
         left = at - _monotonic()
         if left <= 0:
             raise _expired()
+        if grant > 0:
+            extra = grant / MIN_RATE_BYTES_PER_S
+            _local.at = at + extra
+            left += extra
+            if wanted is not None:
+                wanted += extra
         target = wanted if wanted is not None and wanted <= left else left
         real = self._real
         if real is None or real == 0 or abs(real - target) > SLACK_S:
@@ -172,9 +182,9 @@ class DeadlineSocket:
 
     def sendall(self, data: Any, *flags: int) -> None:
         # Python bounds a whole sendall by the timeout set before it: what
-        # it may take at MIN_RATE_BYTES_PER_S is granted up front.
-        _moved(memoryview(data).nbytes)
-        self._arm()
+        # it may take at MIN_RATE_BYTES_PER_S is granted up front (once the
+        # deadline has passed, nothing is granted: it fails at once).
+        self._arm(grant=memoryview(data).nbytes)
         self._sock.sendall(data, *flags)
 
 
