@@ -261,3 +261,51 @@ def test_closing_the_fetcher_leaves_no_fetch_running(tmp_path):
         assert fetches.state("x") == Fetch.FAILED and fetches.state("y") is None
         assert fetches.wait_idle(0)
 
+
+
+def test_with_tensor_parallelism_a_failed_fetch_is_tried_again_later(
+        tiny_model_dir, tmp_path, redis_server, connectors):
+    """With tensor parallelism an item with inputs whose entry only the
+    remote holds is fetched into the local store in the background (vLLM
+    encodes it meanwhile). A fetch that failed was never tried again (its
+    result stuck until 4096 later fetches pushed it out), so that item was
+    never served from the remote again; now it is, FETCH_RETRY_S later."""
+    import redis
+
+    from ecstore.connector.availability import FETCH_RETRY_S, Fetch
+    from ecstore.remote.backend import KEY_PREFIX
+
+    src = node(tmp_path, "src", redis_server.url)
+    s_src, _ = connectors("ec_both", src)
+    open_src = lambda: ECStore(replace(s_src.config, local_cpu=False),  # noqa: E731
+                               model=s_src._vllm_config.model_config.model, dtype=torch.float32,
+                               identity=s_src.identity)
+    with open_src() as st:
+        st.put(B, encoder_output(B))
+        st.flush()
+        ka, kb = st.key(A), st.key(B)
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(KEY_PREFIX + ka, r.get(KEY_PREFIX + kb))  # A's key holds B's value: every fetch of A fails
+    sched, _ = connectors("ec_consumer", node(tmp_path, "pd", redis_server.url))
+    side = sched.scheduler_side
+    side._can_recompute = False  # what tensor_parallel_size > 1 gives
+    now = [1000.0]
+    side._fetches.clock = lambda: now[0]
+
+    def step() -> bool:
+        assert sched.ensure_cache_available(vo.make_request("r", [A]), 0)  # inputs: never deferred
+        found = sched.has_cache_item(A)
+        side.build_connector_meta(vo.SchedulerOutput.make_empty())
+        return found
+
+    assert step() is False  # fetch started; vLLM encodes A meanwhile
+    assert side._fetches.wait_idle(60) and side._fetches.state(A) == Fetch.FAILED
+    assert step() is False and side._fetches.wait_idle(0)  # not fetched again at once
+    r.delete(KEY_PREFIX + ka)
+    with open_src() as st:  # a good value of A reaches the remote
+        st.put(A, encoder_output(A))
+        st.flush()
+    now[0] += FETCH_RETRY_S + 1
+    assert step() is False  # fetched again
+    assert side._fetches.wait_idle(60) and side._fetches.state(A) == Fetch.LOCAL
+    assert step() is True  # served from the pinned local copy

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -28,6 +29,11 @@ log = logging.getLogger("ecstore")
 VERIFIED_MEMO_ENTRIES = 4096
 #: Finished fetches remembered until the scheduler asks (the oldest go first).
 FETCH_RESULTS = 4096
+#: A fetch that failed (or whose entry left the local store again) is not
+#: started again for this many seconds: the requests waiting for it fail
+#: (items without inputs) or are encoded, instead of fetching again at every
+#: step; later ones try again.
+FETCH_RETRY_S = 1.0
 
 
 def placeholder_computed(feature: Any, num_computed_tokens: int) -> bool:
@@ -93,14 +99,18 @@ class RemoteFetches:
     fetch (no-op while one runs); :meth:`state` says how it went. A fetch
     gets the entry through the store (remote value verified, promoted to the
     local tier), waits for that commit, and verifies the local entry. Its
-    result is kept until :meth:`forget` (bounded: :data:`FETCH_RESULTS`)."""
+    result is kept until :meth:`forget` (bounded: :data:`FETCH_RESULTS`).
+    ``clock``: monotonic seconds (tests pass their own)."""
 
-    def __init__(self, store: ECStore, verified: VerifiedEntries) -> None:
+    def __init__(self, store: ECStore, verified: VerifiedEntries,
+                 clock: Any = time.monotonic) -> None:
         self.store = store
         self.verified = verified
+        self.clock = clock
         self._cv = threading.Condition()
         self._todo: deque[str] = deque()
         self._states: OrderedDict[str, str] = OrderedDict()
+        self._ended: dict[str, float] = {}  # identifier -> when its fetch ended (clock)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -109,12 +119,14 @@ class RemoteFetches:
             return self._states.get(identifier)
 
     def start(self, identifier: str) -> None:
-        """Fetch ``identifier`` unless a fetch of it has a result not yet
-        forgotten (running, or ended: the scheduler decides what a failed
-        or vanished fetch means and forgets it; never fetched again and
-        again for one request)."""
+        """Fetch ``identifier`` unless a fetch of it is running, found it
+        remote-only (the local tier would not take it), or ended less than
+        :data:`FETCH_RETRY_S` ago (failed, or its entry left the local tier
+        again): never fetched again at every step for one request."""
         with self._cv:
-            if self._closed or identifier in self._states:
+            state = self._states.get(identifier)
+            if self._closed or state in (Fetch.RUNNING, Fetch.REMOTE_ONLY) or (
+                    state is not None and self.clock() - self._ended.get(identifier, 0.0) < FETCH_RETRY_S):
                 return
             self._states[identifier] = Fetch.RUNNING
             self._states.move_to_end(identifier)
@@ -128,6 +140,7 @@ class RemoteFetches:
         with self._cv:
             if self._states.get(identifier) != Fetch.RUNNING:
                 self._states.pop(identifier, None)
+                self._ended.pop(identifier, None)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no fetch is queued or running (at most ``timeout_s``
@@ -143,6 +156,7 @@ class RemoteFetches:
             self._closed = True
             for identifier in self._todo:
                 self._states.pop(identifier, None)  # dropped, never fetched
+                self._ended.pop(identifier, None)
             self._todo.clear()
             self._cv.notify_all()
             thread = self._thread
@@ -160,12 +174,14 @@ class RemoteFetches:
             outcome = self._fetch(identifier)
             with self._cv:
                 self._states[identifier] = outcome
+                self._ended[identifier] = self.clock()
                 self._cv.notify_all()
                 while len(self._states) > FETCH_RESULTS:
                     oldest = next(iter(self._states))
                     if self._states[oldest] == Fetch.RUNNING:
                         break
                     del self._states[oldest]
+                    self._ended.pop(oldest, None)
 
     def _fetch(self, identifier: str) -> str:
         try:

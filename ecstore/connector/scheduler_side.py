@@ -86,7 +86,8 @@ class SchedulerSide:
         self.store: ECStore | None = None
         self.memory_only = not cfg.local_disk
         if cfg.local_disk or cfg.remote_url:
-            # The scheduler only reads and leases: no memory tier of its own.
+            # The scheduler reads, leases and (fetching remote entries vLLM
+            # could not encode) writes entries: no memory tier of its own.
             self.store = ECStore(replace(cfg, local_cpu=False, sources=dict(cfg.sources)),
                                  model=model, dtype=dtype, identity=identity)
         self.mirror: dict[str, int] = {}  # memory-only: identifier -> bytes held by workers
@@ -189,12 +190,10 @@ class SchedulerSide:
                 # Not promised unpinned: fetched into the local store first
                 # (ensure_cache_available defers its request meanwhile, and
                 # fails it if the fetch failed, or its entry is gone again).
-                state = self._fetches.state(identifier)
-                if state == Fetch.REMOTE_ONLY:  # the local store cannot take it
+                if self._fetches.state(identifier) == Fetch.REMOTE_ONLY:  # the local store cannot take it
                     self._step_verified.add(identifier)
                 else:
-                    if state is None:
-                        self._fetches.start(identifier)
+                    self._fetches.start(identifier)  # unless one runs, or failed under a second ago
                     found = False
             if found:
                 self.stats.add("remote_lookup_hits")
@@ -333,8 +332,6 @@ class SchedulerSide:
             if self._fetches is not None and self._fetches.state(identifier) == Fetch.RUNNING:
                 deferred = True  # being fetched from the remote: asked again next step
                 continue
-            if self._fetches is not None:
-                self._fetches.forget(identifier)
             return self._fail(request, f"the encoder output {identifier} is not available "
                                        "(not stored, or failed its checks) and vLLM holds no inputs "
                                        "to compute it")
