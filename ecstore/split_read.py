@@ -6,8 +6,10 @@ caller and a helper thread claim 1 MiB chunks in file order from one counter
 and read each straight into the destination (``preadv`` releases the GIL);
 the caller hashes the chunks in order as they land. Work-sharing, not
 splitting: when the helper is busy elsewhere (another thread's read) the
-caller simply reads every chunk itself, so a read is never slower than on
-one core by more than one chunk's wait.
+caller simply reads every chunk itself. It helps where a second core is
+free (~20% faster on the idle benchmark VM) and costs about as much where
+none is (a helper preempted holding a chunk makes the caller wait for it):
+the ``split_reads`` setting turns it off.
 
 Safety: :func:`read_hashed` returns or raises only after the helper has
 stopped writing into the destination (a destination handed back to the pool
