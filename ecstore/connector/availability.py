@@ -20,7 +20,6 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from ..errors import ECStoreError
-
 from ..store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -109,14 +108,15 @@ class RemoteFetches:
         self.clock = clock
         self._cv = threading.Condition()
         self._todo: deque[str] = deque()
-        self._states: OrderedDict[str, str] = OrderedDict()
-        self._ended: dict[str, float] = {}  # identifier -> when its fetch ended (clock)
+        # identifier -> (state, when the fetch ended (clock); 0 while running)
+        self._states: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def state(self, identifier: str) -> str | None:
         with self._cv:
-            return self._states.get(identifier)
+            entry = self._states.get(identifier)
+            return None if entry is None else entry[0]
 
     def start(self, identifier: str) -> None:
         """Fetch ``identifier`` unless a fetch of it is running, found it
@@ -124,11 +124,11 @@ class RemoteFetches:
         :data:`FETCH_RETRY_S` ago (failed, or its entry left the local tier
         again): never fetched again at every step for one request."""
         with self._cv:
-            state = self._states.get(identifier)
+            state, ended = self._states.get(identifier, (None, 0.0))
             if self._closed or state in (Fetch.RUNNING, Fetch.REMOTE_ONLY) or (
-                    state is not None and self.clock() - self._ended.get(identifier, 0.0) < FETCH_RETRY_S):
+                    state is not None and self.clock() - ended < FETCH_RETRY_S):
                 return
-            self._states[identifier] = Fetch.RUNNING
+            self._states[identifier] = (Fetch.RUNNING, 0.0)
             self._states.move_to_end(identifier)
             self._todo.append(identifier)
             if self._thread is None:
@@ -138,16 +138,17 @@ class RemoteFetches:
 
     def forget(self, identifier: str) -> None:
         with self._cv:
-            if self._states.get(identifier) != Fetch.RUNNING:
-                self._states.pop(identifier, None)
-                self._ended.pop(identifier, None)
+            entry = self._states.get(identifier)
+            if entry is not None and entry[0] != Fetch.RUNNING:
+                del self._states[identifier]
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no fetch is queued or running (at most ``timeout_s``
         seconds); whether that happened."""
         with self._cv:
             return self._cv.wait_for(
-                lambda: not self._todo and Fetch.RUNNING not in self._states.values(), timeout_s)
+                lambda: not self._todo and all(st != Fetch.RUNNING for st, _ in self._states.values()),
+                timeout_s)
 
     def close(self) -> None:
         """Stop the thread after the fetch it is in (bounded by the store's
@@ -156,7 +157,6 @@ class RemoteFetches:
             self._closed = True
             for identifier in self._todo:
                 self._states.pop(identifier, None)  # dropped, never fetched
-                self._ended.pop(identifier, None)
             self._todo.clear()
             self._cv.notify_all()
             thread = self._thread
@@ -173,15 +173,13 @@ class RemoteFetches:
                 identifier = self._todo.popleft()
             outcome = self._fetch(identifier)
             with self._cv:
-                self._states[identifier] = outcome
-                self._ended[identifier] = self.clock()
+                self._states[identifier] = (outcome, self.clock())
                 self._cv.notify_all()
                 while len(self._states) > FETCH_RESULTS:
                     oldest = next(iter(self._states))
-                    if self._states[oldest] == Fetch.RUNNING:
+                    if self._states[oldest][0] == Fetch.RUNNING:
                         break
                     del self._states[oldest]
-                    self._ended.pop(oldest, None)
 
     def _fetch(self, identifier: str) -> str:
         try:
