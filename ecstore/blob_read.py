@@ -146,7 +146,7 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
             for i in range(0, n, FUSED_CHUNK):
                 c = min(FUSED_CHUNK, n - i)
                 if preadv(fd, [mv[i:i + c]], hdr.data_offset + i) != c:  # short: the file shrank under us
-                    _read_into(fd, mv[i:i + c], hdr.data_offset + i)
+                    split_read.read_exactly(fd, mv[i:i + c], hdr.data_offset + i)
                 update(mv[i:i + c])
     except EOFError as e:
         raise CorruptBlobError(str(e)) from None
@@ -172,8 +172,8 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
     out = POOL.empty(rec.shape, dt)
     mv = memoryview(_raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
     if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptBlobError
-        _read_into(fd, memoryview(head), 0)
-        _read_into(fd, mv, head_len)
+        split_read.read_exactly(fd, memoryview(head), 0)
+        split_read.read_exactly(fd, mv, head_len)
     hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
                       checksum_by_caller=True, size=size)
     if hdr.data_offset != head_len:  # implied by the checks above; kept explicit
@@ -186,21 +186,11 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
 
 
 def _pread_exact(fd: int, n: int) -> bytearray:
-    """The first ``n`` bytes of ``fd``; CorruptBlobError if the file is shorter."""
+    """The first ``n`` bytes of ``fd``; EOFError if the file is shorter
+    (read_file_entry reports it as CorruptBlobError)."""
     data = bytearray(n)
-    _read_into(fd, memoryview(data), 0)
+    split_read.read_exactly(fd, memoryview(data), 0)
     return data
-
-
-def _read_into(fd: int, dst: memoryview, offset: int) -> None:
-    """Fill ``dst`` from ``fd`` at ``offset`` (short reads retried);
-    CorruptBlobError at end of file."""
-    done = 0
-    while done < len(dst):
-        got = os.preadv(fd, [dst[done:]], offset + done)
-        if got == 0:
-            raise CorruptBlobError("blob file shorter than its record")
-        done += got
 
 
 def decode(blob: Any, *, expected_checksum: int | None, identifier: str | None = None) -> torch.Tensor:

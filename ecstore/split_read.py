@@ -48,6 +48,17 @@ def _forget_pool_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
+def read_exactly(fd: int, dst: memoryview, offset: int) -> None:
+    """Fill ``dst`` from ``fd`` at ``offset`` (short reads retried);
+    EOFError if the file ends first."""
+    done = 0
+    while done < len(dst):
+        got = os.preadv(fd, [dst[done:]], offset + done)
+        if got == 0:
+            raise EOFError("blob file shorter than its record")
+        done += got
+
+
 class _Chunks:
     """The chunks of one read and who has claimed, read or failed them."""
 
@@ -68,16 +79,9 @@ class _Chunks:
             return i
 
     def read(self, i: int) -> None:
-        """Read chunk ``i`` into the destination (short reads retried);
-        EOFError at the end of the file."""
+        """Read chunk ``i`` into the destination (:func:`read_exactly`)."""
         lo = i * self.chunk
-        view = self.dst[lo:lo + self.chunk]
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], self.offset + lo + done)
-            if got == 0:
-                raise EOFError("blob file shorter than its record")
-            done += got
+        read_exactly(self.fd, self.dst[lo:lo + self.chunk], self.offset + lo)
         with self.cv:
             self.done[i] = True
             self.cv.notify_all()
