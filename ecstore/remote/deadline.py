@@ -150,8 +150,8 @@ class DeadlineSocket:
         if left <= 0:
             raise _expired()
         if grant > 0:
+            _moved(grant)
             extra = grant / MIN_RATE_BYTES_PER_S
-            _local.at = at + extra
             left += extra
             if wanted is not None:
                 wanted += extra
