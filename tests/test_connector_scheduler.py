@@ -10,16 +10,15 @@ step's ``ModelRunnerOutput`` goes back through ``update_from_output``.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import vllm_objects as vo
+from helpers.connector_store import damage_blob, open_store
 from helpers.scheduler_engine import SHAPE, encoder_output
 
-from ecstore import ECStore
 from ecstore.connector import ECStoreConnector
 from vllm.v1.engine import FinishReason
 
@@ -41,11 +40,6 @@ def disk_extra(tmp_path: Path) -> dict:
 def load_specs(out) -> list[tuple]:
     """(request, identifier, rows, width) of each load a step's metadata announces."""
     return [(s.req_id, s.identifier, s.num_embeds, s.width) for s in out.ec_connector_metadata.loads]
-
-
-def open_store(conn: ECStoreConnector) -> ECStore:
-    return ECStore(replace(conn.config, local_cpu=False), model=conn._vllm_config.model_config.model,
-                   dtype=torch.float32, identity=conn.identity)
 
 
 def leased(conn: ECStoreConnector, *identifiers: str) -> set[str]:
@@ -113,16 +107,6 @@ def test_consumer_computes_absent_and_stores_nothing(tiny_model_dir, disk_extra,
         assert st.stats().disk_entries == 0
 
 
-def _damage_blob(conn: ECStoreConnector, identifier: str) -> None:
-    """Flip the last byte of ``identifier``'s stored blob (record unchanged)."""
-    with open_store(conn) as st:
-        key = st.key(identifier)
-        blob = bytearray(st.disk.blob_bytes(key))
-        blob[-1] ^= 0xFF
-        with st.disk.env.begin(write=True) as txn:
-            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
-
-
 def test_an_item_vllm_can_encode_again_is_encoded_when_its_entry_is_corrupt(tiny_model_dir, disk_extra, engines):
     """A corrupt entry of an item vLLM holds inputs for is announced (the
     damage shows only when read) and encoded by the worker in the same
@@ -132,7 +116,7 @@ def test_an_item_vllm_can_encode_again_is_encoded_when_its_entry_is_corrupt(tiny
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
-    _damage_blob(eng.connector, A)
+    damage_blob(eng.connector, A)
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5))
     first = eng.step()
     assert load_specs(first) == [("r1", A, *SHAPE)]
@@ -159,7 +143,7 @@ def test_a_corrupt_entry_of_an_item_vllm_cannot_encode_fails_its_request_before_
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
-    _damage_blob(eng.connector, A)
+    damage_blob(eng.connector, A)
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1, inputs=False))
     out = eng.step()
     assert "r1" not in out.num_scheduled_tokens and load_specs(out) == []
@@ -194,7 +178,7 @@ def test_with_tensor_parallelism_a_corrupt_entry_is_a_miss_and_encoded_not_a_sta
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
-    _damage_blob(eng.connector, A)
+    damage_blob(eng.connector, A)
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1))
     out = eng.step()
     assert load_specs(out) == [] and out.scheduled_encoder_inputs == {"r1": [0]}
@@ -266,7 +250,7 @@ def test_an_entry_damaged_after_it_was_verified_fails_its_request_and_its_stand_
     eng.scheduler.add_request(vo.make_request("r4", [D]))
     freed = [h for o in eng.run() for h in o.free_encoder_mm_hashes]
     assert A in freed and A not in eng.encoder_cache
-    _damage_blob(eng.connector, A)  # after the verification, record unchanged
+    damage_blob(eng.connector, A)  # after the verification, record unchanged
 
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=5, inputs=False))
     first = eng.step()

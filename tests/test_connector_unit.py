@@ -22,6 +22,7 @@ import torch
 
 from conftest import gib
 from helpers import vllm_objects as vo
+from helpers.connector_store import damage_blob, open_store
 
 from ecstore import ECStore
 from ecstore.connector import (
@@ -77,12 +78,6 @@ def seed_store(sched: ECStoreConnector, entries: dict[str, torch.Tensor]) -> Non
         st.flush()
 
 
-def open_store(conn: ECStoreConnector) -> ECStore:
-    cfg = replace(conn.config, local_cpu=False)
-    return ECStore(cfg, model=conn._vllm_config.model_config.model, dtype=torch.float32,
-                   identity=conn.identity)
-
-
 def snapshot(conn: ECStoreConnector) -> dict[str, tuple]:
     """identifier -> (checksum, blob size, created) of every disk entry."""
     with open_store(conn) as st:
@@ -95,16 +90,6 @@ def leased(conn: ECStoreConnector, *identifiers: str) -> set[str]:
     with open_store(conn) as st:
         keys = st.disk.leased_keys()
         return {i for i in identifiers if st.key(i).encode() in keys}
-
-
-def corrupt(conn: ECStoreConnector, identifier: str) -> None:
-    """Flip a byte of the stored blob (the checksum will not match)."""
-    with open_store(conn) as st:
-        key = st.key(identifier)
-        blob = bytearray(st.disk.blob_bytes(key))
-        blob[-1] ^= 0xFF
-        with st.disk.env.begin(write=True) as txn:
-            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
 
 
 def empty_output(**fields) -> SchedulerOutput:
@@ -423,7 +408,7 @@ def test_unloadable_entry_gets_stand_in_and_fails_request(connectors, disk_extra
     sched, worker = connectors("ec_both", disk_extra)
     if damage == "corrupt-blob":
         seed_store(sched, {A: embedding(1)})
-        corrupt(sched, A)
+        damage_blob(sched, A)
     else:
         seed_store(sched, {A: embedding(1, (16, vo.EMBED_WIDTH))})
     req = vo.make_request("r1", [A], inputs=False)
@@ -465,7 +450,7 @@ def test_stand_in_gone_from_vllms_cache_unblocks_the_item(connectors, disk_extra
     notices it is gone and reports it, and the item is usable again."""
     sched, worker = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
-    corrupt(sched, A)
+    damage_blob(sched, A)
     assert sched.has_cache_item(A)
     sched.update_state_after_alloc(vo.make_request("r1", [A], inputs=False), 0)
     cache: dict[str, torch.Tensor] = {}
@@ -683,7 +668,7 @@ def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs
     dropped, and that request failed before any token."""
     sched, _ = connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
-    corrupt(sched, A)
+    damage_blob(sched, A)
     assert sched.has_cache_item(A)  # the request with inputs (then not allocated)
     assert sched.ensure_cache_available(vo.make_request("r2", [A], inputs=False), 0) is False
     assert "r2" in sched.scheduler_side.take_unavailable_requests()

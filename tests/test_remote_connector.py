@@ -9,12 +9,12 @@ fails.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import vllm_objects as vo
+from helpers.connector_store import open_store
 from helpers.scheduler_engine import SHAPE, encoder_output
 from vllm.v1.engine import FinishReason
 
@@ -169,8 +169,7 @@ def test_the_remote_fetch_never_holds_the_scheduler_while_another_process_writes
 
     src = node(tmp_path, "src", redis_server.url)
     s_src, _ = connectors("ec_both", src)
-    with ECStore(replace(s_src.config, local_cpu=False), model=s_src._vllm_config.model_config.model,
-                 dtype=torch.float32, identity=s_src.identity) as st:
+    with open_store(s_src) as st:
         st.put(A, encoder_output(A))
         st.flush()
     pd = node(tmp_path, "pd", redis_server.url)
@@ -209,8 +208,7 @@ def test_a_fetch_that_fails_fails_its_request_instead_of_deferring_it_forever(
 
     src = node(tmp_path, "src", redis_server.url)
     s_src, _ = connectors("ec_both", src)
-    with ECStore(replace(s_src.config, local_cpu=False), model=s_src._vllm_config.model_config.model,
-                 dtype=torch.float32, identity=s_src.identity) as st:
+    with open_store(s_src) as st:
         st.put(B, encoder_output(B))
         st.flush()
         ka, kb = st.key(A), st.key(B)
@@ -277,10 +275,7 @@ def test_with_tensor_parallelism_a_failed_fetch_is_tried_again_later(
 
     src = node(tmp_path, "src", redis_server.url)
     s_src, _ = connectors("ec_both", src)
-    open_src = lambda: ECStore(replace(s_src.config, local_cpu=False),  # noqa: E731
-                               model=s_src._vllm_config.model_config.model, dtype=torch.float32,
-                               identity=s_src.identity)
-    with open_src() as st:
+    with open_store(s_src) as st:
         st.put(B, encoder_output(B))
         st.flush()
         ka, kb = st.key(A), st.key(B)
@@ -302,7 +297,7 @@ def test_with_tensor_parallelism_a_failed_fetch_is_tried_again_later(
     assert side._fetches.wait_idle(60) and side._fetches.state(A) == Fetch.FAILED
     assert step() is False and side._fetches.wait_idle(0)  # not fetched again at once
     r.delete(KEY_PREFIX + ka)
-    with open_src() as st:  # a good value of A reaches the remote
+    with open_store(s_src) as st:  # a good value of A reaches the remote
         st.put(A, encoder_output(A))
         st.flush()
     now[0] += FETCH_RETRY_S + 1
