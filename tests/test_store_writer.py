@@ -13,6 +13,7 @@ timeouts below only keep a broken build from hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -189,63 +190,31 @@ def test_put_racing_close_is_written_or_refused(tmp_path):
         assert outcome[0] is True and stored, "put returned True but the entry was never written"
 
 
-def test_back_pressure_counts_the_batch_being_written(tmp_path):
-    """``max_write_queue_size`` bounds the bytes waiting for the writer,
-    including the batch it is writing: a put that would exceed it waits for
-    that batch (it was let in whenever nothing else was queued, holding
-    twice the bound). The writer is held inside its batch; the second put
-    must wait on the writer's condition, not be admitted."""
-    path = tmp_path / "s"
-    bound = 1024  # bytes; each tensor below holds 800
-    s = _open(path)
-    w = s._writer
-    w.max_bytes = bound
+@contextlib.contextmanager
+def _held_in_batch_of_a(s: ecstore.ECStore, bound: int):
+    """``s``'s writer bounded to ``bound`` bytes of pending puts and held
+    inside the batch that writes "a" (the real ``write_batch`` underneath)
+    until the block ends or ``go`` is set. Yields (in_batch, go, batches):
+    ``in_batch`` is set once the writer holds that batch; ``batches`` lists
+    the names each batch wrote."""
+    s._writer.max_bytes = bound
     real_write = s.disk.write_batch
     in_batch, go = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
 
     def hooked(puts, touches=None):
+        batches.append([p.identifier.rsplit("/", 1)[-1] for p in puts])
         if any(p.identifier.endswith("/a") for p in puts):
             in_batch.set()
             assert go.wait(BOUND_S)
         return real_write(puts, touches)
 
     s.disk.write_batch = hooked
-    settled = threading.Event()  # the second put was admitted, or waits for room
-    seen: list[tuple[str, int]] = []
-
-    def put_b() -> None:
-        def tracer(frame, event, arg):
-            if (event == "call" and frame.f_code is threading.Condition.wait.__code__
-                    and frame.f_locals.get("self") is w.cv and not settled.is_set()):
-                seen.append(("waited", w.queued_bytes))
-                settled.set()
-            return None
-
-        sys.settrace(tracer)
-        try:
-            assert s.put("b", torch.ones(200, 1))
-        finally:
-            sys.settrace(None)
-        if not settled.is_set():
-            seen.append(("admitted", w.queued_bytes))
-            settled.set()
-
     try:
-        assert s.put("a", torch.ones(200, 1))
-        assert in_batch.wait(BOUND_S)
-        th = threading.Thread(target=put_b)
-        th.start()
-        assert settled.wait(BOUND_S)
-        go.set()
-        th.join(BOUND_S)
-        assert seen and seen[0][0] == "waited", f"admitted past the bound: {seen}"
-        s.flush()
+        yield in_batch, go, batches
     finally:
         go.set()
         s.disk.write_batch = real_write
-        s.close()
-    with _open(path) as s:
-        assert s.contains("a") and s.contains("b")
 
 
 def _put_noting_wait(s: ecstore.ECStore, name: str, tensor: torch.Tensor
@@ -282,6 +251,31 @@ def _put_noting_wait(s: ecstore.ECStore, name: str, tensor: torch.Tensor
     return th, settled, seen
 
 
+def test_back_pressure_counts_the_batch_being_written(tmp_path):
+    """``max_write_queue_size`` bounds the bytes waiting for the writer,
+    including the batch it is writing: a put that would exceed it waits for
+    that batch (it was let in whenever nothing else was queued, holding
+    twice the bound). The writer is held inside its batch; the second put
+    must wait on the writer's condition, not be admitted."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        with _held_in_batch_of_a(s, 1024) as (in_batch, go, _):  # bytes; each tensor below holds 800
+            assert s.put("a", torch.ones(200, 1))
+            assert in_batch.wait(BOUND_S)
+            th, settled, seen = _put_noting_wait(s, "b", torch.ones(200, 1))
+            assert settled.wait(BOUND_S)
+            go.set()
+            th.join(BOUND_S)
+            assert seen and seen[0] == "waited", f"admitted past the bound: {seen}"
+            assert seen[1:] == ["True"]
+        s.flush()
+    finally:
+        s.close()
+    with _open(path) as s:
+        assert s.contains("a") and s.contains("b")
+
+
 def test_back_pressure_admits_puts_in_the_order_they_came(tmp_path):
     """A put waiting for room holds back later puts, even ones that would
     fit: before, a small put from another thread went past a large one
@@ -291,41 +285,27 @@ def test_back_pressure_admits_puts_in_the_order_they_came(tmp_path):
     that order."""
     path = tmp_path / "s"
     s = _open(path)
-    w = s._writer
-    w.max_bytes = 1024  # bytes; "a" and "big" hold 800 each, "small" 100
-    real_write = s.disk.write_batch
-    in_batch, go = threading.Event(), threading.Event()
-    batches: list[list[str]] = []
-
-    def hooked(puts, touches=None):
-        batches.append([p.identifier.rsplit("/", 1)[-1] for p in puts])
-        if any(p.identifier.endswith("/a") for p in puts):
-            in_batch.set()
-            assert go.wait(BOUND_S)
-        return real_write(puts, touches)
-
-    s.disk.write_batch = hooked
     threads = []
     try:
-        assert s.put("a", torch.ones(200, 1))
-        assert in_batch.wait(BOUND_S)
-        big, big_settled, big_seen = _put_noting_wait(s, "big", torch.ones(200, 1))
-        threads.append(big)
-        assert big_settled.wait(BOUND_S)
-        assert big_seen[0] == "waited", big_seen  # 800 in flight + 800 > 1024
-        small, small_settled, small_seen = _put_noting_wait(s, "small", torch.ones(25, 1))
-        threads.append(small)
-        assert small_settled.wait(BOUND_S)
-        assert small_seen[0] == "waited", f"a later put went past one waiting for room: {small_seen}"
-        go.set()
-        for th in threads:
-            th.join(BOUND_S)
-        assert big_seen[1:] == ["True"] and small_seen[1:] == ["True"]
-        s.flush()
-        assert [n for b in batches for n in b] == ["a", "big", "small"]
+        # bytes; "a" and "big" hold 800 each, "small" 100
+        with _held_in_batch_of_a(s, 1024) as (in_batch, go, batches):
+            assert s.put("a", torch.ones(200, 1))
+            assert in_batch.wait(BOUND_S)
+            big, big_settled, big_seen = _put_noting_wait(s, "big", torch.ones(200, 1))
+            threads.append(big)
+            assert big_settled.wait(BOUND_S)
+            assert big_seen[0] == "waited", big_seen  # 800 in flight + 800 > 1024
+            small, small_settled, small_seen = _put_noting_wait(s, "small", torch.ones(25, 1))
+            threads.append(small)
+            assert small_settled.wait(BOUND_S)
+            assert small_seen[0] == "waited", f"a later put went past one waiting for room: {small_seen}"
+            go.set()
+            for th in threads:
+                th.join(BOUND_S)
+            assert big_seen[1:] == ["True"] and small_seen[1:] == ["True"]
+            s.flush()
+            assert [n for b in batches for n in b] == ["a", "big", "small"]
     finally:
-        go.set()
-        s.disk.write_batch = real_write
         s.close()
     with _open(path) as s:
         assert s.contains("a") and s.contains("big") and s.contains("small")
@@ -339,35 +319,23 @@ def test_puts_waiting_in_line_are_refused_when_the_store_closes(tmp_path):
     path = tmp_path / "s"
     s = _open(path)
     w = s._writer
-    w.max_bytes = 1024
-    real_write = s.disk.write_batch
-    in_batch, go = threading.Event(), threading.Event()
-
-    def hooked(puts, touches=None):
-        if any(p.identifier.endswith("/a") for p in puts):
-            in_batch.set()
-            assert go.wait(BOUND_S)
-        return real_write(puts, touches)
-
-    s.disk.write_batch = hooked
     try:
-        assert s.put("a", torch.ones(200, 1))
-        assert in_batch.wait(BOUND_S)
-        b, b_settled, b_seen = _put_noting_wait(s, "b", torch.ones(200, 1))
-        assert b_settled.wait(BOUND_S)
-        c, c_settled, c_seen = _put_noting_wait(s, "c", torch.ones(25, 1))
-        assert c_settled.wait(BOUND_S)
-        with w.cv:
-            w.stopping = True  # what close() does first, before it waits for the writer
-            w.cv.notify_all()
-        b.join(BOUND_S)
-        c.join(BOUND_S)
-        assert not b.is_alive() and not c.is_alive()
-        assert "store is closed" in b_seen[-1] and "store is closed" in c_seen[-1], (b_seen, c_seen)
-        assert not w.in_line
+        with _held_in_batch_of_a(s, 1024) as (in_batch, _, _):
+            assert s.put("a", torch.ones(200, 1))
+            assert in_batch.wait(BOUND_S)
+            b, b_settled, b_seen = _put_noting_wait(s, "b", torch.ones(200, 1))
+            assert b_settled.wait(BOUND_S)
+            c, c_settled, c_seen = _put_noting_wait(s, "c", torch.ones(25, 1))
+            assert c_settled.wait(BOUND_S)
+            with w.cv:
+                w.stopping = True  # what close() does first, before it waits for the writer
+                w.cv.notify_all()
+            b.join(BOUND_S)
+            c.join(BOUND_S)
+            assert not b.is_alive() and not c.is_alive()
+            assert "store is closed" in b_seen[-1] and "store is closed" in c_seen[-1], (b_seen, c_seen)
+            assert not w.in_line
     finally:
-        go.set()
-        s.disk.write_batch = real_write
         s.close()
     with _open(path) as s:
         assert s.contains("a") and not s.contains("b") and not s.contains("c")
