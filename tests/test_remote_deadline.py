@@ -10,6 +10,7 @@ saw).
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from helpers.tensors import make_tensor
 
 from ecstore import ECStore
 from ecstore.config import ECStoreConfig
+from ecstore.remote import deadline as dl
 from ecstore.remote.breaker import BreakerState
 
 MODEL = "org/tiny-vlm"
@@ -117,66 +119,60 @@ def test_a_tls_handshake_that_never_ends_is_one_timeout(tmp_path: Path) -> None:
     assert server.accepted == 1  # before: a second connect after the timed-out handshake
 
 
-def test_bytes_a_call_moves_extend_its_deadline(monkeypatch) -> None:
+@pytest.fixture
+def fake_clock_and_socket_pair(monkeypatch):
+    """(now, a, b): the deadline module's monotonic clock reads ``now[0]``
+    (moved by the test), MIN_RATE_BYTES_PER_S is 1000 (500 bytes buy 0.5
+    s), and ``a``/``b`` are the two ends of a socket pair (closed after)."""
+    now = [100.0]
+    monkeypatch.setattr(dl, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(dl, "MIN_RATE_BYTES_PER_S", 1000)
+    a, b = socket.socketpair()
+    try:
+        yield now, a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bytes_a_call_moves_extend_its_deadline(fake_clock_and_socket_pair) -> None:
     """A large value moving at network speed is not cut off at
     ``remote_timeout_seconds`` (a 130 MB entry takes ~0.5 s on loopback
     here, the default timeout): each byte moved extends the call's deadline
     by 1 / MIN_RATE_BYTES_PER_S seconds, while a call that moves nothing
     still ends at the deadline. A fake monotonic clock and a socket pair:
     the arithmetic, exactly."""
-    import socket
-
-    from ecstore.remote import deadline as dl
-
-    now = [100.0]
-    monkeypatch.setattr(dl, "_monotonic", lambda: now[0])
-    monkeypatch.setattr(dl, "MIN_RATE_BYTES_PER_S", 1000)  # bytes/s: 500 bytes buy 0.5 s
-    a, b = socket.socketpair()
-    try:
-        s = dl.DeadlineSocket(a)
-        s.settimeout(5.0)
-        with dl.deadline(0.5):  # until 100.5
-            b.sendall(b"x" * 500)
-            assert s.recv(1000) == b"x" * 500  # until 101.0
-            now[0] = 100.9
-            b.sendall(b"y" * 10)
-            assert s.recv(1000) == b"y" * 10  # past the first deadline: not cut off; until 101.01
-            now[0] = 101.02
-            b.sendall(b"z")
-            with pytest.raises(socket.timeout):
-                s.recv(1000)
-    finally:
-        a.close()
-        b.close()
+    now, a, b = fake_clock_and_socket_pair
+    s = dl.DeadlineSocket(a)
+    s.settimeout(5.0)
+    with dl.deadline(0.5):  # until 100.5
+        b.sendall(b"x" * 500)
+        assert s.recv(1000) == b"x" * 500  # until 101.0
+        now[0] = 100.9
+        b.sendall(b"y" * 10)
+        assert s.recv(1000) == b"y" * 10  # past the first deadline: not cut off; until 101.01
+        now[0] = 101.02
+        b.sendall(b"z")
+        with pytest.raises(socket.timeout):
+            s.recv(1000)
 
 
-def test_a_sendall_gets_the_time_its_bytes_take_and_none_after_the_deadline(monkeypatch) -> None:
+def test_a_sendall_gets_the_time_its_bytes_take_and_none_after_the_deadline(fake_clock_and_socket_pair) -> None:
     """Python bounds a whole ``sendall`` by the socket's timeout, which
     redis-py sets to remote_timeout_seconds: the time a large SET's bytes
     take at MIN_RATE_BYTES_PER_S must extend that timeout too, not only
     the deadline (a 130 MB put needed 260 MB/s to get through). Once the
     deadline has passed, a sendall fails at once instead of granting
     itself more time. A fake monotonic clock and a socket pair."""
-    import socket
-
-    from ecstore.remote import deadline as dl
-
-    now = [100.0]
-    monkeypatch.setattr(dl, "_monotonic", lambda: now[0])
-    monkeypatch.setattr(dl, "MIN_RATE_BYTES_PER_S", 1000)  # bytes/s: 500 bytes buy 0.5 s
-    a, b = socket.socketpair()
-    try:
-        s = dl.DeadlineSocket(a)
-        s.settimeout(0.3)  # redis-py's socket_timeout
-        with dl.deadline(0.3):  # until 100.3
-            s.sendall(b"x" * 500)
-            assert s._real == pytest.approx(0.8)  # the socket's own bound grew with the bytes
-            assert dl.time_left() == pytest.approx(0.8)
-            now[0] = 101.2  # past the extended deadline
-            with pytest.raises(socket.timeout):
-                s.sendall(b"y" * 10_000)  # no grant once the deadline passed
-        assert b.recv(1000) == b"x" * 500
-    finally:
-        a.close()
-        b.close()
+    now, a, b = fake_clock_and_socket_pair
+    s = dl.DeadlineSocket(a)
+    s.settimeout(0.3)  # redis-py's socket_timeout
+    with dl.deadline(0.3):  # until 100.3
+        s.sendall(b"x" * 500)
+        assert s._real == pytest.approx(0.8)  # the socket's own bound grew with the bytes
+        assert dl.time_left() == pytest.approx(0.8)
+        now[0] = 101.2  # past the extended deadline
+        with pytest.raises(socket.timeout):
+            s.sendall(b"y" * 10_000)  # no grant once the deadline passed
+    assert b.recv(1000) == b"x" * 500
 

@@ -27,16 +27,23 @@ def _file(tmp_path, n: int, seed: int = 0) -> tuple[str, bytes]:
     return path, data
 
 
-@pytest.mark.parametrize("n", [split_read.SPLIT_READ_BYTES, split_read.SPLIT_READ_BYTES + 12345, 3 * CHUNK + 1])
-def test_bytes_and_hash_are_a_one_core_reads(tmp_path, n):
-    path, data = _file(tmp_path, n)
+def _read(path: str, n: int, h) -> np.ndarray:
+    """``split_read.read_hashed`` of the ``n`` data bytes of ``path`` (after
+    its 100-byte head) into fresh memory, fed to ``h``; the destination."""
     dst = np.zeros(n, np.uint8)
-    h = xxhash.xxh3_64(b"head")
     fd = os.open(path, os.O_RDONLY)
     try:
         split_read.read_hashed(fd, memoryview(dst), 100, h.update, CHUNK)
     finally:
         os.close(fd)
+    return dst
+
+
+@pytest.mark.parametrize("n", [split_read.SPLIT_READ_BYTES, split_read.SPLIT_READ_BYTES + 12345, 3 * CHUNK + 1])
+def test_bytes_and_hash_are_a_one_core_reads(tmp_path, n):
+    path, data = _file(tmp_path, n)
+    h = xxhash.xxh3_64(b"head")
+    dst = _read(path, n, h)
     assert dst.tobytes() == data
     assert h.intdigest() == xxhash.xxh3_64(b"head" + data).intdigest()
 
@@ -48,13 +55,8 @@ def test_a_busy_helper_does_not_hold_the_read_up(tmp_path):
     release = threading.Event()
     busy = split_read._helper_pool().submit(release.wait, BOUND_S)
     try:
-        dst = np.zeros(len(data), np.uint8)
         h = xxhash.xxh3_64()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            split_read.read_hashed(fd, memoryview(dst), 100, h.update, CHUNK)
-        finally:
-            os.close(fd)
+        dst = _read(path, len(data), h)
         assert not busy.done()  # the helper never got to this read
         assert dst.tobytes() == data and h.intdigest() == xxhash.xxh3_64(data).intdigest()
     finally:
@@ -142,12 +144,7 @@ def test_a_read_while_the_interpreter_shuts_down_is_read_on_one_core(tmp_path, m
     closed.shutdown()
     monkeypatch.setattr(split_read, "_helper_pool", lambda: closed)
     path, data = _file(tmp_path, split_read.SPLIT_READ_BYTES)
-    dst = np.zeros(len(data), np.uint8)
     h = xxhash.xxh3_64()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        split_read.read_hashed(fd, memoryview(dst), 100, h.update, CHUNK)
-    finally:
-        os.close(fd)
+    dst = _read(path, len(data), h)
     assert dst.tobytes() == data and h.intdigest() == xxhash.xxh3_64(data).intdigest()
 
