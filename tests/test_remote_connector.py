@@ -195,6 +195,25 @@ def test_the_remote_fetch_never_holds_the_scheduler_while_another_process_writes
     assert sched.ensure_cache_available(vo.make_request("r1", [A], inputs=False), 0) is True
 
 
+def _foreign_value_under_a(tmp_path, redis_server, connectors):
+    """B stored through a producer, and its (valid) remote value copied under
+    A's key: every fetch of A then fails (a value of another identifier,
+    kept on the remote on purpose). (producer connector, redis client, A's
+    remote key)."""
+    import redis
+
+    from ecstore.remote.backend import KEY_PREFIX
+
+    s_src, _ = connectors("ec_both", node(tmp_path, "src", redis_server.url))
+    with open_store(s_src) as st:
+        st.put(B, encoder_output(B))
+        st.flush()
+        ka, kb = st.key(A), st.key(B)
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(KEY_PREFIX + ka, r.get(KEY_PREFIX + kb))
+    return s_src, r, KEY_PREFIX + ka
+
+
 def test_a_fetch_that_fails_fails_its_request_instead_of_deferring_it_forever(
         tiny_model_dir, tmp_path, redis_server, connectors):
     """The remote answers "yes" for A (EXISTS) but its value belongs to
@@ -202,18 +221,7 @@ def test_a_fetch_that_fails_fails_its_request_instead_of_deferring_it_forever(
     fetch fails. has_cache_item restarted the failed fetch at every step
     and the request was deferred forever, the value downloaded again each
     time; now the request is failed once its fetch failed."""
-    import redis
-
-    from ecstore.remote.backend import KEY_PREFIX
-
-    src = node(tmp_path, "src", redis_server.url)
-    s_src, _ = connectors("ec_both", src)
-    with open_store(s_src) as st:
-        st.put(B, encoder_output(B))
-        st.flush()
-        ka, kb = st.key(A), st.key(B)
-    r = redis.Redis.from_url(redis_server.url)
-    r.set(KEY_PREFIX + ka, r.get(KEY_PREFIX + kb))  # a valid value of another identifier under A's key
+    _foreign_value_under_a(tmp_path, redis_server, connectors)
     sched, _ = connectors("ec_consumer", node(tmp_path, "pd", redis_server.url))
     side = sched.scheduler_side
     answers = []
@@ -268,19 +276,9 @@ def test_with_tensor_parallelism_a_failed_fetch_is_tried_again_later(
     encodes it meanwhile). A fetch that failed was never tried again (its
     result stuck until 4096 later fetches pushed it out), so that item was
     never served from the remote again; now it is, FETCH_RETRY_S later."""
-    import redis
-
     from ecstore.connector.availability import FETCH_RETRY_S, Fetch
-    from ecstore.remote.backend import KEY_PREFIX
 
-    src = node(tmp_path, "src", redis_server.url)
-    s_src, _ = connectors("ec_both", src)
-    with open_store(s_src) as st:
-        st.put(B, encoder_output(B))
-        st.flush()
-        ka, kb = st.key(A), st.key(B)
-    r = redis.Redis.from_url(redis_server.url)
-    r.set(KEY_PREFIX + ka, r.get(KEY_PREFIX + kb))  # A's key holds B's value: every fetch of A fails
+    s_src, r, a_key = _foreign_value_under_a(tmp_path, redis_server, connectors)
     sched, _ = connectors("ec_consumer", node(tmp_path, "pd", redis_server.url))
     side = sched.scheduler_side
     side._can_recompute = False  # what tensor_parallel_size > 1 gives
@@ -296,7 +294,7 @@ def test_with_tensor_parallelism_a_failed_fetch_is_tried_again_later(
     assert step() is False  # fetch started; vLLM encodes A meanwhile
     assert side._fetches.wait_idle(60) and side._fetches.state(A) == Fetch.FAILED
     assert step() is False and side._fetches.wait_idle(0)  # not fetched again at once
-    r.delete(KEY_PREFIX + ka)
+    r.delete(a_key)
     with open_store(s_src) as st:  # a good value of A reaches the remote
         st.put(A, encoder_output(A))
         st.flush()
