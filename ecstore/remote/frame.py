@@ -23,10 +23,12 @@ keep it).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 import warnings
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -102,6 +104,19 @@ def unpack(value: Any) -> tuple[Record, memoryview]:
     return rec, blob
 
 
+@contextlib.contextmanager
+def _as_corrupt(what: str) -> Iterator[None]:
+    """Whatever a library raises on hostile bytes inside the block is a bad
+    value: CorruptBlobError ("<what> remote value: ..."); CorruptBlobError
+    and MemoryError pass as they are."""
+    try:
+        yield
+    except (CorruptBlobError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001  (hostile bytes: whatever a library raises is a bad value)
+        raise CorruptBlobError(f"{what} remote value: {type(e).__name__}: {e}") from None
+
+
 def check_value(value: Any, *, key: str | None = None) -> tuple[Record, memoryview, blob_check.BlobHeader]:
     """(record, blob view, parsed header) of a remote value that checks out on
     its own: framing, record, the blob's size and checksum, its strict
@@ -110,14 +125,10 @@ def check_value(value: Any, *, key: str | None = None) -> tuple[Record, memoryvi
     and dtype against the header), and a tensor shape ``put`` stores
     (:func:`blob_check.check_put_shape`). Raises CorruptBlobError naming
     the first failure, never another exception but MemoryError."""
-    try:
+    with _as_corrupt("unreadable"):
         rec, blob = unpack(value)
         hdr = blob_check.check_entry(rec, blob, key=key)
         return rec, blob, blob_check.check_put_shape(hdr)
-    except (CorruptBlobError, MemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001  (hostile bytes: whatever a library raises is a bad value)
-        raise CorruptBlobError(f"unreadable remote value: {type(e).__name__}: {e}") from None
 
 
 def decode_entry(value: Any, *, identifier: str, model: str, dtype_name: str) -> RemoteEntry:
@@ -137,12 +148,8 @@ def decode_entry(value: Any, *, identifier: str, model: str, dtype_name: str) ->
         raise ForeignValue(f"holds identifier {hdr.identifier!r} dtype {hdr.dtype}")
     if hdr.model != model:
         raise ForeignValue(f"holds an entry of model {hdr.model!r}")
-    try:
+    with _as_corrupt("undecodable"):  # torch/numpy on a value that passed the checks
         return RemoteEntry(_view(blob, hdr), blob, rec)
-    except (CorruptBlobError, MemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001  (torch/numpy on a value that passed the checks)
-        raise CorruptBlobError(f"undecodable remote value: {type(e).__name__}: {e}") from None
 
 
 def _view(blob: memoryview, hdr: blob_check.BlobHeader) -> torch.Tensor:
