@@ -118,6 +118,15 @@ class RemoteFetches:
             entry = self._states.get(identifier)
             return None if entry is None else entry[0]
 
+    def pending(self, identifier: str) -> bool:
+        """Whether a request waiting for ``identifier`` should wait another
+        step: its fetch is running, or has just (within
+        :data:`FETCH_RETRY_S`) brought it into the local store, which the
+        next lookup pins (a fetch may end before its starter looks)."""
+        with self._cv:
+            state, ended = self._states.get(identifier, (None, 0.0))
+            return state == Fetch.RUNNING or (state == Fetch.LOCAL and self.clock() - ended < FETCH_RETRY_S)
+
     def start(self, identifier: str) -> None:
         """Fetch ``identifier`` unless a fetch of it is running, found it
         remote-only (the local tier would not take it), or ended less than

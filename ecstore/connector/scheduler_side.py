@@ -329,8 +329,8 @@ class SchedulerSide:
             self._verify_first.add(identifier)
             if has_inputs or identifier in self._vllm_holds or self.has_cache_item(identifier):
                 continue
-            if self._fetches is not None and self._fetches.state(identifier) == Fetch.RUNNING:
-                deferred = True  # being fetched from the remote: asked again next step
+            if self._fetches is not None and self._fetches.pending(identifier):
+                deferred = True  # being fetched from the remote (or just fetched): asked again next step
                 continue
             return self._fail(request, f"the encoder output {identifier} is not available "
                                        "(not stored, or failed its checks) and vLLM holds no inputs "
