@@ -61,6 +61,22 @@ def test_a_reply_dripping_slower_than_the_timeout_is_a_failure(tmp_path: Path) -
     assert server.commands["GET"] == 3
 
 
+@pytest.mark.parametrize("reply", [b":4000000\r\n", b"*2\r\n:1\r\n:2\r\n"], ids=["integer", "array"])
+def test_a_get_answered_with_no_bulk_string_is_a_failure_that_costs_nothing(tmp_path: Path, reply: bytes) -> None:
+    """An integer reply to GET (`:8000000000`: 14 bytes) made the backend build bytes(N),
+    fail its check, hash it all for delete_if_unchanged (outside the deadline)
+    and record a success: a reply that is not a bulk string is a failure."""
+    with FakeRedis("reply", replies={"GET": reply}) as server:
+        with open_store(tmp_path, server.url) as store:
+            for _ in range(3):
+                assert store.get("img") is None
+            stats = store.stats()
+            assert (stats.remote_errors, stats.remote_bytes_read, stats.remote_corrupt_dropped) == (3, 0, 0)
+            assert store.remote is not None and store.remote.breaker.state is BreakerState.OPEN
+    assert server.commands["GET"] == 3
+    assert server.commands["EVALSHA"] + server.commands["EVAL"] == 0  # nothing hashed or deleted
+
+
 def test_a_timed_out_command_is_not_sent_again(tmp_path: Path) -> None:
     with FakeRedis("silent") as server:
         with open_store(tmp_path, server.url) as store:
