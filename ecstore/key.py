@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import xxhash
@@ -53,6 +53,20 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise InvalidEntryError(f"unknown torch dtype name {name!r}")
     return dt
+
+
+def check_identifier_list(identifiers: object) -> list[str]:
+    """The mm identifiers of a call that takes several (``lease``,
+    ``release``), as a list. A ``str`` (or ``bytes``) is refused, not taken
+    as its characters, and so is anything that is not a collection;
+    each identifier is checked by :func:`check_identifier`."""
+    if isinstance(identifiers, (str, bytes, bytearray, memoryview)) or not isinstance(identifiers, Iterable):
+        shown = repr(identifiers)
+        raise InvalidEntryError(
+            f"expected a list of mm identifiers, got a {type(identifiers).__name__}"
+            f" ({shown[:60] + '...' if len(shown) > 60 else shown})"
+            + (": pass [identifier]" if isinstance(identifiers, str) else ""))
+    return [check_identifier(i) for i in identifiers]
 
 
 def check_identifier(identifier: object) -> str:

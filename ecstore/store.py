@@ -44,7 +44,7 @@ from .calls import CallGate
 from .config import ECStoreConfig
 from .errors import ECStoreError, StoreFullError, check_same_process
 from .identity import EncoderIdentity, library_identity, qualify
-from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
+from .key import ChunkHasher, check_identifier, check_identifier_list, check_model, chunk_hash, dtype_name, make_key
 from .lmdb import LMDBTier
 from .memory import MemoryTier
 from .put_path import PutPath
@@ -389,7 +389,9 @@ class ECStore:
     @_gated
     def lease(self, mm_hashes: list[str], ttl_s: float | None = None) -> None:
         """Pin entries against eviction by any process until :meth:`release`,
-        ``ttl_s`` (default ``config.lease_seconds``) or this process's death."""
+        ``ttl_s`` (default ``config.lease_seconds``) or this process's death.
+        ``mm_hashes``: a list (a single ``str`` is an InvalidEntryError)."""
+        mm_hashes = check_identifier_list(mm_hashes)
         if self.disk is not None and not self.readonly:
             self.disk.lease([self.key(h) for h in mm_hashes],
                             self.config.lease_seconds if ttl_s is None else ttl_s)
@@ -408,6 +410,7 @@ class ECStore:
 
     @_gated
     def release(self, mm_hashes: list[str]) -> None:
+        mm_hashes = check_identifier_list(mm_hashes)
         if self.disk is not None and not self.readonly:
             self.disk.release([self.key(h) for h in mm_hashes])
 
