@@ -314,6 +314,29 @@ def test_sub_byte_integer_dtypes_are_refused_at_put(tmp_path, dtype: torch.dtype
         assert store.get("img") is None and store.stats().puts == 0
 
 
+@pytest.mark.parametrize("device", ["xpu", "cuda:99", "bogus", 7, -1, None, "meta", "mps"],
+                         ids=["xpu", "cuda:99", "bogus", "7", "-1", "None", "meta", "mps"])
+def test_get_on_a_device_this_process_has_not_is_refused_before_anything_is_counted(tmp_path, device: object):
+    """``get(device=...)`` let AssertionError ("xpu", "cuda" on a CPU build),
+    RuntimeError ("bogus", 7) and TypeError (None) through after counting a
+    hit and touching the LRU, and "meta" returned a tensor without data: a
+    device tensors cannot be placed on is an InvalidEntryError, the hit not
+    counted, and the entry is still served on the CPU."""
+    with ECStore(config(tmp_path / "s", (MEM_CAP, DISK_CAP)), model=MODEL, dtype=BF16) as store:
+        t = bf16()
+        assert store.put("img", t)
+        store.flush()
+        before = store.stats()
+        with pytest.raises(InvalidEntryError, match="device"):
+            store.get("img", device=device)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEntryError, match="device"):
+            store.get("never-stored", device=device)  # type: ignore[arg-type]
+        after = store.stats()
+        assert (after.hits, after.misses) == (before.hits, before.misses)
+        assert same_bits(store.get("img", device=torch.device("cpu")), t)
+        assert same_bits(store.get("img", device="cpu:0"), t)
+
+
 def test_every_case_has_a_known_outcome():
     assert {c.outcome for c in CASES} <= {"InvalidEntryError", "refused", "accepted"}
     assert len({c.name for c in CASES}) == len(CASES)
