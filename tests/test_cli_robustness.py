@@ -317,3 +317,41 @@ def test_non_utf8_key_in_the_store_is_listed_shown_and_purged(store: Path) -> No
     assert odd not in keys_of(store) and len(keys_of(store)) == N
     r = console("verify", store, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["checked"] == N
+
+
+# --------------------------------------------------------------------------
+# Output that cannot be written (issue 27, item 8)
+# --------------------------------------------------------------------------
+NO_ROOM = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+
+
+def _on_full_disk(store: Path, argv: list[str]) -> list[str]:
+    return [*argv[:1], *([] if argv[0] == "config" else [str(store)]), *argv[1:]]
+
+
+@NO_ROOM
+@pytest.mark.parametrize("argv", [["list"], ["list", "--json"], ["verify"], ["verify", "--json"], ["stats"],
+                                  ["show", "img-0"], ["config", "--json"]],
+                         ids=["list", "list-json", "verify", "verify-json", "stats", "show", "config-json"])
+def test_output_that_cannot_be_written_is_one_line_and_its_own_exit_status(store: Path, argv: list[str]) -> None:
+    """Standard output on a full disk (/dev/full) ended in an OSError
+    traceback and exit 1, the status of "verify found bad entries": one
+    line on stderr and ExitCode.OUTPUT. (In-process, stdout a real file
+    on /dev/full; the console script below.)"""
+    err = io.StringIO()
+    with open("/dev/full", "w") as full, contextlib.redirect_stdout(full), contextlib.redirect_stderr(err):
+        rc = cli.main(_on_full_disk(store, argv))
+    assert rc == cli.ExitCode.OUTPUT, err.getvalue()
+    assert "cannot write" in one_line_error(err.getvalue()) and "No space left on device" in err.getvalue()
+
+
+@NO_ROOM
+def test_output_that_cannot_be_written_by_the_console_script(store: Path) -> None:
+    """The same from the console script: its exit status, and nothing more
+    said when the interpreter flushes standard output at exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run(DUMP + _on_full_disk(store, ["list", "--json"]), stdout=full, stderr=subprocess.PIPE,
+                           stdin=subprocess.DEVNULL, env=env, timeout=120, check=False)
+    assert r.returncode == cli.ExitCode.OUTPUT, r.stderr.decode()
+    assert "cannot write" in one_line_error(r.stderr)

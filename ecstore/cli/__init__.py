@@ -52,7 +52,8 @@ sizes, ages, progress), :mod:`.exitcodes` (:class:`ExitCode`, :class:`CLIError`)
 Exit status (:class:`ExitCode`): 0 success; 1 ``verify`` found bad entries; 2 error (usage, not
 a store, missing path, unknown key, newer schema, corrupt entry on export,
 bad config; nothing changed); 3 ``compact`` refused because another process
-has the store open (nothing changed).
+has the store open (nothing changed); 4 the results could not be written
+(standard output on a full disk, an I/O error).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ import sys
 import lmdb
 
 from ..errors import ECStoreError
-from .exitcodes import PROG, CLIError, ExitCode
-from .format import err, human_age, human_size, iso
+from .exitcodes import PROG, CLIError, ExitCode, OutputError
+from .format import err, flush_out, human_age, human_size, iso
 from .maintain import parse_older_than
 from .parser import build_parser
 
@@ -90,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         rc = args.func(args)
-        sys.stdout.flush()
+        flush_out()
         return int(rc)
+    except OutputError as e:
+        err(str(e))
+        _discard_stdout()  # what stays buffered must not fail again at exit
+        return int(e.code)
     except CLIError as e:
         err(str(e))
         return int(e.code)
@@ -102,11 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         err(f"LMDB error: {e}")
         return int(ExitCode.ERROR)
     except BrokenPipeError:  # `ecstore-dump list | head`
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+        _discard_stdout()
         return int(ExitCode.OK)
     except KeyboardInterrupt:
         sys.stderr.write("\n")
         return int(ExitCode.INTERRUPTED)
 
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what is still buffered for a
+    reader that went away or a full disk is dropped at exit, not reported
+    again as an exception."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and maintain an ecstore encoder-cache store (LMDB + safetensors).",
         epilog="PATH is the local_disk directory or a file:// URI; when omitted it comes from the effective "
                "config (--config FILE, else LMCACHE_CONFIG_FILE, plus LMCACHE_EC_* variables). Exit status: "
-               "0 ok, 1 verify found bad entries, 2 error (nothing changed), 3 compact refused: store in use.",
+               "0 ok, 1 verify found bad entries, 2 error (nothing changed), 3 compact refused: store in use, "
+               "4 the output could not be written.",
     )
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
