@@ -90,6 +90,24 @@ def write_out(text: str) -> None:
         raise OutputError(e) from None
 
 
+def write_binary_out(data: Any) -> None:
+    """Bytes on stdout (``export -``), flushed; failures as :func:`write_out`."""
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(e) from None
+
+
+def note(message: str) -> None:
+    """A line of results on stderr (when stdout carries data: ``export -``)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
 def flush_out() -> None:
     """Flush stdout (what is buffered is written here, not at exit): as :func:`write_out`."""
     try:

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", nargs="?", metavar="PATH")
     sp.add_argument("--json", action="store_true")
 
-    sp = cmd("export", "write one entry as a standalone .safetensors file (tensor 'ec')", cmd_export,
+    sp = cmd("export", "write one entry as a standalone .safetensors file (tensor 'ec'): a new file, over a "
+                       "regular one (never into a store), or '-' (standard output)", cmd_export,
              usage=f"{PROG} export [-h] [--config FILE] [--model M] [PATH] KEY_OR_MM_HASH OUT.safetensors")
     sp.add_argument("pos", nargs="+", metavar="[PATH] KEY_OR_MM_HASH OUT.safetensors")
     sp.add_argument("--model", help="with an mm identifier held by several models: pick this one")
