@@ -12,7 +12,7 @@ tool is how people see them::
     ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --namespace NS | --all) [--dry-run]
     ecstore-dump compact [PATH]
     ecstore-dump config  [--config FILE] [--json]
-    ecstore-dump list|stats|verify redis://host:port/db   (a remote tier: docs/remote.md)
+    ecstore-dump list|stats|verify redis://host:port/db [--timeout S]   (a remote tier: docs/remote.md)
 
 PATH is the ``local_disk`` directory (or a ``file://`` URI). When omitted it
 comes from the effective configuration (:func:`ecstore.config.load_config`:
@@ -53,7 +53,8 @@ Exit status (:class:`ExitCode`): 0 success; 1 ``verify`` found bad entries; 2 er
 a store, missing path, unknown key, newer schema, corrupt entry on export,
 bad config; nothing changed); 3 ``compact`` refused because another process
 has the store open (nothing changed); 4 the results could not be written
-(standard output on a full disk, an I/O error).
+(standard output on a full disk, an I/O error); 5 a command on a remote
+stopped at its ``--timeout`` (the results shown are incomplete).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ class ExitCode(enum.IntEnum):
     #: I/O error): what reached it is incomplete; nothing in the store changed
     #: because of it.
     OUTPUT = 4
+    #: a command on a remote stopped at its bound (``--timeout``): the
+    #: results shown are incomplete.
+    INCOMPLETE = 5
     #: interrupted (Ctrl-C), as a shell reports SIGINT.
     INTERRUPTED = 130
 

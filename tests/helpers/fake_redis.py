@@ -13,7 +13,9 @@ and then, by ``mode``:
   single read still returns in time) and anything else with ``+OK``;
 * ``"reply"``: answers each command named in ``replies`` (upper case) with
   its raw RESP bytes (e.g. ``{"GET": b":8000000000\r\n"}``: a reply of
-  the wrong type) and anything else with ``+OK``.
+  the wrong type) and anything else with ``+OK``;
+* ``"trickle"``: the same replies, each sent one byte every ``gap_s``
+  seconds (every read returns in time, the whole reply takes long).
 
 ``accepted`` counts connections, ``commands`` the commands received (upper
 case names). Both are final once :meth:`close` returned: it shuts every
@@ -36,7 +38,7 @@ HELLO_REPLY = (b"%3\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.0
 class FakeRedis:
     def __init__(self, mode: str, *, chunks: int = 20, gap_s: float = 0.25,
                  replies: dict[str, bytes] | None = None) -> None:
-        assert mode in ("silent", "drip", "reply")
+        assert mode in ("silent", "drip", "reply", "trickle")
         self.mode, self.chunks, self.gap_s = mode, chunks, gap_s
         self.replies = {k.encode(): v for k, v in (replies or {}).items()}
         self.accepted = 0
@@ -114,6 +116,10 @@ class FakeRedis:
                     continue
                 elif self.mode == "reply":
                     conn.sendall(self.replies.get(name, b"+OK\r\n"))
+                elif self.mode == "trickle":
+                    for i in range(len(reply := self.replies.get(name, b"+OK\r\n"))):
+                        time.sleep(self.gap_s)  # the slowness being simulated, not a synchronisation
+                        conn.sendall(reply[i:i + 1])
                 elif name == b"GET":
                     self._drip(conn)
                 else:
