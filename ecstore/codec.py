@@ -238,6 +238,11 @@ CorruptBlobError = CorruptEntryError
 #: an unsupported complex type); other dtypes take the full checks.
 _FAST_DTYPES = frozenset(_ST_CODE)
 
+#: Sub-byte integer dtypes (``uint1``-``uint7``, ``int1``-``int7``): torch
+#: makes such tensors but cannot copy them (``copy_kernel`` is not implemented).
+SUB_BYTE_DTYPES = frozenset(getattr(torch, f"{sign}int{bits}") for sign in ("u", "") for bits in range(1, 8)
+                            if hasattr(torch, f"{sign}int{bits}"))
+
 
 def check_storable(tensor: object) -> None:
     """Raise InvalidEntryError unless ``tensor`` is a dense 2-D non-empty tensor
@@ -273,5 +278,7 @@ def _check_storable_slow(tensor: object) -> None:
         )
     if tensor.numel() == 0:
         raise InvalidEntryError(f"empty tensor (shape {tuple(tensor.shape)}) cannot be stored")
+    if tensor.dtype in SUB_BYTE_DTYPES:
+        raise InvalidEntryError(f"dtype {tensor.dtype} is a sub-byte integer: it cannot be stored")
     if tensor.dtype.is_complex and tensor.dtype not in _ST_CODE:
         raise InvalidEntryError(f"dtype {tensor.dtype} is not supported")

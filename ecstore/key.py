@@ -15,8 +15,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import xxhash
@@ -53,6 +54,61 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise InvalidEntryError(f"unknown torch dtype name {name!r}")
     return dt
+
+
+def check_identifier_list(identifiers: object) -> list[str]:
+    """The mm identifiers of a call that takes several (``lease``,
+    ``release``), as a list. A ``str`` (or ``bytes``) is refused, not taken
+    as its characters, and so is anything that is not a collection;
+    each identifier is checked by :func:`check_identifier`."""
+    if isinstance(identifiers, (str, bytes, bytearray, memoryview)) or not isinstance(identifiers, Iterable):
+        shown = repr(identifiers)
+        raise InvalidEntryError(
+            f"expected a list of mm identifiers, got a {type(identifiers).__name__}"
+            f" ({shown[:60] + '...' if len(shown) > 60 else shown})"
+            + (": pass [identifier]" if isinstance(identifiers, str) else ""))
+    return [check_identifier(i) for i in identifiers]
+
+
+def check_device(device: object) -> torch.device:
+    """The ``torch.device`` a tensor is asked on (``get(device=...)``), or
+    InvalidEntryError: not a device (``"bogus"``, ``None``, an index with no
+    accelerator), ``"meta"`` (holds no data), or a device type or index this
+    process has none of (``"cuda"`` on a CPU build, ``"xpu"``, ``"cuda:99"``).
+    Answers are cached per device: a device does not come and go."""
+    if device == "cpu":
+        return _CPU
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidEntryError(f"device {device!r} is not a torch device: {str(e).splitlines()[0]}") from None
+    problem = _device_problem(dev)
+    if problem:
+        raise InvalidEntryError(f"device {device!r}: {problem}")
+    return dev
+
+
+_CPU = torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _device_problem(dev: torch.device) -> str:
+    """Why tensors cannot be placed on ``dev`` in this process ("" if they can)."""
+    if dev.type == "cpu":
+        return ""
+    if dev.type == "meta":
+        return "meta tensors hold no data"
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    try:
+        if available is None or not available():
+            return f"no {dev.type} device is available in this process"
+        count = getattr(module, "device_count", None)
+        if dev.index is not None and count is not None and dev.index >= count():
+            return f"this process has {count()} {dev.type} device(s)"
+    except Exception as e:  # noqa: BLE001  (a backend failing to answer: not usable)
+        return f"{dev.type} is not usable: {type(e).__name__}: {e}"
+    return ""
 
 
 def check_identifier(identifier: object) -> str:

@@ -44,7 +44,8 @@ from .calls import CallGate
 from .config import ECStoreConfig
 from .errors import ECStoreError, StoreFullError, check_same_process
 from .identity import EncoderIdentity, library_identity, qualify
-from .key import ChunkHasher, check_identifier, check_model, chunk_hash, dtype_name, make_key
+from .key import (ChunkHasher, check_device, check_identifier, check_identifier_list, check_model, chunk_hash,
+                  dtype_name, make_key)
 from .lmdb import LMDBTier
 from .memory import MemoryTier
 from .put_path import PutPath
@@ -210,8 +211,10 @@ class ECStore:
         copy): treat it as read-only. A disk or remote hit returns a fresh
         tensor that nothing else references (the memory tier and a pending
         LMDB write of a remote hit keep their own copy), so the caller may
-        modify it. Corrupt entries are misses.
+        modify it. Corrupt entries are misses. A ``device`` tensors cannot be
+        placed on in this process is an InvalidEntryError, nothing counted.
         """
+        device = check_device(device)
         name = self.stored_name(mm_hash)
         key = self._key_of(name)
         hit = self._reads.find(key, name, mm_hash)
@@ -219,12 +222,12 @@ class ECStore:
             self._counters.miss()
             return None
         t = hit.tensor
-        if hit.promoted and torch.device(device) == t.device:
+        if hit.promoted and device == t.device:
             t = t.clone()  # hand out a copy of our own
         self._counters.hit(hit.tier)
         if self._writer is not None:
             self._writer.touch(key, name)
-        if torch.device(device) != t.device:
+        if device != t.device:
             t = t.to(device, non_blocking=False)
         return t
 
@@ -389,7 +392,9 @@ class ECStore:
     @_gated
     def lease(self, mm_hashes: list[str], ttl_s: float | None = None) -> None:
         """Pin entries against eviction by any process until :meth:`release`,
-        ``ttl_s`` (default ``config.lease_seconds``) or this process's death."""
+        ``ttl_s`` (default ``config.lease_seconds``) or this process's death.
+        ``mm_hashes``: a list (a single ``str`` is an InvalidEntryError)."""
+        mm_hashes = check_identifier_list(mm_hashes)
         if self.disk is not None and not self.readonly:
             self.disk.lease([self.key(h) for h in mm_hashes],
                             self.config.lease_seconds if ttl_s is None else ttl_s)
@@ -408,6 +413,7 @@ class ECStore:
 
     @_gated
     def release(self, mm_hashes: list[str]) -> None:
+        mm_hashes = check_identifier_list(mm_hashes)
         if self.disk is not None and not self.readonly:
             self.disk.release([self.key(h) for h in mm_hashes])
 

@@ -46,6 +46,10 @@ DISK_CAP = 256 * KiB
 BF16 = torch.bfloat16
 
 
+#: Sub-byte integer dtypes: torch makes such tensors but cannot copy them.
+SUB_BYTE = [getattr(torch, f"{sign}int{bits}") for sign in ("u", "") for bits in range(1, 8)]
+
+
 def bf16(rows: int = 4, cols: int = 16, seed: int = 11) -> torch.Tensor:
     return make_tensor(seed, rows, cols, BF16)
 
@@ -126,6 +130,10 @@ CASES: list[Case] = [
     Case("float8_e8m0fnu (handle float8_e8m0fnu)",
          put(lambda: torch.arange(64, dtype=torch.uint8).view(torch.float8_e8m0fnu).reshape(4, 16)), "accepted",
          "stored as U8 bytes, dtype in the header", handle_dtype=torch.float8_e8m0fnu),
+    Case("uint4 (handle uint4)", put(lambda: torch.zeros(4, 16, dtype=torch.uint4)), "InvalidEntryError",
+         "sub-byte integers (uint1-uint7, int1-int7), copy=True or False", handle_dtype=torch.uint4),
+    Case("int1 (handle int1)", put(lambda: torch.zeros(4, 16, dtype=torch.int1)), "InvalidEntryError",
+         handle_dtype=torch.int1),
     # --- content
     Case("NaN, ±Inf, -0.0, subnormals, NaN payloads", put(nan_inf), "accepted", "stored bit for bit"),
     # --- size
@@ -177,7 +185,7 @@ def open_store(path: Path, case: Case, **kw: Any) -> ECStore:
 def baseline(store: ECStore) -> None:
     """Two ordinary entries, flushed (through a bfloat16 handle on the same
     directory when the store's own dtype cannot be stored)."""
-    if store.dtype == torch.complex128:
+    if store.dtype in (torch.complex128, *SUB_BYTE):
         with ECStore(store.config, model=MODEL, dtype=BF16) as side:
             baseline(side)
         return
@@ -290,6 +298,43 @@ def test_model_name(tmp_path, case: Case):
         assert other.get("base-0") is not None
     with open_store(path, case, model=args["model"], dtype=args["dtype"]) as s:
         assert same_bits(s.get("img-1"), t)
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "no-copy"])
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=[str(d).removeprefix("torch.") for d in SUB_BYTE])
+def test_sub_byte_integer_dtypes_are_refused_at_put(tmp_path, dtype: torch.dtype, copy: bool):
+    """``put`` of a uint1-uint7/int1-int7 tensor raised torch's
+    NotImplementedError (copy=True), or was accepted and then failed in the
+    background writer, flush() reporting StoreFullError (copy=False): it is an
+    InvalidEntryError at put, and nothing is queued."""
+    with ECStore(config(tmp_path / "s", (MEM_CAP, DISK_CAP)), model=MODEL, dtype=dtype) as store:
+        with pytest.raises(InvalidEntryError, match="sub-byte"):
+            store.put("img", torch.zeros(4, 16, dtype=dtype), copy=copy)
+        store.flush()
+        assert store.get("img") is None and store.stats().puts == 0
+
+
+@pytest.mark.parametrize("device", ["xpu", "cuda:99", "bogus", 7, -1, None, "meta", "mps"],
+                         ids=["xpu", "cuda:99", "bogus", "7", "-1", "None", "meta", "mps"])
+def test_get_on_a_device_this_process_has_not_is_refused_before_anything_is_counted(tmp_path, device: object):
+    """``get(device=...)`` let AssertionError ("xpu", "cuda" on a CPU build),
+    RuntimeError ("bogus", 7) and TypeError (None) through after counting a
+    hit and touching the LRU, and "meta" returned a tensor without data: a
+    device tensors cannot be placed on is an InvalidEntryError, the hit not
+    counted, and the entry is still served on the CPU."""
+    with ECStore(config(tmp_path / "s", (MEM_CAP, DISK_CAP)), model=MODEL, dtype=BF16) as store:
+        t = bf16()
+        assert store.put("img", t)
+        store.flush()
+        before = store.stats()
+        with pytest.raises(InvalidEntryError, match="device"):
+            store.get("img", device=device)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEntryError, match="device"):
+            store.get("never-stored", device=device)  # type: ignore[arg-type]
+        after = store.stats()
+        assert (after.hits, after.misses) == (before.hits, before.misses)
+        assert same_bits(store.get("img", device=torch.device("cpu")), t)
+        assert same_bits(store.get("img", device="cpu:0"), t)
 
 
 def test_every_case_has_a_known_outcome():

@@ -227,13 +227,91 @@ def test_export_does_not_follow_a_symlink_at_the_temporary_name(store: Path, tmp
     assert victim.read_bytes() == b"precious"
     assert not out.is_symlink() and stat.S_ISREG(out.lstat().st_mode)
     assert torch.equal(load_file(str(out))["ec"], tensor_for(1))
-    # A symlink planted at OUT itself is replaced, its target untouched.
+    # A symlink planted at OUT itself is refused (it was replaced), its target untouched.
     out.unlink()
     os.symlink(victim, out)
-    assert run("export", store, key, out)[0] == 0
-    assert victim.read_bytes() == b"precious" and not out.is_symlink()
+    rc, _, err = run("export", store, key, out)
+    assert rc == 2 and "symbolic link" in one_line_error(err)
+    assert victim.read_bytes() == b"precious" and out.is_symlink()
     leftovers = [p.name for p in out.parent.iterdir() if p.name != out.name and not p.is_symlink()]
     assert leftovers == []
+
+
+def _special(kind: str, at: Path) -> None:
+    """Make a file of ``kind`` at ``at``."""
+    if kind == "fifo":
+        os.mkfifo(at)
+    elif kind == "socket":
+        import socket
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(at))
+        sock.close()
+    elif kind == "char device":  # a copy of /dev/null (root only)
+        try:
+            os.mknod(at, 0o666 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+        except PermissionError:
+            pytest.skip("creating a device needs root")
+    elif kind == "symlink to stdout":  # what /dev/stdout is
+        os.symlink("/proc/self/fd/1", at)
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["char device", "fifo", "socket", "symlink to stdout"])
+def test_export_never_replaces_what_is_not_a_regular_file(store: Path, tmp_path: Path, kind: str) -> None:
+    """export renamed its file over whatever sat at OUT: a copy of /dev/null
+    became a regular file, /dev/stdout a file. Only a new name or a regular
+    file is written; the rest is refused and left as it was."""
+    out = tmp_path / "out"
+    _special(kind, out)
+    before = os.lstat(out)
+    rc, text, err = run("export", store, key_for(store, 1), out)
+    assert rc == 2 and text == "" and "'-'" in one_line_error(err), err
+    after = os.lstat(out)
+    assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "store"]  # no temporary file left
+
+
+@pytest.mark.parametrize("name", ["data.mdb", "lock.mdb", "leases.mdb", "e.safetensors"])
+def test_export_never_writes_into_a_store(store: Path, tmp_path: Path, name: str) -> None:
+    """``export STORE KEY STORE/data.mdb`` replaced the store's own data file
+    (the store no longer opened): no file of a store directory (any store's,
+    this one's too) is written, new or not."""
+    def files() -> tuple[dict[str, int], bytes]:  # (inode of each file, data.mdb's bytes)
+        return {p.name: p.lstat().st_ino for p in store.iterdir()}, (store / "data.mdb").read_bytes()
+
+    before = files()
+    other = tmp_path / "other"
+    with ECStore(ECStoreConfig(local_cpu=False, local_disk=str(other), max_local_disk_size=0.01),
+                 model=MODEL, dtype=torch.float16):
+        pass
+    for target in (store / name, other / name):
+        rc, text, err = run("export", store, key_for(store, 1), target)
+        assert rc == 2 and text == "" and "ecstore store" in one_line_error(err), err
+    assert files() == before
+    assert not (other / "e.safetensors").exists()
+    assert run("verify", store)[0] == 0
+
+
+def test_export_to_dash_writes_the_entry_to_standard_output(store: Path, tmp_path: Path) -> None:
+    """``-`` is standard output (it was a file named "-"): the exact
+    safetensors bytes there, the report on stderr."""
+    key = key_for(store, 2)
+    raw = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    err = io.StringIO()
+    with contextlib.redirect_stdout(raw), contextlib.redirect_stderr(err), contextlib.chdir(tmp_path):
+        rc = cli.main(["export", str(store), key, "-"])
+    raw.flush()
+    assert rc == 0 and not (tmp_path / "-").exists(), err.getvalue()
+    data = raw.buffer.getvalue()  # type: ignore[attr-defined]
+    from safetensors.torch import load
+    assert torch.equal(load(data)["ec"], tensor_for(2))
+    assert "exported" in err.getvalue() and "standard output" in err.getvalue()
+    # Over an existing regular file: replaced, as before.
+    out = tmp_path / "e.safetensors"
+    out.write_bytes(b"old")
+    assert run("export", store, key, out)[0] == 0
+    assert torch.equal(load_file(str(out))["ec"], tensor_for(2))
 
 
 def test_export_into_a_missing_directory_is_one_line(store: Path, tmp_path: Path) -> None:
@@ -317,3 +395,41 @@ def test_non_utf8_key_in_the_store_is_listed_shown_and_purged(store: Path) -> No
     assert odd not in keys_of(store) and len(keys_of(store)) == N
     r = console("verify", store, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["checked"] == N
+
+
+# --------------------------------------------------------------------------
+# Output that cannot be written (issue 27, item 8)
+# --------------------------------------------------------------------------
+NO_ROOM = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+
+
+def _on_full_disk(store: Path, argv: list[str]) -> list[str]:
+    return [*argv[:1], *([] if argv[0] == "config" else [str(store)]), *argv[1:]]
+
+
+@NO_ROOM
+@pytest.mark.parametrize("argv", [["list"], ["list", "--json"], ["verify"], ["verify", "--json"], ["stats"],
+                                  ["show", "img-0"], ["config", "--json"]],
+                         ids=["list", "list-json", "verify", "verify-json", "stats", "show", "config-json"])
+def test_output_that_cannot_be_written_is_one_line_and_its_own_exit_status(store: Path, argv: list[str]) -> None:
+    """Standard output on a full disk (/dev/full) ended in an OSError
+    traceback and exit 1, the status of "verify found bad entries": one
+    line on stderr and ExitCode.OUTPUT. (In-process, stdout a real file
+    on /dev/full; the console script below.)"""
+    err = io.StringIO()
+    with open("/dev/full", "w") as full, contextlib.redirect_stdout(full), contextlib.redirect_stderr(err):
+        rc = cli.main(_on_full_disk(store, argv))
+    assert rc == cli.ExitCode.OUTPUT, err.getvalue()
+    assert "cannot write" in one_line_error(err.getvalue()) and "No space left on device" in err.getvalue()
+
+
+@NO_ROOM
+def test_output_that_cannot_be_written_by_the_console_script(store: Path) -> None:
+    """The same from the console script: its exit status, and nothing more
+    said when the interpreter flushes standard output at exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run(DUMP + _on_full_disk(store, ["list", "--json"]), stdout=full, stderr=subprocess.PIPE,
+                           stdin=subprocess.DEVNULL, env=env, timeout=120, check=False)
+    assert r.returncode == cli.ExitCode.OUTPUT, r.stderr.decode()
+    assert "cannot write" in one_line_error(r.stderr)

@@ -171,6 +171,33 @@ def test_a_lease_time_the_table_cannot_hold_is_an_invalid_entry_error(tmp_path: 
         assert store.pin_if_present("img", 0.0)
 
 
+@pytest.mark.parametrize("readonly", [False, True], ids=["read-write", "read-only"])
+@pytest.mark.parametrize("ids", ["abc", b"abc", 7], ids=["str", "bytes", "int"])
+def test_lease_and_release_refuse_an_identifier_given_for_the_list(tmp_path: Path, ids: object,
+                                                                   readonly: bool) -> None:
+    """``lease("abc")`` leased the identifiers "a", "b" and "c" (a str is a
+    sequence of characters) and ``release("abc")`` released them: a single
+    identifier, or anything else that is not a collection of them, is
+    refused with InvalidEntryError, and nothing is leased or released."""
+    import torch
+
+    from ecstore import ECStore, ECStoreConfig, InvalidEntryError
+
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp_path / "s"), max_local_disk_size=CAP / 2**30)
+    with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as store:
+        for n in ("a", "b", "c"):
+            store.put(n, fc.entry_tensor(0, 4))
+        store.flush()
+        store.lease(["a"])
+        leased = store.disk.leased_keys() if store.disk is not None else set()
+        with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16, readonly=readonly) as other:
+            with pytest.raises(InvalidEntryError, match="list of mm identifiers"):
+                other.lease(ids)  # type: ignore[arg-type]
+            with pytest.raises(InvalidEntryError, match="list of mm identifiers"):
+                other.release(ids)  # type: ignore[arg-type]
+        assert store.disk is not None and store.disk.leased_keys() == leased == {store.key("a").encode()}
+
+
 # ------------------------------------------------------ the lease file itself
 def _opener(path: str, mode: str, *hold: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(HELPERS / "lease_file_opener.py"), path, str(CAP), mode, *hold],

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 
-from ecstore.config import ECStoreConfig, describe_config, load_config
+from ecstore.config import ConfigWarning, ECStoreConfig, describe_config, load_config
 from ecstore.errors import ConfigError
 from ecstore.remote.breaker import BreakerState, CircuitBreaker
 from ecstore.remote.url import mask_url, parse_remote_url
@@ -86,8 +87,45 @@ def test_precedence_is_that_of_every_ec_key(tmp_path: Path) -> None:
 def test_base_remote_url_belongs_to_lmcache(tmp_path: Path) -> None:
     yaml = tmp_path / "lmcache.yaml"
     yaml.write_text("remote_url: lm://localhost:65432\n")
-    cfg = load_config(yaml, env={"LMCACHE_REMOTE_URL": "redis://kv:1/0"})
+    with pytest.warns(ConfigWarning, match="ec_remote_url"):  # a redis:// one is said to be ignored
+        cfg = load_config(yaml, env={"LMCACHE_REMOTE_URL": "redis://kv:1/0"})
     assert cfg.remote_url is None and cfg.source_of("remote_url") == "default"
+
+
+@pytest.mark.parametrize("where", ["file", "env"])
+def test_a_base_remote_url_ecstore_speaks_warns_once_naming_ec_remote_url(tmp_path: Path, where: str) -> None:
+    """``remote_url: "redis://..."`` (LMCache's KV-cache key) gave no remote
+    tier and no word: it stays LMCache's, but a URL of a scheme ecstore
+    speaks gets one ConfigWarning naming ec_remote_url, the password masked."""
+    yaml = tmp_path / "lmcache.yaml"
+    url = f"redis://:{SECRET}@kv:6379/0"
+    yaml.write_text(f'remote_url: "{url}"\n' if where == "file" else "chunk_size: 256\n")
+    env = {"LMCACHE_REMOTE_URL": url} if where == "env" else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(yaml, env=env)
+    assert cfg.remote_url is None
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert len(said) == 1, said
+    assert "ec_remote_url" in said[0] and "LMCACHE_EC_REMOTE_URL" in said[0]
+    assert (f"{yaml}:1" if where == "file" else "LMCACHE_REMOTE_URL") in said[0]
+    assert SECRET not in said[0] and "redis://:***@kv:6379/0" in said[0]
+
+
+@pytest.mark.parametrize("text, env", [
+    ("remote_url: lm://localhost:65432\n", {}),  # LMCache's own remotes: quiet
+    ("remote_url: mooncakestore://m:1\n", {}),
+    ("remote_url: redis://kv:1/0\nec_remote_url: redis://ec:2/0\n", {}),  # the encoder cache has its own
+    ("remote_url: redis://kv:1/0\nec_remote_url: null\n", {}),  # turned off on purpose
+    ("remote_url: redis://kv:1/0\n", {"LMCACHE_EC_REMOTE_URL": "redis://ec:2/0"}),
+])
+def test_a_base_remote_url_is_quiet_when_lmcaches_or_when_ec_remote_url_is_set(tmp_path: Path, text: str,
+                                                                               env: dict[str, str]) -> None:
+    yaml = tmp_path / "lmcache.yaml"
+    yaml.write_text(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(yaml, env=env)
 
 
 def test_timeout_must_be_positive_with_a_remote() -> None:

@@ -61,6 +61,22 @@ def test_a_reply_dripping_slower_than_the_timeout_is_a_failure(tmp_path: Path) -
     assert server.commands["GET"] == 3
 
 
+@pytest.mark.parametrize("reply", [b":4000000\r\n", b"*2\r\n:1\r\n:2\r\n"], ids=["integer", "array"])
+def test_a_get_answered_with_no_bulk_string_is_a_failure_that_costs_nothing(tmp_path: Path, reply: bytes) -> None:
+    """An integer reply to GET (`:8000000000`: 14 bytes) made the backend build bytes(N),
+    fail its check, hash it all for delete_if_unchanged (outside the deadline)
+    and record a success: a reply that is not a bulk string is a failure."""
+    with FakeRedis("reply", replies={"GET": reply}) as server:
+        with open_store(tmp_path, server.url) as store:
+            for _ in range(3):
+                assert store.get("img") is None
+            stats = store.stats()
+            assert (stats.remote_errors, stats.remote_bytes_read, stats.remote_corrupt_dropped) == (3, 0, 0)
+            assert store.remote is not None and store.remote.breaker.state is BreakerState.OPEN
+    assert server.commands["GET"] == 3
+    assert server.commands["EVALSHA"] + server.commands["EVAL"] == 0  # nothing hashed or deleted
+
+
 def test_a_timed_out_command_is_not_sent_again(tmp_path: Path) -> None:
     with FakeRedis("silent") as server:
         with open_store(tmp_path, server.url) as store:
@@ -176,3 +192,77 @@ def test_a_sendall_gets_the_time_its_bytes_take_and_none_after_the_deadline(fake
             s.sendall(b"y" * 10_000)  # no grant once the deadline passed
     assert b.recv(1000) == b"x" * 500
 
+
+
+# ------------------------------------------------- ecstore-dump on a hostile remote
+#: A SCAN reply whose cursor is never 0 (always the same key): a scan that never ends.
+ENDLESS_SCAN = b"*2\r\n$1\r\n7\r\n*1\r\n$11\r\necstore:1:k\r\n"
+#: A SCAN reply that ends the scan at once, with no key.
+EMPTY_SCAN = b"*2\r\n$1\r\n0\r\n*0\r\n"
+INFO = b"$27\r\nredis_version:7.0.0\r\nfoo:1\r\n\r\n"
+#: The key of ENDLESS_SCAN is always gone by the time it is read.
+GONE = {"GET": b"$-1\r\n", "GETRANGE": b"$0\r\n\r\n", "STRLEN": b":0\r\n", "PTTL": b":-2\r\n"}
+
+
+def _dump_bounded(monkeypatch: pytest.MonkeyPatch, bound_s: float, *argv: str) -> tuple[int, str, str]:
+    """``ecstore-dump ARGV`` in a thread, its default bound for a whole remote
+    command set to ``bound_s``; (status, stdout, stderr). A command still
+    running after 60 s fails the test (it looped or waited for ever before)."""
+    import contextlib
+    import io
+
+    from ecstore.cli import main
+
+    monkeypatch.setattr("ecstore.cli.remote.DEFAULT_TIMEOUT_S", bound_s, raising=False)
+    out, err, result = io.StringIO(), io.StringIO(), []
+
+    def run() -> None:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result.append(main(list(argv)))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), f"ecstore-dump {' '.join(argv)} still running after 60 s"
+    return result[0], out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("command", ["list", "stats", "verify"])
+def test_dump_of_a_remote_whose_scan_never_ends_stops_at_its_bound(command: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SCAN cursor that never comes back to 0 looped for ever: the whole
+    command is bounded, and says that it stopped early (its own exit status)."""
+    from ecstore.cli import ExitCode
+
+    with FakeRedis("reply", replies={"SCAN": ENDLESS_SCAN, "INFO": INFO, **GONE}) as server:
+        rc, out, err = _dump_bounded(monkeypatch, 1.0, command, server.url)
+    assert rc == ExitCode.INCOMPLETE, (out, err)
+    assert "stopped after 1 s" in err and "--timeout" in err and "incomplete" in err
+    assert server.commands["SCAN"] > 1
+
+
+@pytest.mark.parametrize("command", ["list", "stats", "verify"])
+def test_dump_of_a_remote_dripping_its_replies_stops_at_its_bound(command: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server sending its replies a byte at a time, each byte well within
+    the socket timeout, kept ``stats`` going past 40 s: the bound is on the
+    whole command (here 1 s, replies of 20+ bytes at 0.5 s a byte)."""
+    from ecstore.cli import ExitCode
+
+    with FakeRedis("trickle", gap_s=0.5, replies={"SCAN": EMPTY_SCAN, "INFO": INFO}) as server:
+        rc, out, err = _dump_bounded(monkeypatch, 1.0, command, server.url, "--json")
+    assert rc == ExitCode.INCOMPLETE, (out, err)
+    assert "stopped after 1 s" in err and "incomplete" in err
+    import json
+    assert json.loads(out)["complete"] is False
+
+
+def test_dump_timeout_option_bounds_a_remote_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--timeout SECONDS`` sets the bound (the default is DEFAULT_TIMEOUT_S)."""
+    from ecstore.cli import ExitCode
+
+    with FakeRedis("reply", replies={"SCAN": ENDLESS_SCAN, "INFO": INFO, **GONE}) as server:
+        rc, out, err = _dump_bounded(monkeypatch, 3600.0, "list", server.url, "--timeout", "0.5", "--json")
+    assert rc == ExitCode.INCOMPLETE and "stopped after 0.5 s" in err
+    import json
+    listed = json.loads(out)
+    assert listed["complete"] is False and "0.5 s" in listed["stopped_early"]

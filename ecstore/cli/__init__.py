@@ -12,7 +12,7 @@ tool is how people see them::
     ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --namespace NS | --all) [--dry-run]
     ecstore-dump compact [PATH]
     ecstore-dump config  [--config FILE] [--json]
-    ecstore-dump list|stats|verify redis://host:port/db   (a remote tier: docs/remote.md)
+    ecstore-dump list|stats|verify redis://host:port/db [--timeout S]   (a remote tier: docs/remote.md)
 
 PATH is the ``local_disk`` directory (or a ``file://`` URI). When omitted it
 comes from the effective configuration (:func:`ecstore.config.load_config`:
@@ -52,7 +52,9 @@ sizes, ages, progress), :mod:`.exitcodes` (:class:`ExitCode`, :class:`CLIError`)
 Exit status (:class:`ExitCode`): 0 success; 1 ``verify`` found bad entries; 2 error (usage, not
 a store, missing path, unknown key, newer schema, corrupt entry on export,
 bad config; nothing changed); 3 ``compact`` refused because another process
-has the store open (nothing changed).
+has the store open (nothing changed); 4 the results could not be written
+(standard output on a full disk, an I/O error); 5 a command on a remote
+stopped at its ``--timeout`` (the results shown are incomplete).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ import sys
 import lmdb
 
 from ..errors import ECStoreError
-from .exitcodes import PROG, CLIError, ExitCode
-from .format import err, human_age, human_size, iso
+from .exitcodes import PROG, CLIError, ExitCode, OutputError
+from .format import err, flush_out, human_age, human_size, iso
 from .maintain import parse_older_than
 from .parser import build_parser
 
@@ -90,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         rc = args.func(args)
-        sys.stdout.flush()
+        flush_out()
         return int(rc)
+    except OutputError as e:
+        err(str(e))
+        _discard_stdout()  # what stays buffered must not fail again at exit
+        return int(e.code)
     except CLIError as e:
         err(str(e))
         return int(e.code)
@@ -102,11 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         err(f"LMDB error: {e}")
         return int(ExitCode.ERROR)
     except BrokenPipeError:  # `ecstore-dump list | head`
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+        _discard_stdout()
         return int(ExitCode.OK)
     except KeyboardInterrupt:
         sys.stderr.write("\n")
         return int(ExitCode.INTERRUPTED)
 
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what is still buffered for a
+    reader that went away or a full disk is dropped at exit, not reported
+    again as an exception."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

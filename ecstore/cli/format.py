@@ -14,7 +14,7 @@ import time
 from typing import AbstractSet, Any, Iterable, Sequence
 
 from ..maintenance import key_bytes
-from .exitcodes import PROG
+from .exitcodes import PROG, OutputError
 
 
 def one_line(text: str) -> str:
@@ -78,15 +78,54 @@ def n_entries(n: int) -> str:
     return f"{n} entry" if n == 1 else f"{n} entries"
 
 
+def write_out(text: str) -> None:
+    """``text`` on stdout; a failure to write it (a full disk, an I/O error)
+    is an :class:`OutputError` (BrokenPipeError passes: a reader that went
+    away, e.g. ``| head``, is no error)."""
+    try:
+        sys.stdout.write(text)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(e) from None
+
+
+def write_binary_out(data: Any) -> None:
+    """Bytes on stdout (``export -``), flushed; failures as :func:`write_out`."""
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(e) from None
+
+
+def note(message: str) -> None:
+    """A line of results on stderr (when stdout carries data: ``export -``)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def flush_out() -> None:
+    """Flush stdout (what is buffered is written here, not at exit): as :func:`write_out`."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(e) from None
+
+
 def out(line: str = "") -> None:
     """One line of results on stdout."""
-    sys.stdout.write(line + "\n")
+    write_out(line + "\n")
 
 
 def json_out(obj: Any) -> None:
     """``obj`` as indented JSON on stdout."""
-    json.dump(obj, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    write_out(json.dumps(obj, indent=2) + "\n")
 
 
 def human_size(n: int | None) -> str:

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and maintain an ecstore encoder-cache store (LMDB + safetensors).",
         epilog="PATH is the local_disk directory or a file:// URI; when omitted it comes from the effective "
                "config (--config FILE, else LMCACHE_CONFIG_FILE, plus LMCACHE_EC_* variables). Exit status: "
-               "0 ok, 1 verify found bad entries, 2 error (nothing changed), 3 compact refused: store in use.",
+               "0 ok, 1 verify found bad entries, 2 error (nothing changed), 3 compact refused: store in use, "
+               "4 the output could not be written, 5 a remote command stopped at its --timeout.",
     )
     p.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "hits (most first), age (oldest first)")
     sp.add_argument("--limit", type=_nonneg_int, metavar="N", help="show at most N entries")
     sp.add_argument("--json", action="store_true", help="machine-readable output (exact bytes, ISO times)")
+    _remote_timeout(sp)
 
     sp = cmd("show", "one entry's record and safetensors header", cmd_show,
              usage=f"{PROG} show [-h] [--config FILE] [--model M] [--json] [PATH] KEY_OR_MM_HASH")
@@ -54,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("stats", "entries and bytes per model and dtype, fill, schema, LMDB pages, readers", cmd_stats)
     sp.add_argument("path", nargs="?", metavar="PATH")
     sp.add_argument("--json", action="store_true")
+    _remote_timeout(sp)
 
-    sp = cmd("export", "write one entry as a standalone .safetensors file (tensor 'ec')", cmd_export,
+    sp = cmd("export", "write one entry as a standalone .safetensors file (tensor 'ec'): a new file, over a "
+                       "regular one (never into a store), or '-' (standard output)", cmd_export,
              usage=f"{PROG} export [-h] [--config FILE] [--model M] [PATH] KEY_OR_MM_HASH OUT.safetensors")
     sp.add_argument("pos", nargs="+", metavar="[PATH] KEY_OR_MM_HASH OUT.safetensors")
     sp.add_argument("--model", help="with an mm identifier held by several models: pick this one")
@@ -65,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--delete-bad", action="store_true",
                     help="with a remote URL as PATH: delete the values that fail verification")
+    _remote_timeout(sp)
 
     sp = cmd("purge", "remove entries by model, last-access age, key, or all", cmd_purge)
     sp.add_argument("path", nargs="?", metavar="PATH")
@@ -88,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("config", "the effective encoder-cache config and where each value came from", cmd_config)
     sp.add_argument("--json", action="store_true")
     return p
+
+
+def _remote_timeout(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS",
+                    help="with a remote URL as PATH: stop after SECONDS for the whole command (default 600), "
+                         "show what was found and exit 5")
+
+
+def _positive_seconds(text: str) -> float:
+    """``--timeout SECONDS``: a finite number > 0."""
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < s < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return s
 
 
 def _nonneg_int(text: str) -> int:

@@ -12,8 +12,9 @@ from .. import namespaces
 from ..files import write_private_file
 from ..maintenance import EntryDetail, entry_detail, entry_problem, read_entry
 from .exitcodes import PROG, CLIError, ExitCode
-from .format import human_age, human_size, json_out, out, printable, shell_arg
+from .format import human_age, human_size, json_out, note, out, printable, shell_arg, write_binary_out
 from .listing import row_json
+from .output_path import STDOUT, check_export_path
 from .target import need_entries, open_readonly, output_mode, resolve_target, split_positionals
 
 
@@ -94,7 +95,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``export [PATH] KEY_OR_MM_HASH OUT.safetensors``: one verified entry's blob to a new file."""
+    """``export [PATH] KEY_OR_MM_HASH OUT.safetensors``: one verified entry's blob to a new file
+    (or over a regular one: :func:`~.output_path.check_export_path`), or to standard output (``-``)."""
     split_positionals(args, ["query", "out"], "[PATH] KEY_OR_MM_HASH OUT.safetensors")
     target = resolve_target(args)
     with open_readonly(target) as tier:
@@ -112,11 +114,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"entry {printable(key)} is corrupt ({problem}); not exported. "
                        f"Remove it with: {PROG} purge {shell_arg(target.path)} --key {shell_arg(key)}")
     assert rec is not None and blob is not None
+    what = f"exported {printable(key)} ({rec.dtype} {list(rec.shape)}, {len(blob)} bytes, tensor 'ec')"
+    if args.out == STDOUT:
+        write_binary_out(blob)
+        note(f"{what} to standard output")
+        return ExitCode.OK
     out_path = os.path.abspath(args.out)
+    check_export_path(out_path)
     try:  # a fresh exclusive temporary file, renamed: never follows a symlink
         write_private_file(out_path, blob, output_mode(target))
     except OSError as e:
         raise CLIError(f"cannot write {out_path}: {e.strerror or e}") from None
-    out(f"exported {printable(key)} ({rec.dtype} {list(rec.shape)}, {len(blob)} bytes, tensor 'ec') to {out_path}")
+    out(f"{what} to {out_path}")
     return ExitCode.OK
 

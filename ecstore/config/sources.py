@@ -235,7 +235,10 @@ def load_config(
             ``LMCACHE_EC_*`` variable or override key, or a bad value.
 
     Warns:
-        ConfigWarning: a base YAML key that neither ecstore nor LMCache knows.
+        ConfigWarning: a base YAML key that neither ecstore nor LMCache knows;
+            a base ``remote_url``/``LMCACHE_REMOTE_URL`` of a scheme ecstore
+            speaks (``redis://``...) with no ``ec_remote_url`` (it stays
+            LMCache's: the warning names ``ec_remote_url``).
     """
     env = os.environ if env is None else env
     overrides = {} if overrides is None else overrides
@@ -277,7 +280,31 @@ def load_config(
     sources.update(extra_sources)
     cfg = ECStoreConfig(**values, sources=sources)
     _warn_unused_sizes(cfg, effective)
+    if "remote_url" not in effective:
+        _warn_base_remote_url(layers)
     return cfg
+
+
+def _warn_base_remote_url(layers: Mapping[str, Mapping[str, _Setting]]) -> None:
+    """One ConfigWarning when the shared ``remote_url`` (LMCache's KV-cache
+    remote: never the encoder cache's) names a server ecstore could use
+    (``redis://``...) and no ``ec_remote_url`` is set, naming the key that
+    turns the shared tier on. LMCache's own schemes (``lm://``...) stay quiet."""
+    from ..remote.url import mask_url, supported_scheme
+
+    for level in reversed(_LEVELS):
+        setting = layers[level].get("remote_url")
+        if level in _SHARED_LEVELS and setting is not None:
+            if supported_scheme(setting.value):
+                warnings.warn(
+                    f"{setting.spelled} {short_repr(mask_url(setting.value))} (from {setting.source}) is "
+                    f"LMCache's KV-cache remote: the encoder cache does not use it and has no remote tier; "
+                    f"to share encoder outputs through a Redis/Valkey server, set ec_remote_url "
+                    f"(or LMCACHE_EC_REMOTE_URL)",
+                    ConfigWarning,
+                    stacklevel=3,
+                )
+            return
 
 
 # A size the encoder cache is given on its own levels, and the tier it sizes.

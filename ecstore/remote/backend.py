@@ -94,6 +94,12 @@ class RemoteRefused(ECStoreError):
     """The remote server answered with an error (full, wrong type, auth...)."""
 
 
+class RemoteBadReply(RemoteUnavailable):
+    """The server answered with a reply the command never has (an integer or
+    an array to ``GET``): not a server ecstore can use, counted like one that
+    cannot be reached (the breaker records a failure)."""
+
+
 class RemoteBackend(Protocol):
     """Byte-level operations on one remote store (keys are ``str``)."""
 
@@ -211,8 +217,16 @@ class RedisBackend:
         return RemoteUnavailable(f"{self.description}: {type(e).__name__}: {text}")
 
     def get(self, key: str) -> bytes | None:
+        """The value under ``key`` (None: absent). A reply that is not a bulk
+        string raises :class:`RemoteBadReply` at once: nothing is built from
+        what it holds (``bytes(8000000000)`` from a 14-byte integer reply)."""
         value = self._call(lambda: self.client.get(KEY_PREFIX + key))
-        return None if value is None else bytes(value) if not isinstance(value, bytes) else value
+        if value is None or isinstance(value, bytes):
+            return value
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        raise RemoteBadReply(f"{self.description}: GET answered with {type(value).__name__} reply, "
+                             f"not a string")
 
     def exists(self, key: str) -> bool:
         return bool(self._call(lambda: self.client.exists(KEY_PREFIX + key)))

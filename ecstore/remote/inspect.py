@@ -11,12 +11,20 @@ unreadable, ``verify`` as bad, and ``--delete-bad`` leaves it alone.
 
 The password comes from the URL, else ``LMCACHE_EC_REMOTE_PASSWORD``; it is
 never printed (URLs are shown masked).
+
+A whole command is bounded by a :class:`TimeBound` (``ecstore-dump
+--timeout``): every socket operation inside :func:`bounded` stops at it (a
+server dripping its replies, see :mod:`~ecstore.remote.deadline`), and the
+scans check it at every key (a ``SCAN`` cursor that never comes back to 0).
+Past it, :class:`StoppedEarly` is raised; :func:`verify` returns its result
+so far instead, with ``stopped_early`` set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +34,7 @@ from ..errors import ECStoreError
 from ..key import parse_key
 from . import frame
 from .backend import KEY_PREFIX, RedisBackend, RemoteRefused
+from .deadline import deadline, time_left
 from .url import parse_remote_url, supported_scheme
 
 #: Bytes of each value read by list/stats (frame head + record; more is fetched if needed).
@@ -47,6 +56,46 @@ class RemoteEntryInfo:
     ttl_ms: int | None  # None: no expiry
     error: str | None = None
     namespace: str | None = None  # the encoder identity (None: a value written without one)
+
+
+class StoppedEarly(ECStoreError):
+    """A command's :class:`TimeBound` passed before it finished: what it
+    found so far is incomplete. The message says after how long and why."""
+
+
+@dataclass(frozen=True)
+class TimeBound:
+    """The bound of one whole command: ``seconds`` from ``start`` (monotonic)."""
+
+    seconds: float
+    start: float
+
+    @classmethod
+    def starting_now(cls, seconds: float) -> TimeBound:
+        return cls(seconds, time.monotonic())
+
+    def passed(self) -> bool:
+        return time.monotonic() - self.start >= self.seconds
+
+    def stopped(self, doing: str) -> StoppedEarly:
+        return StoppedEarly(f"stopped after {self.seconds:g} s, the bound of the whole command (--timeout), "
+                            f"{doing}: the results are incomplete")
+
+    def check(self, doing: str) -> None:
+        """Raise :class:`StoppedEarly` if the bound has passed."""
+        if self.passed():
+            raise self.stopped(doing)
+
+
+@contextlib.contextmanager
+def bounded(bound: TimeBound | None) -> Iterator[None]:
+    """Every remote socket operation of this thread inside the block ends at
+    ``bound`` (none: unbounded)."""
+    if bound is None:
+        yield
+        return
+    with deadline(bound.seconds - (time.monotonic() - bound.start)):
+        yield
 
 
 def is_remote(path: object) -> bool:
@@ -86,27 +135,48 @@ def _info(raw_key: bytes, head: bytes, size: int, pttl: int, error: str | None =
                            namespace=rec.namespace)
 
 
-def iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
-    """Every ecstore value on the server (SCAN; a few KiB read per value).
-    A server that cannot be reached or fails raises RemoteUnavailable /
-    RemoteRefused (ECStoreErrors), as every function here does."""
-    with _client_errors(backend):
-        yield from _iter_entries(backend)
+def iter_entries(backend: RedisBackend, bound: TimeBound | None = None) -> Iterator[RemoteEntryInfo]:
+    """Every ecstore value on the server (SCAN; a few KiB read per value),
+    each key once. A server that cannot be reached or fails raises
+    RemoteUnavailable / RemoteRefused (ECStoreErrors), as every function
+    here does; past ``bound``, :class:`StoppedEarly` (after the values
+    yielded so far). Call it inside :func:`bounded` (``bound``)."""
+    with _client_errors(backend, bound, "while scanning the keys"):
+        yield from _iter_entries(backend, bound)
 
 
 @contextlib.contextmanager
-def _client_errors(backend: RedisBackend) -> Iterator[None]:
+def _client_errors(backend: RedisBackend, bound: TimeBound | None = None, doing: str = "") -> Iterator[None]:
     """The redis client's errors inside the block as the ECStoreError they
-    stand for (:meth:`RedisBackend.error_of`); ECStoreErrors pass as they are."""
+    stand for (:meth:`RedisBackend.error_of`); ECStoreErrors pass as they
+    are. Any failure once ``bound`` has passed (a socket operation cut at it)
+    is :class:`StoppedEarly`."""
     try:
         yield
-    except ECStoreError:
+    except StoppedEarly:
         raise
     except Exception as e:  # noqa: BLE001  (the client's errors)
+        left = time_left()
+        if bound is not None and (bound.passed() or (left is not None and left <= 0)):
+            raise bound.stopped(doing) from None
+        if isinstance(e, ECStoreError):
+            raise
         raise backend.error_of(e) from None
 
 
-def _iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
+def _scan(backend: RedisBackend, bound: TimeBound | None, doing: str) -> Iterator[bytes]:
+    """The keys under KEY_PREFIX, each once (SCAN may return a key more
+    than once), checking ``bound`` at each."""
+    seen: set[bytes] = set()
+    for k in backend.client.scan_iter(match=KEY_PREFIX + "*", count=1000):
+        if bound is not None:
+            bound.check(f"{doing} ({len(seen)} keys seen)")
+        if k not in seen:
+            seen.add(k)
+            yield k
+
+
+def _iter_entries(backend: RedisBackend, bound: TimeBound | None) -> Iterator[RemoteEntryInfo]:
     client = backend.client
     batch: list[bytes] = []
 
@@ -133,7 +203,7 @@ def _iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
             yield _info(k, head, size, pttl)
         batch.clear()
 
-    for k in client.scan_iter(match=KEY_PREFIX + "*", count=1000):
+    for k in _scan(backend, bound, "while scanning the keys"):
         batch.append(k)
         if len(batch) >= SCAN_BATCH:
             yield from flush()
@@ -141,10 +211,12 @@ def _iter_entries(backend: RedisBackend) -> Iterator[RemoteEntryInfo]:
         yield from flush()
 
 
-def server_info(backend: RedisBackend) -> dict[str, Any]:
+def server_info(backend: RedisBackend, bound: TimeBound | None = None) -> dict[str, Any]:
     """Memory, eviction policy and eviction counters of the server (INFO)."""
     info: dict[str, Any] = {}
-    with _client_errors(backend):
+    with _client_errors(backend, bound, "while reading the server's INFO"):
+        if bound is not None:
+            bound.check("before reading the server's INFO")
         client = backend.client
         raw = client.info(target_nodes=client.PRIMARIES) if backend.is_cluster else client.info()
     # Every master answers, by node name; one node's answer alone comes flat
@@ -171,21 +243,27 @@ class VerifyResult:
     deleted: int = 0
     vanished: int = 0
     kept: int = 0
+    stopped_early: str | None = None  # why it did not finish (its bound passed); None: it did
 
 
-def verify(backend: RedisBackend, *, delete_bad: bool = False) -> VerifyResult:
+def verify(backend: RedisBackend, *, delete_bad: bool = False, bound: TimeBound | None = None) -> VerifyResult:
     """Read every value in full and check it as the remote tier does
     (:func:`frame.check_value`: framing, record, checksum, header, shape)
     and against its key. A key of another type than a string is bad and
-    never deleted: ecstore did not write it."""
-    with _client_errors(backend):
-        return _verify(backend, delete_bad)
-
-
-def _verify(backend: RedisBackend, delete_bad: bool) -> VerifyResult:
+    never deleted: ecstore did not write it. Past ``bound``: what was found
+    so far, ``stopped_early`` saying so. Call it inside :func:`bounded`."""
     result = VerifyResult(bad=[])
+    try:
+        with _client_errors(backend, bound, "while reading the values"):
+            _verify(backend, delete_bad, bound, result)
+    except StoppedEarly as e:
+        result.stopped_early = str(e)
+    return result
+
+
+def _verify(backend: RedisBackend, delete_bad: bool, bound: TimeBound | None, result: VerifyResult) -> None:
     assert result.bad is not None
-    for k in backend.client.scan_iter(match=KEY_PREFIX + "*", count=1000):
+    for k in _scan(backend, bound, "while reading the values"):
         key = k.decode("utf-8", "replace")[len(KEY_PREFIX):]
         try:
             value = backend.get(key)
@@ -207,7 +285,6 @@ def _verify(backend: RedisBackend, delete_bad: bool) -> VerifyResult:
             result.bad.append({"key": key, "error": str(e)})
             if delete_bad and _delete_if_unchanged(backend, k, key, value):
                 result.deleted += 1
-    return result
 
 
 def _delete_if_unchanged(backend: RedisBackend, raw_key: bytes, key: str, value: bytes) -> bool:

@@ -39,7 +39,7 @@ import torch
 from .. import codec
 from ..codec import CorruptBlobError
 from . import frame
-from .backend import RemoteBackend, RemoteRefused, RemoteUnavailable
+from .backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
 from .breaker import BreakerState, CircuitBreaker, Transition
 from .deadline import deadline
 from .url import redact
@@ -172,6 +172,13 @@ class RemoteTier:
             return False, None
         try:
             result = fn()
+        except RemoteBadReply as e:  # not a server ecstore can use: a failure, and said
+            self._count(errors=1)
+            self._warn_limited("bad reply", "ecstore: remote %s failed: %s", what, e)
+            self._note(self.breaker.record_failure())
+            if on_unavailable is not None:
+                on_unavailable()
+            return False, None
         except RemoteUnavailable as e:
             self._count(errors=1)
             log.debug("ecstore: remote %s failed: %s", what, e)

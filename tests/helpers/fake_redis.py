@@ -10,7 +10,12 @@ and then, by ``mode``:
   that reached it can be counted);
 * ``"drip"``: answers GET with a bulk of ``chunks`` KiB sent one KiB every
   ``gap_s`` seconds (a server, or a link, slower than the timeout while every
-  single read still returns in time) and anything else with ``+OK``.
+  single read still returns in time) and anything else with ``+OK``;
+* ``"reply"``: answers each command named in ``replies`` (upper case) with
+  its raw RESP bytes (e.g. ``{"GET": b":8000000000\r\n"}``: a reply of
+  the wrong type) and anything else with ``+OK``;
+* ``"trickle"``: the same replies, each sent one byte every ``gap_s``
+  seconds (every read returns in time, the whole reply takes long).
 
 ``accepted`` counts connections, ``commands`` the commands received (upper
 case names). Both are final once :meth:`close` returned: it shuts every
@@ -31,9 +36,11 @@ HELLO_REPLY = (b"%3\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.0
 
 
 class FakeRedis:
-    def __init__(self, mode: str, *, chunks: int = 20, gap_s: float = 0.25) -> None:
-        assert mode in ("silent", "drip")
+    def __init__(self, mode: str, *, chunks: int = 20, gap_s: float = 0.25,
+                 replies: dict[str, bytes] | None = None) -> None:
+        assert mode in ("silent", "drip", "reply", "trickle")
         self.mode, self.chunks, self.gap_s = mode, chunks, gap_s
+        self.replies = {k.encode(): v for k, v in (replies or {}).items()}
         self.accepted = 0
         self.commands: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -107,6 +114,12 @@ class FakeRedis:
                     conn.sendall(b"+OK\r\n")
                 elif self.mode == "silent":
                     continue
+                elif self.mode == "reply":
+                    conn.sendall(self.replies.get(name, b"+OK\r\n"))
+                elif self.mode == "trickle":
+                    for i in range(len(reply := self.replies.get(name, b"+OK\r\n"))):
+                        time.sleep(self.gap_s)  # the slowness being simulated, not a synchronisation
+                        conn.sendall(reply[i:i + 1])
                 elif name == b"GET":
                     self._drip(conn)
                 else:
