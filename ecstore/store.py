@@ -203,7 +203,8 @@ class ECStore:
         return self.remote is not None and self.remote.contains(self.key(mm_hash))
 
     @_gated
-    def get(self, mm_hash: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    def get(self, mm_hash: str, device: torch.device | str = "cpu", *,
+            wait_for_room: bool = False) -> torch.Tensor | None:
         """The stored tensor on ``device``, or None on a miss.
 
         A memory-tier hit on the CPU returns the cached tensor itself (no
@@ -211,10 +212,16 @@ class ECStore:
         tensor that nothing else references (the memory tier and a pending
         LMDB write of a remote hit keep their own copy), so the caller may
         modify it. Corrupt entries are misses.
+
+        A remote hit is promoted into LMDB only if the background writer has
+        room at once (never waiting behind another process's write lock);
+        else the promotion is skipped (``remote_promotions_skipped``).
+        ``wait_for_room``: wait for room instead (a thread that may block,
+        e.g. the connector's background fetch).
         """
         name = self.stored_name(mm_hash)
         key = self._key_of(name)
-        hit = self._reads.find(key, name, mm_hash)
+        hit = self._reads.find(key, name, mm_hash, wait_for_room=wait_for_room)
         if hit is None:
             self._counters.miss()
             return None
