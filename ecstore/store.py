@@ -405,7 +405,9 @@ class ECStore:
     def pin_if_present(self, mm_hash: str, ttl_s: float | None = None) -> bool:
         """Lease ``mm_hash`` and return True if the disk tier holds it; a True
         answer guarantees no process evicts it until :meth:`release` (or the
-        lease expires, or this process dies). False: nothing stays leased.
+        lease expires, or this process dies). False: nothing stays leased;
+        also while another process holds the lease file's write lock (stopped
+        inside a lease write, say): a pin never waits for another process.
         Memory-only stores answer :meth:`contains` (nothing to pin)."""
         name = self.stored_name(mm_hash)
         if self.disk is None or self.readonly:
@@ -414,9 +416,13 @@ class ECStore:
                                         self.config.lease_seconds if ttl_s is None else ttl_s)
 
     @_gated
-    def release(self, mm_hashes: list[str]) -> None:
+    def release(self, mm_hashes: list[str], *, wait: bool = True) -> bool:
+        """Drop one lease of this process on each of ``mm_hashes``. True when
+        done; ``wait=False``: False (nothing released) instead of waiting
+        while another process holds the lease file's write lock."""
         if self.disk is not None and not self.readonly:
-            self.disk.release([self.key(h) for h in mm_hashes])
+            return self.disk.release([self.key(h) for h in mm_hashes], wait=wait)
+        return True
 
     # ------------------------------------------------------------------ stats
     @_gated
