@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
@@ -85,3 +87,40 @@ def test_pin_if_present_is_a_miss_while_another_process_is_stopped_in_a_lease_wr
         assert tier.release([key(1)], wait=False)
     finally:
         tier.close()
+
+
+@pytest.mark.vllm
+def test_the_scheduler_step_neither_waits_to_pin_nor_to_release(connectors, tmp_path: Path, no_lmcache_env) -> None:
+    """The vLLM scheduler's step (``has_cache_item``, and the release of pins
+    vLLM did not allocate in ``build_connector_meta``) while another process
+    is stopped inside a lease write: a miss, and the release kept for the
+    next step, which makes it once the lock is free."""
+    from dataclasses import replace
+
+    import torch
+    from helpers import vllm_objects as vo
+
+    from ecstore import ECStore
+
+    store_dir = tmp_path / "ec"
+    sched, _ = connectors("ec_both", {"local_disk": str(store_dir), "max_local_disk_size": 0.01,
+                                      "lease_seconds": 600})
+    side = sched.scheduler_side
+    assert side is not None and side.store is not None and side.store.disk is not None
+    a, b = "a1" * 32, "b2" * 32
+    with ECStore(replace(sched.config, local_cpu=False), model=sched._vllm_config.model_config.model,
+                 dtype=torch.float32, identity=sched.identity) as producer:
+        for i, ident in enumerate((a, b)):
+            assert producer.put(ident, torch.full((vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH), float(i)))
+        producer.flush()
+    key_a = side.store.key(a).encode()
+    assert sched.has_cache_item(a)  # pinned; vLLM does not allocate it this step
+    assert key_a in side.store.disk.leased_keys()
+    with stopped_inside_a_lease_write(store_dir):
+        finished, answer = call_with_hang_guard(lambda: sched.has_cache_item(b))
+        assert finished and answer is False  # a miss, not a wait
+        finished, _ = call_with_hang_guard(lambda: sched.build_connector_meta(vo.SchedulerOutput.make_empty()))
+        assert finished, "the scheduler's step waited to release a lease"
+        assert key_a in side.store.disk.leased_keys()  # not released yet: kept for the next step
+    sched.build_connector_meta(vo.SchedulerOutput.make_empty())  # the next step releases it
+    assert key_a not in side.store.disk.leased_keys()
