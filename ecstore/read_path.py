@@ -80,13 +80,15 @@ class ReadPath:
             return True
         return self.remote is not None and self.remote.contains(key)
 
-    def find(self, key: str, name: str, mm_hash: str) -> Hit | None:
+    def find(self, key: str, name: str, mm_hash: str, *, wait_for_room: bool = False) -> Hit | None:
         """The tensor stored under ``key`` for stored name ``name``, or None.
 
         A memory or pending hit is the tier's own tensor; an LMDB hit is a
         fresh CPU tensor (checked entry; promoted into the memory tier when it
         fits); a remote hit is verified and promoted into memory and, in the
-        background, LMDB. Corrupt entries are misses.
+        background, LMDB: queued only if the writer has room at once (else
+        skipped and counted, see :meth:`Writer.offer`), or, with
+        ``wait_for_room``, once it has. Corrupt entries are misses.
         """
         if self.memory is not None:
             t = self.memory.get(key, name)
@@ -104,13 +106,18 @@ class ReadPath:
         if self.remote is not None:
             entry = self.remote.get(key, name)
             if entry is not None:
-                return Hit(entry.tensor, HitTier.REMOTE, self._promote(key, name, mm_hash, entry.tensor, entry.blob))
+                return Hit(entry.tensor, HitTier.REMOTE, self._promote(
+                    key, name, mm_hash, entry.tensor, entry.blob, wait_for_room))
         return None
 
-    def _promote(self, key: str, name: str, mm_hash: str, t: torch.Tensor, blob: memoryview) -> bool:
+    def _promote(self, key: str, name: str, mm_hash: str, t: torch.Tensor, blob: memoryview,
+                 wait_for_room: bool) -> bool:
         """A verified remote entry (stored name ``name``) into the memory tier
         and (background) LMDB, its blob stored as is; not written back to the
-        remote. True if a tier now holds ``t`` (the memory tier, or the
+        remote. The LMDB write is offered to the writer (skipped when its
+        queue is full: another process holding the write lock must not make
+        a read wait), or submitted (``wait_for_room``). True if a tier now
+        holds ``t`` (the memory tier, or the
         pending LMDB write, whose blob ``t`` views): the caller must then
         hand out a copy, or a change to it would be committed to LMDB under
         a fresh checksum."""
@@ -120,9 +127,12 @@ class ReadPath:
             held = self.memory.put(key, name, t, nbytes)
         if self.writer is not None and self.disk is not None and len(blob) <= self.disk.capacity_bytes \
                 and self.identifier_at(key) in (None, name):
-            self.writer.submit(key, PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8),
-                                               mm_hash=mm_hash))
-            held = True
+            item = PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
+            if wait_for_room:
+                self.writer.submit(key, item)
+                held = True
+            else:
+                held = self.writer.offer(key, item) or held
         return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:

@@ -70,6 +70,7 @@ class StoreStats:
     remote_bytes_read: int = 0
     remote_bytes_written: int = 0
     remote_pending_writes: int = 0
+    remote_promotions_skipped: int = 0  # remote hits not written to LMDB: its write queue was full
 
     @property
     def evictions(self) -> int:
@@ -146,6 +147,7 @@ class Counters:
                 s.write_errors = writer.write_errors
                 s.pending_writes = len(writer.queue) + len(writer.inflight)
                 s.pending_bytes = writer.queued_bytes
+                s.remote_promotions_skipped = writer.offers_refused
         if remote is not None:
             r = remote.stats()
             s.remote_hits, s.remote_misses, s.remote_errors = r.hits, r.misses, r.errors

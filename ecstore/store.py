@@ -204,7 +204,8 @@ class ECStore:
         return self.remote is not None and self.remote.contains(self.key(mm_hash))
 
     @_gated
-    def get(self, mm_hash: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    def get(self, mm_hash: str, device: torch.device | str = "cpu", *,
+            wait_for_room: bool = False) -> torch.Tensor | None:
         """The stored tensor on ``device``, or None on a miss.
 
         A memory-tier hit on the CPU returns the cached tensor itself (no
@@ -213,11 +214,17 @@ class ECStore:
         LMDB write of a remote hit keep their own copy), so the caller may
         modify it. Corrupt entries are misses. A ``device`` tensors cannot be
         placed on in this process is an InvalidEntryError, nothing counted.
+
+        A remote hit is promoted into LMDB only if the background writer has
+        room at once (never waiting behind another process's write lock);
+        else the promotion is skipped (``remote_promotions_skipped``).
+        ``wait_for_room``: wait for room instead (a thread that may block,
+        e.g. the connector's background fetch).
         """
         device = check_device(device)
         name = self.stored_name(mm_hash)
         key = self._key_of(name)
-        hit = self._reads.find(key, name, mm_hash)
+        hit = self._reads.find(key, name, mm_hash, wait_for_room=wait_for_room)
         if hit is None:
             self._counters.miss()
             return None
@@ -403,7 +410,9 @@ class ECStore:
     def pin_if_present(self, mm_hash: str, ttl_s: float | None = None) -> bool:
         """Lease ``mm_hash`` and return True if the disk tier holds it; a True
         answer guarantees no process evicts it until :meth:`release` (or the
-        lease expires, or this process dies). False: nothing stays leased.
+        lease expires, or this process dies). False: nothing stays leased;
+        also while another process holds the lease file's write lock (stopped
+        inside a lease write, say): a pin never waits for another process.
         Memory-only stores answer :meth:`contains` (nothing to pin)."""
         name = self.stored_name(mm_hash)
         if self.disk is None or self.readonly:
@@ -412,10 +421,14 @@ class ECStore:
                                         self.config.lease_seconds if ttl_s is None else ttl_s)
 
     @_gated
-    def release(self, mm_hashes: list[str]) -> None:
+    def release(self, mm_hashes: list[str], *, wait: bool = True) -> bool:
+        """Drop one lease of this process on each of ``mm_hashes``. True when
+        done; ``wait=False``: False (nothing released) instead of waiting
+        while another process holds the lease file's write lock."""
         mm_hashes = check_identifier_list(mm_hashes)
         if self.disk is not None and not self.readonly:
-            self.disk.release([self.key(h) for h in mm_hashes])
+            return self.disk.release([self.key(h) for h in mm_hashes], wait=wait)
+        return True
 
     # ------------------------------------------------------------------ stats
     @_gated

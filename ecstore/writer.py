@@ -153,6 +153,7 @@ class Writer(threading.Thread):
         self.stopping = False
         self.errors: list[BaseException] = []
         self.write_errors = 0  # failed puts since start
+        self.offers_refused = 0  # offers (remote promotions) refused for want of room since start
         self.busy = False
         self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
@@ -194,6 +195,26 @@ class Writer(threading.Thread):
             self.queue[key] = item
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
+
+    def offer(self, key: str, item: PendingPut) -> bool:
+        """Queue ``item`` under ``key`` if that needs no wait: nothing is in
+        line in :meth:`submit` and the bytes not yet written leave room for
+        it (as :meth:`submit` would admit it at once); else, or once
+        :meth:`stop` began, refuse it (False; counted in :attr:`offers_refused`).
+        Never blocks beyond ``cv``: for writes a caller may skip (a remote
+        hit's promotion into LMDB), which must not wait for another
+        process's write lock behind a full queue."""
+        with self.cv:
+            if self.stopping or self.in_line or key in self.queue or (
+                    self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes):
+                self.offers_refused += 1
+                return False
+            self.ticket += 1
+            item.order = item.since = self.last_put_ticket = self.ticket
+            self.queue[key] = item
+            self.queued_bytes += item.nbytes
+            self.cv.notify_all()
+            return True
 
     def add_error(self, error: BaseException) -> None:
         """Record a failed write (any thread); :meth:`take_errors` hands it on."""

@@ -192,7 +192,7 @@ class RemoteFetches:
 
     def _fetch(self, identifier: str) -> str:
         try:
-            if self.store.get(identifier) is None:  # the remote value, verified; promoted (queued)
+            if self.store.get(identifier, wait_for_room=True) is None:  # verified; promoted (queued)
                 return Fetch.FAILED
             self.store.wait_committed()
             if self.verified.check(identifier):

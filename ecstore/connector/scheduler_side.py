@@ -97,6 +97,7 @@ class SchedulerSide:
         # remote tier). Only pinned yeses are ever released: a release drops
         # "one lease of this process", which could otherwise be another load's.
         self._step_hits: dict[str, bool] = {}
+        self._release_later: list[str] = []  # leases a busy lease file kept us from releasing
         self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
         self._producer_allocated: set[str] = set()  # producer-only: allocated this step
         self._req_items: dict[str, list[str]] = {}  # producer-only: req_id -> its item identifiers
@@ -442,10 +443,18 @@ class SchedulerSide:
                     del self._inflight[identifier]
         self._release(release)
 
-    def _release(self, identifiers: list[str]) -> None:
+    def _release(self, identifiers: list[str], *, wait: bool = False) -> None:
+        """Release one lease on each of ``identifiers`` (and on those an
+        earlier call could not release). The scheduler's step never waits
+        for another process's lease write: while one holds the lease file's
+        write lock they are kept for the next call (every step makes one);
+        ``wait`` (shutdown) waits instead."""
+        identifiers = self._release_later + identifiers
+        self._release_later = []
         if self.store is not None and identifiers:
             try:
-                self.store.release(identifiers)
+                if not self.store.release(identifiers, wait=wait):
+                    self._release_later = identifiers
             except ECStoreError as e:
                 log.warning("ecstore: releasing leases failed (they will expire): %s", e)
 
@@ -479,5 +488,5 @@ class SchedulerSide:
         if self.store is not None:
             pending = [i for i, reqs in self._inflight.items() for _ in reqs] + \
                 [i for i, pinned in self._step_hits.items() if pinned]
-            self._release(pending)
+            self._release(pending, wait=True)
             self.store.close()

@@ -20,6 +20,14 @@ conflicts between processes and between handles of one process, and the
 kernel drops it when the process dies. A token whose lock can be taken, or
 whose lock file is gone, is dead: its unreferenced files are garbage.
 
+Directory descriptors: every file operation is made relative to
+descriptors of the store directory and of ``blobs/`` opened with the handle
+(``dir_fd=`` / ``openat``), never by path: a store directory moved (renamed)
+under a running process keeps getting its blob files, next to the
+``data.mdb`` LMDB keeps writing, instead of a new store created at the old
+path receiving them (and sweeping them as a dead writer's leftovers). Paths
+(:attr:`BlobFiles.dir`) only name files in messages and for tooling.
+
 Threads: ``write``/``discard``/``open``/``sync`` may run in several
 threads of one handle (counter and token under a lock); ``close`` must not
 race a ``write`` of the same handle. Processes: any number may ``sweep`` one
@@ -140,11 +148,13 @@ def _write_error(what: str, path: str, e: OSError) -> StoreFullError:
     return StoreFullError(f"cannot write {what} {path}: {reason}")
 
 
-def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str) -> None:
-    """Open ``path`` read-only (plus ``flags``) and ``sync`` it (``os.fsync``
-    or ``os.fdatasync``); StoreFullError naming ``what`` on an OS error."""
+def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, *,
+               name: str | None = None, dir_fd: int | None = None) -> None:
+    """Open ``name`` in directory ``dir_fd`` (else ``path``) read-only (plus
+    ``flags``) and ``sync`` it (``os.fsync`` or ``os.fdatasync``);
+    StoreFullError naming ``what`` and ``path`` on an OS error."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+        fd = os.open(path if name is None else name, os.O_RDONLY | os.O_CLOEXEC | flags, dir_fd=dir_fd)
         try:
             sync(fd)
         finally:
@@ -153,11 +163,12 @@ def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str) ->
         raise _write_error(what, path, e) from None
 
 
-def _unlink(path: str) -> bool:
-    """Remove ``path``: True if this call removed it; gone already: False;
-    any other error is logged (the file stays a leftover), never raised."""
+def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) -> bool:
+    """Remove ``name`` in directory ``dir_fd`` (else ``path``): True if this
+    call removed it; gone already: False; any other error is logged
+    (naming ``path``; the file stays a leftover), never raised."""
     try:
-        os.unlink(path)
+        os.unlink(path if name is None else name, dir_fd=dir_fd)
         return True
     except FileNotFoundError:
         return False
@@ -182,20 +193,58 @@ class BlobFiles:
         self._pid = os.getpid()
         self._logged: set[int] = set()  # errnos open() has logged
         self._store_dir_synced = False  # see sync()
+        self._store_fd: int | None = None  # the store directory, as opened
+        self._dir_fd: int | None = None  # its blobs/ (None: not there yet, read-only handles)
         _LIVE.add(self)
-        if not readonly:
-            self._make_dir()
+        try:
+            self._store_fd = os.open(store_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StoreOpenError(f"cannot open the store directory {store_dir}: {e.strerror or e}") from None
+        try:
+            if not readonly:
+                self._make_dir()
+            self._blobs_fd()
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def _close_fds(self) -> None:
+        for fd in (self._dir_fd, self._store_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._dir_fd = self._store_fd = None
+
+    def _blobs_fd(self) -> int | None:
+        """The descriptor of ``blobs/`` in the store directory as opened (opened
+        on first need: a read-only handle's store may get it later); None
+        while there is none. StoreOpenError if it is not a real directory."""
+        if self._dir_fd is None and self._store_fd is not None:
+            try:
+                self._dir_fd = os.open("blobs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                       dir_fd=self._store_fd)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if e.errno in (errno.ENOTDIR, errno.ELOOP):
+                    raise StoreOpenError(f"{self.dir} is not a directory (a symlink or a file); the store is "
+                                         f"damaged: move it away if you did not put it there") from None
+                raise StoreOpenError(f"cannot open the blob directory {self.dir}: {e.strerror or e}") from None
+        return self._dir_fd
 
     def _make_dir(self) -> None:
         """Create ``blobs/`` with exactly the store's directory mode; an
         existing one must be a real directory (not a symlink)."""
         try:
             try:
-                os.mkdir(self.dir, self._policy.dir_mode)
-                os.chmod(self.dir, self._policy.dir_mode)  # the umask may have removed group bits
+                os.mkdir("blobs", self._policy.dir_mode, dir_fd=self._store_fd)
+                # the umask may have removed group bits
+                os.chmod("blobs", self._policy.dir_mode, dir_fd=self._store_fd)
             except FileExistsError:
                 pass
-            st = os.lstat(self.dir)
+            st = os.lstat("blobs", dir_fd=self._store_fd)
         except OSError as e:
             raise StoreOpenError(f"cannot create the blob directory {self.dir}: {e.strerror or e}") from None
         if not stat.S_ISDIR(st.st_mode):
@@ -203,16 +252,29 @@ class BlobFiles:
                                  f"move it away if you did not put it there")
 
     def _path(self, name: str) -> str:
+        """``name``'s path, for messages only (operations use the descriptors)."""
         return os.path.join(self.dir, name)
 
-    def _new_file(self, path: str, flags: int) -> int:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self._policy.file_mode)
+    def _dirfd(self) -> int:
+        """``blobs/``'s descriptor for an operation; OSError(ENOENT) if none."""
+        fd = self._blobs_fd()
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.dir)
+        return fd
+
+    def _unlink_name(self, name: str) -> bool:
+        fd = self._blobs_fd()
+        return False if fd is None else _unlink(self._path(name), name=name, dir_fd=fd)
+
+    def _new_file(self, name: str, flags: int) -> int:
+        fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self._policy.file_mode,
+                     dir_fd=self._dirfd())
         if self._policy.file_mode & 0o070:
             try:
                 os.fchmod(fd, self._policy.file_mode)  # the umask may have removed group bits
             except OSError:
                 os.close(fd)
-                _unlink(path)
+                self._unlink_name(name)
                 raise
         return fd
 
@@ -242,12 +304,12 @@ class BlobFiles:
             token = secrets.token_hex(8)
             path = self._path(token + ".lock")
             try:
-                fd = self._new_file(path, os.O_RDWR)
+                fd = self._new_file(token + ".lock", os.O_RDWR)
             except OSError as e:
                 raise _write_error("the blob writer lock", path, e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a sweeper about to remove it
-                st, own = os.lstat(path), os.fstat(fd)
+                st, own = os.lstat(token + ".lock", dir_fd=self._dirfd()), os.fstat(fd)
                 if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
                     self._token, self._lock_fd = token, fd
                     return token
@@ -272,7 +334,7 @@ class BlobFiles:
             name = f"{self._take_token()}-{next(self._counter)}.ecb"
         path = self._path(name)
         try:
-            fd = self._new_file(path, os.O_WRONLY)
+            fd = self._new_file(name, os.O_WRONLY)
         except OSError as e:
             raise _write_error("blob file", path, e) from None
         done, size = 0, len(data)
@@ -300,15 +362,25 @@ class BlobFiles:
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
         the files)."""
+        try:
+            dir_fd = self._dirfd()
+        except OSError as e:
+            raise _write_error("the directory", self.dir, e) from None
         for name in names:
-            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file")
+            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file", name=name, dir_fd=dir_fd)
         # The store directory too, once per handle: its entry for blobs/ must
         # be durable before any commit references a file in it (the process
         # that created blobs/ may have died before this, so every handle does
         # it once rather than only the creator).
-        dirs = [self.dir] if self._store_dir_synced else [self.dir, os.path.dirname(self.dir)]
-        for d in dirs:
-            _sync_path(d, os.O_DIRECTORY, os.fsync, "the directory")
+        dirs = [(self.dir, dir_fd)] if self._store_dir_synced else \
+            [(self.dir, dir_fd), (os.path.dirname(self.dir), self._store_fd)]
+        for path, fd in dirs:
+            try:
+                if fd is None:
+                    raise OSError(errno.EBADF, "closed", path)
+                os.fsync(fd)
+            except OSError as e:
+                raise _write_error("the directory", path, e) from None
         self._store_dir_synced = True
 
     def discard(self, names: Iterable[str]) -> None:
@@ -317,7 +389,7 @@ class BlobFiles:
         once this handle closed). Never raises an OSError."""
         for name in names:
             if _NAME.fullmatch(name):
-                _unlink(self._path(name))
+                self._unlink_name(name)
             else:
                 log.warning("ecstore: not discarding %r: not a blob file name", name)
 
@@ -330,7 +402,8 @@ class BlobFiles:
         path = self._path(ref.name)
         try:
             # O_NONBLOCK: a FIFO planted under the name must not block the open
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            return os.open(ref.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                           dir_fd=self._dirfd())
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -348,7 +421,7 @@ class BlobFiles:
         path = self._path(token + ".lock")
         fd = None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(token + ".lock", os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self._dirfd())
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except FileNotFoundError:
             return True
@@ -358,7 +431,7 @@ class BlobFiles:
             if fd is not None:
                 os.close(fd)
             return False
-        _unlink(path)  # under the lock: see the docstring
+        self._unlink_name(token + ".lock")  # under the lock: see the docstring
         os.close(fd)
         return True
 
@@ -373,7 +446,7 @@ class BlobFiles:
             return 0
         check_same_process(self._pid, f"blob files of {self.dir}")
         try:
-            names = os.listdir(self.dir)
+            names = os.listdir(self._dirfd())
         except OSError as e:
             log.warning("ecstore: cannot list blob directory %s: %s", self.dir, e.strerror or e)
             return 0
@@ -390,7 +463,7 @@ class BlobFiles:
         if not garbage:
             return 0
         keep = referenced()
-        return sum(_unlink(self._path(name)) for name in garbage if name not in keep)
+        return sum(self._unlink_name(name) for name in garbage if name not in keep)
 
     def size(self, name: str) -> int | None:
         """Bytes of the blob file ``name``; None if it is not there (or not a
@@ -398,8 +471,8 @@ class BlobFiles:
         if not _NAME.fullmatch(name):
             return None
         try:
-            return os.stat(self._path(name)).st_size
-        except OSError:
+            return os.stat(name, dir_fd=self._dirfd()).st_size
+        except (OSError, ECStoreError):
             return None
 
     def sizes(self) -> dict[str, int]:
@@ -407,8 +480,8 @@ class BlobFiles:
         ``ecstore-dump stats``); empty if there is no directory. Files
         vanishing during the listing are left out."""
         try:
-            names = os.listdir(self.dir)
-        except OSError:
+            names = os.listdir(self._dirfd())
+        except (OSError, ECStoreError):
             return {}
         return {name: size for name in names if (size := self.size(name)) is not None}
 
@@ -419,11 +492,11 @@ class BlobFiles:
         with self._lock:
             self._closed = True
             fd, self._lock_fd = self._lock_fd, None
-            if fd is None:
-                return
-            if os.getpid() == self._pid and self._token is not None:
-                _unlink(self._path(self._token + ".lock"))
-            os.close(fd)
+            if fd is not None:
+                if os.getpid() == self._pid and self._token is not None:
+                    self._unlink_name(self._token + ".lock")
+                os.close(fd)
+            self._close_fds()
 
 
 #: Every BlobFiles of this process: a forked child closes their inherited

@@ -136,8 +136,13 @@ class _SharedEnv:
         """Open leases.mdb (read-write environments only), once."""
         with self._lock:
             if self.leases is None and not self.readonly:
-                self.leases = _open_leases(self.path, self.policy)
-                self.lease_table = LeaseTable(self.leases)
+                leases = _open_leases(self.path, self.policy)
+                try:
+                    self.lease_table = LeaseTable(leases)
+                except BaseException:
+                    leases.close()
+                    raise
+                self.leases = leases
 
     def release(self) -> None:
         with self._lock:
@@ -149,6 +154,8 @@ class _SharedEnv:
         if self.pid == os.getpid():
             self.env.close()
             if self.leases is not None:
+                if self.lease_table is not None:
+                    self.lease_table.close()
                 self.leases.close()
 
 

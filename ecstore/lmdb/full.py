@@ -132,9 +132,10 @@ def wait_for_older_readers(env: lmdb.Environment, deadline: float) -> bool:
         pause = min(pause * 2, 0.05)
 
 
-def space_hint(path: str, need: int) -> str:
+def space_hint(path: str, need: int, files: tuple[str, ...] = ("data.mdb",)) -> str:
     """`` (disk full: ...)`` when the file system of store ``path`` or
-    RLIMIT_FSIZE leaves no room for ``need`` more bytes, else ``""``."""
+    RLIMIT_FSIZE (for any of the store's ``files``) leaves no room for
+    ``need`` more bytes, else ``""``."""
     hints = []
     try:
         free = shutil.disk_usage(path).free
@@ -146,7 +147,7 @@ def space_hint(path: str, need: int) -> str:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        size = os.path.getsize(os.path.join(path, "data.mdb"))
+        size = max(os.path.getsize(p) for p in (os.path.join(path, f) for f in files) if os.path.exists(p))
         if soft != resource.RLIM_INFINITY and size + need > soft:
             hints.append(f"file size limit (RLIMIT_FSIZE) of {soft} bytes reached")
     except (OSError, ImportError, ValueError):

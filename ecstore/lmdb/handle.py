@@ -17,6 +17,7 @@ thread-safe. A handle must not be used across ``fork()`` (ForkedStoreError).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -30,7 +31,7 @@ from ..errors import SchemaError, StoreFullError, StoreOpenError, check_same_pro
 from ..store_files import FilePolicy
 from .blobfiles import BlobFiles
 from .env import MiB, _SharedEnv, map_size_for
-from .full import MapFullRetry
+from .full import MapFullRetry, space_hint
 from .leases import LeaseTable
 from .txn import Dbs, TierCounters, WriteTxn
 
@@ -45,9 +46,26 @@ _T = TypeVar("_T")
 FILE_BLOBS_FROM = MiB // 2
 
 
-def lmdb_store_error(path: str, e: lmdb.Error) -> StoreOpenError:
-    """The StoreOpenError an LMDB error ``e`` on the store at ``path`` is
-    reported as (see :func:`_lmdb_errors_as_store_errors`)."""
+#: What LMDB's message says when a commit could not write its pages for want
+#: of room (py-lmdb raises DiskError or Error with the C library's strerror;
+#: a short write, as at a file size limit, is reported as EIO).
+_NO_ROOM = tuple(os.strerror(n) for n in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT))
+_SHORT_WRITE = os.strerror(errno.EIO)
+
+
+def lmdb_store_error(path: str, e: lmdb.Error) -> StoreOpenError | StoreFullError:
+    """The ECStoreError an LMDB error ``e`` on the store at ``path`` is
+    reported as (see :func:`_lmdb_errors_as_store_errors`): StoreFullError
+    when a write found no room (disk full, a file size limit or quota: the
+    commit was not made, LMDB keeps the last committed state, nothing is
+    damaged), else StoreOpenError (the store may be damaged)."""
+    msg = str(e)
+    no_room = any(t in msg for t in _NO_ROOM)
+    hint = space_hint(path, MiB, ("data.mdb", "leases.mdb")) \
+        if no_room or isinstance(e, lmdb.DiskError) or _SHORT_WRITE in msg else ""
+    if hint or no_room:
+        return StoreFullError(f"disk full while writing to store {path} ({type(e).__name__}: {e}){hint}: "
+                              f"that write was not made and the store is intact; free space on its file system")
     return StoreOpenError(f"LMDB error on store {path} ({type(e).__name__}: {e}); "
                           f"the store may be damaged: check it with ecstore-dump verify")
 

@@ -41,7 +41,19 @@ already cleared, in which case (4) precedes (c) and the entry is visibly
 gone. Either way the pinner never answers True for an entry being evicted.
 
 Threads and processes: every method runs in its own lease-file transaction
-(LMDB serialises writers across processes). One :class:`LeaseTable` exists
+(LMDB serialises writers across processes). Each write transaction is begun
+only under the *lease write lock*: a thread lock of this process, then an
+``flock`` on ``leases.mdb`` (its own descriptor, held until the commit).
+LMDB's own write lock (a mutex in ``leases.mdb-lock``) offers no try or
+timeout, and a process stopped inside a write transaction (SIGSTOP, a
+debugger) held it for as long as it was stopped, making every other
+process's ``pin_if_present`` wait. The flock is taken first by every ecstore
+lease writer, so a held flock says a write transaction is (about to be)
+open; :meth:`LeaseTable.try_lease` (``pin_if_present``) waits at most
+:data:`LEASE_LOCK_WAIT_S` for it and then answers "not leased" (a miss)
+without touching LMDB's lock; the other writes wait as LMDB would. A process
+of an older ecstore (or a plain ``lmdb`` writer) takes no flock: a pin can
+still wait for its transaction. One :class:`LeaseTable` exists
 per lease environment per process (``_SharedEnv.lease_table``); its
 pending-tombstone list is only touched under the data environment's write
 lock (eviction happens in data write transactions), and its prune threshold
@@ -50,11 +62,17 @@ is a plain int (a racing update only moves when the next prune happens).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import struct
+import threading
 import time
+from collections.abc import Callable, Iterator
 
 import lmdb
+
+from ..errors import StoreOpenError
 
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
 #: Lease-file keys under this prefix are eviction tombstones (see the module docstring).
@@ -64,6 +82,11 @@ TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 #: keys than this (and then at twice the live count): leases that are never
 #: released cannot grow the file or the cost of a pin without bound.
 LEASE_PRUNE_MIN = 1024
+#: The longest :meth:`LeaseTable.try_lease` waits for the lease write lock
+#: (seconds) before it gives up: another process's lease transactions last
+#: microseconds (no fsync), so only a stopped or stuck one outlasts it.
+LEASE_LOCK_WAIT_S = 0.02
+_LOCK_POLL_S = 0.0005
 
 
 def _pid_alive(pid: int) -> bool:
@@ -82,29 +105,110 @@ class LeaseTable:
     docstring for the format and the protocol."""
 
     def __init__(self, env: lmdb.Environment) -> None:
+        """Opens a descriptor of ``leases.mdb`` for the lease write lock
+        (StoreOpenError if that fails: no descriptor left, say); call
+        :meth:`close` with the environment."""
         self.env = env
+        path = env.path()
+        try:
+            self._lock_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise StoreOpenError(f"cannot open the lease file {path} to lock it: {e.strerror}") from None
+        self._thread_lock = threading.Lock()
         #: Lease-table size above which lease() prunes dead and expired leases.
         self.prune_at = LEASE_PRUNE_MIN
         #: (key, stamp) of the tombstones this process wrote (mark_evicting)
         #: and has not cleared yet.
         self._tombstones: list[tuple[bytes, bytes]] = []
 
+    def close(self) -> None:
+        """Close the lock descriptor (with the lease environment)."""
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+    def _lock(self, wait: bool) -> bool:
+        """Take the lease write lock (this process's thread lock, then the
+        flock): waiting, or (``wait=False``) polling it for at most
+        :data:`LEASE_LOCK_WAIT_S`; whether it was taken. Release it with
+        :meth:`_unlock`."""
+        if wait:
+            self._thread_lock.acquire()
+        elif not self._thread_lock.acquire(timeout=LEASE_LOCK_WAIT_S):
+            return False
+        try:
+            if wait:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+                return True
+            deadline = time.monotonic() + LEASE_LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return True
+                except BlockingIOError:  # another process's lease write
+                    if time.monotonic() >= deadline:
+                        self._thread_lock.release()
+                        return False
+                    time.sleep(_LOCK_POLL_S)
+        except OSError as e:
+            self._thread_lock.release()
+            raise StoreOpenError(f"cannot lock the lease file {self.env.path()}: {e.strerror}") from None
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def _unlock(self) -> None:
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[lmdb.Transaction]:
+        """``with self._write() as txn``: :meth:`_locked_write` as a block (waits)."""
+        self._lock(True)
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        finally:
+            self._unlock()
+
+    def _locked_write(self, body: Callable[[lmdb.Transaction], None], wait: bool = True) -> bool:
+        """``body(txn)`` in a lease write transaction begun under the lease
+        write lock (committed if it returns, aborted if it raises); False
+        (nothing begun) if ``wait=False`` and the lock stayed held."""
+        if not self._lock(wait):
+            return False
+        try:
+            with self.env.begin(write=True) as txn:
+                body(txn)
+            return True
+        finally:
+            self._unlock()
+
     def lease(self, keys: list[bytes], ttl_s: float, pid: int) -> None:
         """Pin ``keys`` for ``ttl_s`` seconds (or until released, or until
-        process ``pid`` dies)."""
+        process ``pid`` dies); waits for the lease write lock."""
+        self._locked_write(lambda txn: self._lease_in(txn, keys, ttl_s, pid))
+
+    def try_lease(self, keys: list[bytes], ttl_s: float, pid: int) -> bool:
+        """:meth:`lease`, unless another process (or thread) holds the lease
+        write lock for more than :data:`LEASE_LOCK_WAIT_S`: then nothing is
+        leased and the answer is False."""
+        return self._locked_write(lambda txn: self._lease_in(txn, keys, ttl_s, pid), wait=False)
+
+    def _lease_in(self, txn: lmdb.Transaction, keys: list[bytes], ttl_s: float, pid: int) -> None:
         now = time.time_ns()
         expiry = now + int(ttl_s * 1e9)
-        with self.env.begin(write=True) as txn:
-            for k in keys:
-                cur = txn.get(k)
-                # Expired leases of this key go (a pin costs what is live).
-                kept = b"" if cur is None else b"".join(
-                    bytes(cur[i:i + _LEASE.size]) for i in range(0, len(cur) - _LEASE.size + 1, _LEASE.size)
-                    if _LEASE.unpack_from(cur, i)[1] > now)
-                txn.put(k, kept + _LEASE.pack(pid, expiry))
-            if txn.stat()["entries"] > self.prune_at:
-                live = self._prune(txn, now)
-                self.prune_at = max(LEASE_PRUNE_MIN, 2 * live)
+        for k in keys:
+            cur = txn.get(k)
+            # Expired leases of this key go (a pin costs what is live).
+            kept = b"" if cur is None else b"".join(
+                bytes(cur[i:i + _LEASE.size]) for i in range(0, len(cur) - _LEASE.size + 1, _LEASE.size)
+                if _LEASE.unpack_from(cur, i)[1] > now)
+            txn.put(k, kept + _LEASE.pack(pid, expiry))
+        if txn.stat()["entries"] > self.prune_at:
+            live = self._prune(txn, now)
+            self.prune_at = max(LEASE_PRUNE_MIN, 2 * live)
 
     def _prune(self, txn: lmdb.Transaction, now: int) -> int:
         """Drop expired leases and leases of dead processes inside the lease
@@ -134,22 +238,27 @@ class LeaseTable:
             txn.put(k, v)
         return left
 
-    def release(self, keys: list[bytes], pid: int) -> None:
-        """Drop one lease of ``pid`` on each of ``keys``."""
-        with self.env.begin(write=True) as txn:
-            for k in keys:
-                cur = txn.get(k)
-                if cur is None:
-                    continue
-                items = [_LEASE.unpack_from(cur, i) for i in range(0, len(cur), _LEASE.size)]
-                for i, (p, _) in enumerate(items):
-                    if p == pid:
-                        del items[i]
-                        break
-                if items:
-                    txn.put(k, b"".join(_LEASE.pack(*it) for it in items))
-                else:
-                    txn.delete(k)
+    def release(self, keys: list[bytes], pid: int, *, wait: bool = True) -> bool:
+        """Drop one lease of ``pid`` on each of ``keys``. ``wait=False``: as
+        :meth:`try_lease`, give up (False, nothing released) when the lease
+        write lock stays held for :data:`LEASE_LOCK_WAIT_S`."""
+        return self._locked_write(lambda txn: self._release_in(txn, keys, pid), wait=wait)
+
+    @staticmethod
+    def _release_in(txn: lmdb.Transaction, keys: list[bytes], pid: int) -> None:
+        for k in keys:
+            cur = txn.get(k)
+            if cur is None:
+                continue
+            items = [_LEASE.unpack_from(cur, i) for i in range(0, len(cur), _LEASE.size)]
+            for i, (p, _) in enumerate(items):
+                if p == pid:
+                    del items[i]
+                    break
+            if items:
+                txn.put(k, b"".join(_LEASE.pack(*it) for it in items))
+            else:
+                txn.delete(k)
 
     def evicting(self, k: bytes) -> bool:
         """Step (b) of the protocol: whether ``k`` carries a live tombstone."""
@@ -186,7 +295,7 @@ class LeaseTable:
                 else:
                     dead.append((bytes(k), bytes(v)))
         if dead:
-            with self.env.begin(write=True) as txn:
+            with self._write() as txn:
                 for k, v in dead:
                     if txn.get(k) == v:
                         txn.delete(k)
@@ -196,7 +305,7 @@ class LeaseTable:
         """Step (2) of the protocol: tombstones for ``keys``, stamped with
         this process and now; remembered until :meth:`clear_tombstones`."""
         stamp = _LEASE.pack(os.getpid(), time.time_ns())
-        with self.env.begin(write=True) as ltxn:
+        with self._write() as ltxn:
             for k in keys:
                 ltxn.put(_TOMB + k, stamp)
         self._tombstones.extend((k, stamp) for k in keys)
@@ -210,7 +319,7 @@ class LeaseTable:
         with its own, which must stay until that evictor commits."""
         if not self._tombstones:
             return
-        with self.env.begin(write=True) as ltxn:
+        with self._write() as ltxn:
             for k, stamp in self._tombstones:
                 if ltxn.get(_TOMB + k) == stamp:
                     ltxn.delete(_TOMB + k)

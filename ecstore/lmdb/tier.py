@@ -130,13 +130,15 @@ class LMDBTier(TierReads):
         leases.lease([self._k(key) for key in keys], ttl_s, os.getpid() if pid is None else pid)
 
     @_lmdb_errors_as_store_errors
-    def release(self, keys: list[str], pid: int | None = None) -> None:
-        """Drop one lease of ``pid`` on each of ``keys``."""
+    def release(self, keys: list[str], pid: int | None = None, *, wait: bool = True) -> bool:
+        """Drop one lease of ``pid`` on each of ``keys``. ``wait=False``:
+        False (nothing released) instead of waiting for another process's
+        lease write (see :meth:`LeaseTable.release`)."""
         leases = self._leases
         if leases is None or not keys:
-            return
+            return True
         self._check()
-        leases.release([self._k(key) for key in keys], os.getpid() if pid is None else pid)
+        return leases.release([self._k(key) for key in keys], os.getpid() if pid is None else pid, wait=wait)
 
     @_lmdb_errors_as_store_errors
     def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
@@ -144,7 +146,11 @@ class LMDBTier(TierReads):
         a True answer guarantees no process evicts the entry before the lease
         ends: steps (a) lease, (b) tombstone check, (c) entry check of the
         eviction-marker protocol written down in :mod:`ecstore.lmdb.leases`.
-        InvalidEntryError for a ``ttl_s`` outside [0, 86400] s.
+        Never waits for another process's lease write: while one holds the
+        lease write lock (a process stopped inside its transaction, say) for
+        more than :data:`~ecstore.lmdb.leases.LEASE_LOCK_WAIT_S`, the answer
+        is False (a miss; nothing leased). InvalidEntryError for a ``ttl_s``
+        outside [0, 86400] s.
         """
         ttl_s = _check_ttl(ttl_s)
         if not self.contains(key, identifier):
@@ -155,7 +161,9 @@ class LMDBTier(TierReads):
         leases = self._leases
         if leases is None:
             return True
-        self.lease([key], ttl_s)
+        self._check()
+        if not leases.try_lease([self._k(key)], ttl_s, os.getpid()):
+            return False
         if leases.evicting(self._k(key)) or not self.contains(key, identifier):
             self.release([key])
             return False

@@ -134,3 +134,34 @@ def ops_on_damaged_store(path: str, ident: str) -> list[str]:
     except ECStoreError as e:
         out.append(f"close: {type(e).__name__}")
     return out
+
+
+def lease_until_full(path: str, limit_headroom: int | None) -> dict:
+    """Store one entry, then lease ever more keys until a lease fails.
+
+    ``limit_headroom``: cap every file's growth (``leases.mdb``'s included)
+    with RLIMIT_FSIZE at the lease file's size plus this (SIGXFSZ ignored:
+    writes fail with EFBIG); None: the file system itself fills up (a small
+    tmpfs, filled by a filler file first). Returns the error (type, message)
+    and whether the entry still read back in this handle."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    s = open_store(path, cap=8 * MiB)
+    s.put("kept", blob_tensor(1, 4))
+    s.flush()
+    if limit_headroom is not None:
+        size = os.path.getsize(os.path.join(path, "leases.mdb"))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + limit_headroom, resource.RLIM_INFINITY))
+    else:
+        with contextlib.suppress(OSError), open(os.path.join(os.path.dirname(path), "filler"), "wb") as f:
+            while True:
+                f.write(bytes(1 << 16))
+                f.flush()
+    error: tuple[str, str] | None = None
+    try:
+        for r in range(2000):
+            s.lease([f"key-{r}-{i}" for i in range(256)], 600)
+    except Exception as e:  # noqa: BLE001 - reported: the test checks its type
+        error = (type(e).__name__, str(e))
+    readable = s.get("kept") is not None
+    s.close()
+    return {"error": error, "readable": readable}

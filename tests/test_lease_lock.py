@@ -1,0 +1,126 @@
+"""A process stopped inside a lease write transaction never makes another
+process's ``pin_if_present`` (the vLLM scheduler's step) wait.
+
+The other process is real (``helpers/lease_txn_stopper.py``): it begins a
+lease write transaction through the tier's own code, says so, and stops
+itself (SIGSTOP); this process waits until the kernel reports it stopped
+(``waitpid(WUNTRACED)``), so the interleaving is fixed, not timed. LMDB's
+own write lock has no try or timeout: a pin used to wait until SIGCONT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from ecstore.key import make_key
+from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.testing import faults as fc
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+CAP = 64 << 20
+
+
+def key(idx: int) -> str:
+    return make_key(fc.MODEL, f"{idx:016x}", "bfloat16")
+
+
+def name(idx: int) -> str:
+    return f"{0:032x}/img-{idx}"
+
+
+@contextmanager
+def stopped_inside_a_lease_write(path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A real process stopped inside a lease write transaction of ``path``'s
+    store for the duration of the block; continued and reaped after."""
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "lease_txn_stopper.py"), str(path), str(CAP), key(99)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "inside"
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        yield proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.strip() == "leased"
+
+
+def call_with_hang_guard(fn):
+    """``fn()`` on a thread, joined with a generous hang guard (it needs
+    microseconds): (finished, result)."""
+    result: list[object] = []
+    t = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    return (not t.is_alive()), (result[0] if result else None)
+
+
+def test_pin_if_present_is_a_miss_while_another_process_is_stopped_in_a_lease_write(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    tier = LMDBTier(str(path), CAP)
+    try:
+        tier.write_batch([PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, 4))])
+        assert tier.pin_if_present(key(1), name(1), 60)  # a free lease file: pinned as before
+        tier.release([key(1)])
+        with stopped_inside_a_lease_write(path) as other:
+            finished, answer = call_with_hang_guard(lambda: tier.pin_if_present(key(1), name(1), 60))
+            assert finished, "pin_if_present waited for a stopped process's lease write"
+            assert answer is False  # a miss: the item is computed
+            finished, released = call_with_hang_guard(lambda: tier.release([key(1)], wait=False))
+            assert finished and released is False
+            assert other.poll() is None  # still stopped in its transaction all along
+        # Continued (it committed its lease and exited): nothing of ours was
+        # left leased by the miss, and pins work again.
+        assert tier._leases is not None
+        assert tier._leases.leased_keys() == set()
+        assert tier.pin_if_present(key(1), name(1), 60)
+        assert tier.release([key(1)], wait=False)
+    finally:
+        tier.close()
+
+
+@pytest.mark.vllm
+def test_the_scheduler_step_neither_waits_to_pin_nor_to_release(connectors, tmp_path: Path, no_lmcache_env) -> None:
+    """The vLLM scheduler's step (``has_cache_item``, and the release of pins
+    vLLM did not allocate in ``build_connector_meta``) while another process
+    is stopped inside a lease write: a miss, and the release kept for the
+    next step, which makes it once the lock is free."""
+    from dataclasses import replace
+
+    import torch
+    from helpers import vllm_objects as vo
+
+    from ecstore import ECStore
+
+    store_dir = tmp_path / "ec"
+    sched, _ = connectors("ec_both", {"local_disk": str(store_dir), "max_local_disk_size": 0.01,
+                                      "lease_seconds": 600})
+    side = sched.scheduler_side
+    assert side is not None and side.store is not None and side.store.disk is not None
+    a, b = "a1" * 32, "b2" * 32
+    with ECStore(replace(sched.config, local_cpu=False), model=sched._vllm_config.model_config.model,
+                 dtype=torch.float32, identity=sched.identity) as producer:
+        for i, ident in enumerate((a, b)):
+            assert producer.put(ident, torch.full((vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH), float(i)))
+        producer.flush()
+    key_a = side.store.key(a).encode()
+    assert sched.has_cache_item(a)  # pinned; vLLM does not allocate it this step
+    assert key_a in side.store.disk.leased_keys()
+    with stopped_inside_a_lease_write(store_dir):
+        finished, answer = call_with_hang_guard(lambda: sched.has_cache_item(b))
+        assert finished and answer is False  # a miss, not a wait
+        finished, _ = call_with_hang_guard(lambda: sched.build_connector_meta(vo.SchedulerOutput.make_empty()))
+        assert finished, "the scheduler's step waited to release a lease"
+        assert key_a in side.store.disk.leased_keys()  # not released yet: kept for the next step
+    sched.build_connector_meta(vo.SchedulerOutput.make_empty())  # the next step releases it
+    assert key_a not in side.store.disk.leased_keys()
