@@ -107,6 +107,14 @@ def no_lmcache_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # Remote tier tests (tests/test_remote*.py): a real redis-server
 # ---------------------------------------------------------------------------
 
+#: ``remote_timeout_seconds`` of the tests whose remote is a healthy real
+#: server (seconds). The default 0.5 s bounds a call as a whole, connecting
+#: included: on this busy 2-core machine a TLS cluster's first write (its
+#: client's set-up: TLS contexts, CLUSTER SLOTS, COMMAND) took 0.5-0.7 s and
+#: was dropped. Tests of the timeout itself set their own.
+HEALTHY_REMOTE_TIMEOUT_S = 30.0
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     """A real redis-server on 127.0.0.1 (free port, own temp dir), killed afterwards."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import HEALTHY_REMOTE_TIMEOUT_S
 from helpers import vllm_objects as vo
 
 from ecstore import ECStore
@@ -80,7 +81,8 @@ def test_remote_yes_releases_no_lease_it_never_took(connectors, tmp_path: Path,
     lease of this process" on r1's report dropped r2's pin, leaving r2's
     pending load open to eviction by any process."""
     sched, worker = connectors("ec_both", {"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01,
-                                           "lease_seconds": 600, "remote_url": redis_server.url})
+                                           "lease_seconds": 600, "remote_url": redis_server.url,
+                                           "remote_timeout_seconds": HEALTHY_REMOTE_TIMEOUT_S})
     with other_node(sched, tmp_path) as node:
         assert node.put(A, embedding(1))
         node.wait_committed()
@@ -114,7 +116,8 @@ def test_unallocated_remote_yes_releases_no_lease(connectors, tmp_path: Path, re
     let go at the step's end: that must not drop a pin some other pending
     load of the same entry holds."""
     sched, worker = connectors("ec_both", {"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01,
-                                           "lease_seconds": 600, "remote_url": redis_server.url})
+                                           "lease_seconds": 600, "remote_url": redis_server.url,
+                                           "remote_timeout_seconds": HEALTHY_REMOTE_TIMEOUT_S})
     with other_node(sched, tmp_path) as node:
         assert node.put(A, embedding(1))
         node.wait_committed()
@@ -138,5 +141,6 @@ def test_overlong_client_uuid_with_a_remote_is_a_miss(connectors, tmp_path: Path
     uuid = "u" * 5000
     for extra in ({"local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.01},
                   {"local_cpu": True, "max_local_cpu_size": 0.01}):
-        sched, _ = connectors("ec_both", {**extra, "share_client_uuids": True, "remote_url": redis_server.url})
+        sched, _ = connectors("ec_both", {**extra, "share_client_uuids": True, "remote_url": redis_server.url,
+                                              "remote_timeout_seconds": HEALTHY_REMOTE_TIMEOUT_S})
         assert sched.has_cache_item(uuid) is False

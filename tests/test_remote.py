@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gib
+from conftest import HEALTHY_REMOTE_TIMEOUT_S, gib
 from ecstore.testing.redis_server import RedisServer
 from helpers.tensors import make_tensor, same_tensor
 
@@ -45,7 +45,9 @@ class FakeClock:
 
 
 def cfg(tmp_path: Path, name: str, url: str | None, **kw) -> ECStoreConfig:
+    """A store's config; ``remote_timeout_seconds`` is HEALTHY_REMOTE_TIMEOUT_S unless given."""
     disk = None if name is None else str(tmp_path / name)
+    kw.setdefault("remote_timeout_seconds", HEALTHY_REMOTE_TIMEOUT_S)
     return ECStoreConfig(local_disk=disk, max_local_disk_size=gib(64 << 20) if disk else 0,
                          remote_url=url, **kw)
 
@@ -443,11 +445,12 @@ def test_password_protected_server_and_no_password_in_logs_or_config(
             assert a.stats().remote_puts == 1
         # The password from the environment instead of the URL.
         bare = server.url.replace(f":{SECRET}@", "")
-        c = ECStoreConfig(remote_url=bare, remote_password=SECRET)
+        c = ECStoreConfig(remote_url=bare, remote_password=SECRET, remote_timeout_seconds=HEALTHY_REMOTE_TIMEOUT_S)
         with ECStore(c, model=MODEL, dtype=DTYPE) as b:
             assert same_tensor(b.get("p"), t)
         # A wrong password: a miss, logged without any password.
-        wrong = ECStoreConfig(remote_url=server.url.replace(SECRET, "wrong-" + SECRET[::-1]))
+        wrong = ECStoreConfig(remote_url=server.url.replace(SECRET, "wrong-" + SECRET[::-1]),
+                              remote_timeout_seconds=HEALTHY_REMOTE_TIMEOUT_S)
         with ECStore(wrong, model=MODEL, dtype=DTYPE) as w:
             assert w.get("p") is None
             assert w.stats().remote_errors == 1
@@ -693,8 +696,7 @@ def test_cluster_down_at_open_is_misses_then_used_once_back(tmp_path: Path) -> N
             n.kill()
         clock = FakeClock()
         t = make_tensor(16, rows=16, cols=64)
-        with open_store(tmp_path, "a", f"redis+cluster://127.0.0.1:{nodes[0].port}", clock=clock,
-                        remote_timeout_seconds=2) as a:
+        with open_store(tmp_path, "a", f"redis+cluster://127.0.0.1:{nodes[0].port}", clock=clock) as a:
             assert a.get("img") is None and not a.remote_contains("img")
             assert a.put("img", t)
             a.flush()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HEALTHY_REMOTE_TIMEOUT_S
 from helpers import vllm_objects as vo
 from helpers.connector_store import open_store
 from helpers.scheduler_engine import SHAPE, encoder_output
@@ -32,7 +33,8 @@ def _no_outside_config(no_lmcache_env):
 
 
 def node(tmp_path: Path, name: str, url: str) -> dict:
-    return {"local_disk": str(tmp_path / name), "max_local_disk_size": 0.01, "remote_url": url}
+    return {"local_disk": str(tmp_path / name), "max_local_disk_size": 0.01, "remote_url": url,
+            "remote_timeout_seconds": HEALTHY_REMOTE_TIMEOUT_S}
 
 
 def test_node_b_loads_what_node_a_computed(tiny_model_dir, tmp_path, redis_server, engines):

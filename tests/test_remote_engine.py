@@ -18,6 +18,7 @@ import pytest
 import torch
 import xxhash
 
+from conftest import HEALTHY_REMOTE_TIMEOUT_S
 from helpers.engine_proc import engine_env, run_engine
 from ecstore import blob_read
 from ecstore.remote import frame
@@ -44,7 +45,7 @@ def run(model_dir: Path, out_dir: Path, name: str, extra: dict | None, role: str
 def test_engine_b_on_another_node_loads_engine_a_outputs_from_redis(tiny_model_dir, tmp_path, redis_server):
     def node(name: str) -> dict:
         return {"local_disk": str(tmp_path / name), "max_local_disk_size": 0.01,
-                "remote_url": redis_server.url}
+                "remote_url": redis_server.url, "remote_timeout_seconds": HEALTHY_REMOTE_TIMEOUT_S}
 
     a = run(tiny_model_dir, tmp_path, "a", node("a"), role="ec_producer")
     assert a["errors"] == {}
