@@ -82,6 +82,18 @@ def tiny_qwen3_vl_dir() -> Path:
     return _tiny_qwen_dir("qwen3_vl")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir() -> Path:
+    """Tiny Qwen2-Audio (audio)."""
+    return _tiny_qwen_dir("qwen2_audio")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_omni_dir() -> Path:
+    """Tiny Qwen2.5-Omni thinker (image, video, audio, video with its audio)."""
+    return _tiny_qwen_dir("qwen2_5_omni")
+
+
 @pytest.fixture
 def no_lmcache_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Remove every ``LMCACHE_*`` variable (config file, ``LMCACHE_EC_*``...)

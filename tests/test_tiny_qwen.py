@@ -15,7 +15,7 @@ from ecstore.testing import tiny_qwen
 from ecstore.testing.tiny_spec import MARKER_NAME
 
 
-@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl", "qwen2_audio", "qwen2_5_omni"])
 def built(request):
     return request.param, request.getfixturevalue(f"tiny_{request.param}_dir")
 
@@ -37,9 +37,13 @@ def test_placeholders_are_single_special_tokens_of_the_tokenizer(built):
 
     name, d = built
     tok = AutoTokenizer.from_pretrained(str(d))
-    ids = tok(tiny_qwen.prompt(name, ["image", "video"]))["input_ids"]
+    modalities = list(tiny_qwen.PLACEHOLDERS[name])
+    ids = tok(tiny_qwen.prompt(name, modalities))["input_ids"]
     config = json.loads((d / "config.json").read_text())
-    assert ids.count(config["image_token_id"]) == 1 and ids.count(config["video_token_id"]) == 1
+    config = config.get("thinker_config", config)
+    for modality in modalities:
+        token_id = config.get(f"{modality}_token_id", config.get(f"{modality}_token_index"))
+        assert ids.count(token_id) == 1, (modality, ids)
     for token in tiny_qwen.QWEN_SPECIAL_TOKENS:
         assert tok.convert_tokens_to_ids(token) == tiny_qwen.QWEN_SPECIAL_TOKENS.index(token)
 
