@@ -2,6 +2,9 @@
 
 * :mod:`ecstore.testing.tiny_model` -- builds a tiny random-weight BLIP-2 (no
   download) and the engine settings that run it on a CPU.
+* :mod:`ecstore.testing.tiny_qwen` -- the same for tiny Qwen2.5-VL, Qwen3-VL,
+  Qwen2-Audio and the Qwen2.5-Omni thinker, with their prompts and image,
+  video, mp4 and audio inputs.
 * :mod:`ecstore.testing.faults` -- content as a function of an id, a full
   consistency audit of a store, forkserver workers that can be SIGKILLed.
 * :mod:`ecstore.testing.stress_crash`, :mod:`ecstore.testing.stress_concurrency`

@@ -3,9 +3,10 @@ and the tiny BLIP-2 (config, weights, processor, marker).
 
 :func:`build_tiny_blip2` is the BLIP-2 entry point (re-exported by
 :mod:`ecstore.testing.tiny_model`); :func:`build_cached` and
-:func:`train_tokenizer` are shared with :mod:`ecstore.testing.tiny_qwen`. Builds are serialised per directory with a
-file lock and made visible atomically (files moved in, marker written last),
-so concurrent processes may call it.
+:func:`train_tokenizer` are shared with :mod:`ecstore.testing.tiny_qwen`.
+Builds are serialised per directory with a file lock and made visible
+atomically (files moved in, marker written last), so concurrent processes
+may call them.
 """
 
 from __future__ import annotations
