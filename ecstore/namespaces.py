@@ -97,3 +97,31 @@ def summarize(records: Iterable[Record | None], descriptions: dict[str, bytes]) 
 def short(namespace: str | None) -> str:
     """How tables show a namespace: 12 hex digits, or ``none``."""
     return LEGACY if namespace is None else namespace[:12]
+
+
+@dataclass(frozen=True)
+class SettingDiff:
+    """One setting whose value differs between two identity descriptions
+    (``path`` dotted, e.g. ``settings.model_config.multimodal_config.mm_processor_kwargs``;
+    a value absent on one side is None there)."""
+
+    path: str
+    mine: Any
+    theirs: Any
+
+
+def differences(mine: dict[str, Any], theirs: dict[str, Any], *, limit: int = 20) -> list[SettingDiff]:
+    """The leaves in which two identity descriptions (``EncoderIdentity.describe``)
+    differ, sorted by path; nested dicts (the HF config's sub-configs) are
+    compared key by key. At most ``limit`` (the first ones by path)."""
+    out: list[SettingDiff] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+        elif a != b:
+            out.append(SettingDiff(path, a, b))
+
+    walk(mine, theirs, "")
+    return out[:limit]

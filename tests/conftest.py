@@ -151,6 +151,18 @@ def connectors(tiny_model_dir: Path):
     created by vLLM's factory from a real VllmConfig of the tiny model
     (``role``: ec_producer / ec_consumer / ec_both; ``extra``: the
     connector's extra config); every connector made is shut down afterwards."""
+    yield from _connectors(tiny_model_dir)
+
+
+@pytest.fixture
+def qwen_connectors(tiny_qwen2_5_vl_dir: Path):
+    """``connectors`` of the tiny Qwen2.5-VL: the model whose metadata-only
+    items (an EPD consumer's) the doubles come from
+    (``vo.make_request(..., inputs=False)``)."""
+    yield from _connectors(tiny_qwen2_5_vl_dir)
+
+
+def _connectors(model_dir: Path):
     from helpers import vllm_objects as vo
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
@@ -160,7 +172,7 @@ def connectors(tiny_model_dir: Path):
     made: list[ECStoreConnector] = []
 
     def make(role: str, extra: dict) -> tuple[ECStoreConnector, ECStoreConnector]:
-        cfg = vo.vllm_config(tiny_model_dir, role, extra)
+        cfg = vo.vllm_config(model_dir, role, extra)
         sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
         worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
         made.extend([sched, worker])

@@ -132,14 +132,14 @@ def test_an_item_vllm_can_encode_again_is_encoded_when_its_entry_is_corrupt(tiny
 
 
 def test_a_corrupt_entry_of_an_item_vllm_cannot_encode_fails_its_request_before_any_token(
-        tiny_model_dir, disk_extra, engines):
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
     """An item vLLM holds no inputs for (an EPD consumer's metadata-only
     request) whose entry is corrupt: the scheduler verifies such entries
     before it says yes, so the request is failed before it is scheduled,
     instead of running on a zero stand-in (a failed load is reported to
     vLLM only after the step's tokens: a request ending in that step used
     to end normally, on zeros). The corrupt entry is dropped."""
-    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", disk_extra))
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
@@ -189,20 +189,20 @@ def test_with_tensor_parallelism_a_corrupt_entry_is_a_miss_and_encoded_not_a_sta
 
 
 def test_an_item_vllm_cannot_encode_and_nobody_stored_fails_its_request_not_the_engine(
-        tiny_model_dir, disk_extra, engines):
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
     """A metadata-only item the store does not hold (never stored, or
     evicted before the request came): vLLM would schedule it for encoding,
     have nothing to encode and stop the engine ("Encoder cache miss"). The
     request is failed instead, before any token; other requests go on."""
-    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", disk_extra))
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=2, inputs=False))
-    eng.scheduler.add_request(vo.make_request("r2", [B], max_tokens=2))
+    eng.scheduler.add_request(vo.make_request("r2", [B], model=vo.QWEN2_5_VL, max_tokens=2))
     eng.run()
     assert eng.finished == {"r1": FinishReason.ERROR, "r2": FinishReason.LENGTH}
 
 
 def test_after_vllm_resets_its_encoder_cache_a_lost_item_vllm_cannot_encode_fails_its_request(
-        tiny_model_dir, disk_extra, engines):
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
     """The scheduler side trusts vLLM's encoder cache for items it allocated
     and vLLM did not free; vLLM's reset_encoder_cache (weights updated)
     frees without telling. The worker reports the loaded entries gone from
@@ -210,7 +210,7 @@ def test_after_vllm_resets_its_encoder_cache_a_lost_item_vllm_cannot_encode_fail
     lost is failed before any token instead of stopping the engine ("Encoder
     cache miss"). (Within the one step before that report reaches the
     scheduler, the old answer stands: see correctness.md.)"""
-    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", disk_extra))
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
@@ -222,7 +222,8 @@ def test_after_vllm_resets_its_encoder_cache_a_lost_item_vllm_cannot_encode_fail
     with open_store(eng.connector) as st:  # the store lost A meanwhile
         assert st.delete(A)
         st.flush()
-    eng.scheduler.add_request(vo.make_request("r1", [B], max_tokens=1))  # a step: the worker reports
+    eng.scheduler.add_request(vo.make_request("r1", [B], model=vo.QWEN2_5_VL, max_tokens=1))  # a step: the worker
+    # reports
     eng.run()
     eng.scheduler.add_request(vo.make_request("r2", [A], max_tokens=1, inputs=False))
     eng.run()
@@ -230,24 +231,28 @@ def test_after_vllm_resets_its_encoder_cache_a_lost_item_vllm_cannot_encode_fail
 
 
 def test_an_entry_damaged_after_it_was_verified_fails_its_request_and_its_stand_in_is_never_served(
-        tiny_model_dir, disk_extra, engines):
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
     """The last resort: an entry the scheduler verified earlier goes bad
     before a load of an item vLLM cannot encode. The worker's zero stand-in
     keeps the step alive and the Scheduler fails the request
     (FinishReason.ERROR). vLLM's encoder cache keeps the stand-in under A;
     a later request for A must fail too rather than be served zeros, until
     vLLM evicts A - then A is looked up afresh."""
-    # max_num_batched_tokens=64: vLLM's encoder cache holds two images.
-    cfg = vo.vllm_config(tiny_model_dir, "ec_both", dict(disk_extra, local_cpu=False), max_num_batched_tokens=64)
+    # max_num_batched_tokens=64: vLLM's encoder cache holds a few images
+    # (the model's largest item sizes it: 3 of these); as many others push A out.
+    cfg = vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", dict(disk_extra, local_cpu=False),
+                         max_num_batched_tokens=64)
     eng = engines(cfg)
-    assert eng.scheduler.encoder_cache_manager.cache_size == 2 * vo.EMBEDS_PER_IMAGE
+    fits = eng.scheduler.encoder_cache_manager.cache_size // vo.EMBEDS_PER_IMAGE
+    assert fits >= 2
+    others = [f"{c}" * 64 for c in "cdef"[:fits]]
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
     eng.scheduler.add_request(vo.make_request("r0", [A], max_tokens=1, inputs=False))
     eng.run()  # loaded: the scheduler verified A
-    eng.scheduler.add_request(vo.make_request("r3", [C]))
-    eng.scheduler.add_request(vo.make_request("r4", [D]))
+    for i, other in enumerate(others):
+        eng.scheduler.add_request(vo.make_request(f"r3.{i}", [other], model=vo.QWEN2_5_VL))
     freed = [h for o in eng.run() for h in o.free_encoder_mm_hashes]
     assert A in freed and A not in eng.encoder_cache
     damage_blob(eng.connector, A)  # after the verification, record unchanged
@@ -259,18 +264,18 @@ def test_an_entry_damaged_after_it_was_verified_fails_its_request_and_its_stand_
     eng.step()
     assert eng.finished["r1"] == FinishReason.ERROR
 
-    eng.scheduler.add_request(vo.make_request("r2", [A]))
+    eng.scheduler.add_request(vo.make_request("r2", [A], model=vo.QWEN2_5_VL))
     out = eng.step()
     assert "r2" not in out.num_scheduled_tokens  # never runs on the stand-in
     assert eng.finished["r2"] == FinishReason.ERROR
 
-    # Two other images push A out of vLLM's encoder cache.
-    eng.scheduler.add_request(vo.make_request("r5", [C]))
-    eng.scheduler.add_request(vo.make_request("r6", [D]))
+    # Other images push A out of vLLM's encoder cache.
+    for i, other in enumerate(others):
+        eng.scheduler.add_request(vo.make_request(f"r5.{i}", [other], model=vo.QWEN2_5_VL))
     freed = [h for o in eng.run() for h in o.free_encoder_mm_hashes]
     assert A in freed and A not in eng.encoder_cache
 
-    eng.scheduler.add_request(vo.make_request("r7", [A]))
+    eng.scheduler.add_request(vo.make_request("r7", [A], model=vo.QWEN2_5_VL))
     out = eng.step()
     assert out.scheduled_encoder_inputs == {"r7": [0]}  # corrupt entry was dropped: computed
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))
@@ -280,10 +285,10 @@ def test_an_entry_damaged_after_it_was_verified_fails_its_request_and_its_stand_
     eng.worker.worker_side.store.flush()
     with open_store(eng.connector) as st:  # a good copy replaced the corrupt one
         assert torch.equal(st.get(A), encoder_output(A))
-    assert leased(eng.connector, A, C, D) == set()
+    assert leased(eng.connector, A, *others) == set()
 
 
-def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_model_dir, disk_extra, engines):
+def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_qwen2_5_vl_dir, disk_extra, engines):
     """r3 loaded a good copy of A and decodes (A is in its KV cache; vLLM
     no longer needs A for it, and evicts it). Then r6's load of A fails
     (the entry went bad after the scheduler verified it; neither request
@@ -291,8 +296,9 @@ def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_mode
     the stand-in under A; r3 must go on. ensure_cache_available failed every
     request with A among its items, so a healthy decoding request was
     failed too."""
-    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", dict(disk_extra, local_cpu=False),
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", dict(disk_extra, local_cpu=False),
                                  max_num_batched_tokens=64))
+    fits = eng.scheduler.encoder_cache_manager.cache_size // vo.EMBEDS_PER_IMAGE  # images it holds
     with open_store(eng.connector) as st:
         st.put(A, encoder_output(A))
         st.flush()
@@ -300,8 +306,8 @@ def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_mode
     out = eng.step()
     assert [s.req_id for s in out.ec_connector_metadata.loads] == ["r3"]
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))
-    eng.scheduler.add_request(vo.make_request("r4", [C], max_tokens=1))
-    eng.scheduler.add_request(vo.make_request("r5", [D], max_tokens=1))
+    for i, other in enumerate(f"{c}" * 64 for c in "cdef"[:fits]):  # push A out
+        eng.scheduler.add_request(vo.make_request(f"r4.{i}", [other], model=vo.QWEN2_5_VL, max_tokens=1))
     freed = [h for _ in range(4) for h in eng.step().free_encoder_mm_hashes]
     assert A in freed and "r3" not in eng.finished
     with open_store(eng.connector) as st:  # A's stored entry goes bad

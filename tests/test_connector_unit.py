@@ -129,10 +129,10 @@ def test_role_flags(connectors, disk_extra, role, producer, consumer):
     assert worker.worker_side is not None and worker.scheduler_side is None
 
 
-def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
+def test_both_loads_present_and_saves_computed(qwen_connectors, disk_extra, caplog):
     """The whole cycle for ec_both: the present item is announced, leased,
     loaded bit-exact and released; the absent one is computed and saved."""
-    sched, worker = connectors("ec_both", disk_extra)
+    sched, worker = qwen_connectors("ec_both", disk_extra)
     t_a, t_b = embedding(1), embedding(2)
     seed_store(sched, {A: t_a})
     caplog.clear()
@@ -145,7 +145,8 @@ def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
     sched.update_state_after_alloc(req, 1)
     meta = sched.build_connector_meta(empty_output())
     assert isinstance(meta, ECStoreConnectorMetadata)
-    assert meta.loads == [LoadSpec("r1", A, vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH, index=0)]
+    assert meta.loads == [LoadSpec("r1", A, vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH, index=0,
+                                   stored_width=vo.EMBED_WIDTH, modality="image")]
 
     cache: dict[str, torch.Tensor] = {}
     wm = worker_step(worker, meta, cache, computed={B: t_b})
@@ -174,8 +175,8 @@ def test_both_loads_present_and_saves_computed(connectors, disk_extra, caplog):
         assert torch.equal(st.get(B), t_b)
 
 
-def test_metadata_is_picklable_and_reset(connectors, disk_extra):
-    sched, worker = connectors("ec_both", disk_extra)
+def test_metadata_is_picklable_and_reset(qwen_connectors, disk_extra):
+    sched, worker = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     req = vo.make_request("r1", [A], inputs=False)
     assert sched.has_cache_item(A)
@@ -204,11 +205,11 @@ def test_worker_meta_aggregates_across_ranks():
     assert ECStoreWorkerMetadata().is_empty() and not agg.is_empty()
 
 
-def test_computed_items_are_not_announced(connectors, disk_extra):
+def test_computed_items_are_not_announced(qwen_connectors, disk_extra):
     """update_state_after_alloc announces only items has_cache_item said yes
     to; an item present in the store that vLLM computes anyway (it never
     asked, or asked before the entry existed) is not loaded on top."""
-    sched, _ = connectors("ec_both", disk_extra)
+    sched, _ = qwen_connectors("ec_both", disk_extra)
     req = vo.make_request("r1", [A, B], inputs=False)
     assert sched.has_cache_item(A) is False  # absent at lookup time
     seed_store(sched, {A: embedding(1), B: embedding(2)})  # appears meanwhile
@@ -233,12 +234,12 @@ def test_unallocated_yes_is_released(connectors, disk_extra):
     assert leased(sched, A) == set()
 
 
-def test_producer_never_loads(connectors, disk_extra, caplog):
+def test_producer_never_loads(qwen_connectors, disk_extra, caplog):
     """ec_producer (encode-only): has_cache_item answers from the store, so
     vLLM does not run the encoder for a present item; nothing is announced,
     leased or loaded. (It used to answer no: a present image was encoded
     again and the save skipped.)"""
-    sched, worker = connectors("ec_producer", disk_extra)
+    sched, worker = qwen_connectors("ec_producer", disk_extra)
     t_a = embedding(1)
     seed_store(sched, {A: t_a})
     before = snapshot(sched)
@@ -276,8 +277,8 @@ def test_producer_never_loads(connectors, disk_extra, caplog):
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["empty-store", "existing-store"])
-def test_consumer_never_writes(connectors, disk_extra, caplog, seeded):
-    sched, worker = connectors("ec_consumer", disk_extra)
+def test_consumer_never_writes(qwen_connectors, disk_extra, caplog, seeded):
+    sched, worker = qwen_connectors("ec_consumer", disk_extra)
     t_a = embedding(1)
     if seeded:
         seed_store(sched, {A: t_a})
@@ -304,8 +305,8 @@ def test_consumer_never_writes(connectors, disk_extra, caplog, seeded):
 
 
 # --------------------------------------------------------------------------- leases
-def test_aborted_request_releases_its_lease(connectors, disk_extra):
-    sched, _ = connectors("ec_both", disk_extra)
+def test_aborted_request_releases_its_lease(qwen_connectors, disk_extra):
+    sched, _ = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     r1, r2 = vo.make_request("r1", [A], inputs=False), vo.make_request("r2", [A], inputs=False)
     assert sched.has_cache_item(A)
@@ -330,11 +331,11 @@ def test_aborted_request_releases_its_lease(connectors, disk_extra):
     assert leased(sched, A) == set()
 
 
-def test_each_announced_load_holds_its_own_lease(connectors, disk_extra):
+def test_each_announced_load_holds_its_own_lease(qwen_connectors, disk_extra):
     """With async scheduling vLLM schedules step N+1 before step N's output
     arrives: r2's load of A may be announced before r1's is reported. r1's
     report must not drop the pin r2's pending load relies on."""
-    sched, worker = connectors("ec_both", disk_extra)
+    sched, worker = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     assert sched.has_cache_item(A)
     sched.update_state_after_alloc(vo.make_request("r1", [A], inputs=False), 0)
@@ -388,8 +389,8 @@ def test_unreadable_record_is_dropped_so_the_item_can_be_stored_again(connectors
     assert sched.has_cache_item(A) is True
 
 
-def test_shutdown_releases_pending_leases(connectors, disk_extra):
-    sched, _ = connectors("ec_both", disk_extra)
+def test_shutdown_releases_pending_leases(qwen_connectors, disk_extra):
+    sched, _ = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1), B: embedding(2)})
     assert sched.has_cache_item(A) and sched.has_cache_item(B)
     sched.update_state_after_alloc(vo.make_request("r1", [A], inputs=False), 0)
@@ -400,12 +401,12 @@ def test_shutdown_releases_pending_leases(connectors, disk_extra):
 
 # --------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("damage", ["corrupt-blob", "wrong-shape"])
-def test_unloadable_entry_gets_stand_in_and_fails_request(connectors, disk_extra, caplog, damage):
+def test_unloadable_entry_gets_stand_in_and_fails_request(qwen_connectors, disk_extra, caplog, damage):
     """An announced entry that cannot be loaded: the worker inserts a zero
     stand-in (vLLM would crash with "Encoder cache miss" otherwise), the
     scheduler side fails the request through take_unavailable_requests, and
     later requests are not served the stand-in from vLLM's encoder cache."""
-    sched, worker = connectors("ec_both", disk_extra)
+    sched, worker = qwen_connectors("ec_both", disk_extra)
     if damage == "corrupt-blob":
         seed_store(sched, {A: embedding(1)})
         damage_blob(sched, A)
@@ -436,19 +437,19 @@ def test_unloadable_entry_gets_stand_in_and_fails_request(connectors, disk_extra
     r2 = vo.make_request("r2", [A], inputs=False)
     assert sched.ensure_cache_available(r2, 0) is False
     assert sched.take_unavailable_requests() == {"r2"}
-    assert sched.ensure_cache_available(vo.make_request("r3", [B]), 0) is True
+    assert sched.ensure_cache_available(vo.make_request("r3", [B], model=vo.QWEN2_5_VL), 0) is True
     # Once vLLM frees A (free_encoder_mm_hashes), A is looked up afresh.
     sched.build_connector_meta(empty_output(free_encoder_mm_hashes=[A]))
-    assert sched.ensure_cache_available(vo.make_request("r4", [A]), 0) is True
+    assert sched.ensure_cache_available(vo.make_request("r4", [A], model=vo.QWEN2_5_VL), 0) is True
     if damage == "corrupt-blob":
         assert sched.has_cache_item(A) is False  # the corrupt entry was dropped
 
 
-def test_stand_in_gone_from_vllms_cache_unblocks_the_item(connectors, disk_extra):
+def test_stand_in_gone_from_vllms_cache_unblocks_the_item(qwen_connectors, disk_extra):
     """vLLM can drop the stand-in without listing it in free_encoder_mm_hashes
     (``reset_encoder_cache`` clears scheduler and runner caches): the worker
     notices it is gone and reports it, and the item is usable again."""
-    sched, worker = connectors("ec_both", disk_extra)
+    sched, worker = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     damage_blob(sched, A)
     assert sched.has_cache_item(A)
@@ -460,23 +461,23 @@ def test_stand_in_gone_from_vllms_cache_unblocks_the_item(connectors, disk_extra
 
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), cache)
     assert wm is None  # stand-in still in vLLM's cache: nothing to report
-    assert sched.ensure_cache_available(vo.make_request("r2", [A]), 0) is False
+    assert sched.ensure_cache_available(vo.make_request("r2", [A], model=vo.QWEN2_5_VL), 0) is False
     cache.clear()  # what the model runner's reset_encoder_cache does
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), cache)
     assert wm.cleared == [A]
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
     assert sched.take_unavailable_requests() == {"r2"}
-    assert sched.ensure_cache_available(vo.make_request("r3", [A]), 0) is True
+    assert sched.ensure_cache_available(vo.make_request("r3", [A], model=vo.QWEN2_5_VL), 0) is True
     assert sched.take_unavailable_requests() == set()
 
 
 # --------------------------------------------------------------------------- memory only
-def test_memory_only_mirror_limbo_and_acks(connectors):
+def test_memory_only_mirror_limbo_and_acks(qwen_connectors):
     """No local_disk: entries live in the worker's memory tier; the scheduler
     mirrors the worker's saved/evicted reports. An entry evicted after a
     load was announced stays loadable (limbo) until the scheduler acks."""
     extra = {"local_disk": None, "local_cpu": True, "max_local_cpu_size": gib(2 * NBYTES)}
-    sched, worker = connectors("ec_both", extra)
+    sched, worker = qwen_connectors("ec_both", extra)
     assert sched.config.local_disk is None and worker.worker_side.store.disk is None
     t_a, t_b, t_c = embedding(1), embedding(2), embedding(3)
     assert sched.has_cache_item(A) is False
@@ -638,11 +639,11 @@ def test_console_logging_handler_is_attached_once(monkeypatch):
         logger.propagate = saved[2]
 
 
-def test_consumer_only_trusts_the_stored_width(connectors, disk_extra):
+def test_consumer_only_trusts_the_stored_width(qwen_connectors, disk_extra):
     """A consumer-only instance has no measured encoder output width (vLLM
     measures it on producers only): the load keeps the stored width and
     checks rows and dtype; a row-count mismatch still fails the request."""
-    sched, worker = connectors("ec_consumer", disk_extra)
+    sched, worker = qwen_connectors("ec_consumer", disk_extra)
     wide = embedding(1, (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH * 3))  # e.g. deepstack outputs
     short = embedding(2, (vo.EMBEDS_PER_IMAGE // 2, vo.EMBED_WIDTH))
     seed_store(sched, {A: wide, B: short})
@@ -660,13 +661,13 @@ def test_consumer_only_trusts_the_stored_width(connectors, disk_extra):
     assert tuple(cache[B].shape) == (vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH)  # stand-in, LM width
 
 
-def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs_it(connectors, disk_extra):
+def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs_it(qwen_connectors, disk_extra):
     """vLLM asked about A for a request with inputs (no verification needed:
     the worker can encode A again) and did not allocate it; a metadata-only
     request for A in the same step must not reuse that unverified yes for a
     corrupt entry (its load would fail onto a zero stand-in): A is verified,
     dropped, and that request failed before any token."""
-    sched, _ = connectors("ec_both", disk_extra)
+    sched, _ = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     damage_blob(sched, A)
     assert sched.has_cache_item(A)  # the request with inputs (then not allocated)
@@ -674,3 +675,34 @@ def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs
     assert "r2" in sched.scheduler_side.take_unavailable_requests()
     assert leased(sched, A) == set()
 
+
+
+def test_a_consumers_stand_in_is_as_wide_as_the_stored_entry(tiny_qwen3_vl_dir, disk_extra):
+    """Qwen3-VL's deepstack packs 3 levels on the last dimension: its encoder
+    output is 384 wide, its language model 128. A consumer-only instance has
+    no measured width, and the stand-in of a load that fails after the yes
+    took the LM's hidden size: the model's split of what it reads into
+    3 x 128 raised and the engine died. The stand-in now takes the entry's
+    width from its record (read at the yes)."""
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    cfg = vo.vllm_config(tiny_qwen3_vl_dir, "ec_consumer", disk_extra)
+    sched = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER)
+    worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+    try:
+        wide = vo.PRODUCER_WIDTHS["qwen3_vl"]["image"]
+        assert wide == 3 * cfg.model_config.get_inputs_embeds_size()
+        seed_store(sched, {A: embedding(1, (vo.EMBEDS_PER_IMAGE, wide))})
+        req = vo.make_request("r1", [A], inputs=False, model="qwen3_vl")
+        assert sched.has_cache_item(A)
+        damage_blob(sched, A)  # after the yes: the load fails
+        sched.update_state_after_alloc(req, 0)
+        meta = sched.build_connector_meta(empty_output())
+        assert [(s.width, s.stored_width) for s in meta.loads] == [(None, wide)]
+        cache: dict[str, torch.Tensor] = {}
+        wm = worker_step(worker, meta, cache)
+        assert [f[:2] for f in wm.failed] == [("r1", A)]
+        assert tuple(cache[A].shape) == (vo.EMBEDS_PER_IMAGE, wide) and not cache[A].any()
+    finally:
+        sched.shutdown()
+        worker.shutdown()

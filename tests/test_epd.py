@@ -410,3 +410,42 @@ def test_encode_only_producer_reports_its_remote_writes(tiny_model_dir, disk_ext
         assert eng.ec_stats.get("remote_bytes_written", 0) > 0
     finally:
         eng.close()
+
+
+def _pair(model_dir, role: str, extra: dict, **overrides) -> tuple[ECStoreConnector, ECStoreConnector]:
+    cfg = vo.vllm_config(model_dir, role, extra, **overrides)
+    return (ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.SCHEDULER),
+            ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER))
+
+
+def test_instances_configured_differently_share_rounding_only_settings_and_tell_why_not_the_rest(
+        tiny_qwen2_5_vl_dir, disk_extra, caplog):
+    """EPD between instances started with other settings, on one store. An
+    encoder instance with --mm-encoder-tp-mode data (rounding only) shares
+    with its PD instance. One with another server-level processor setting
+    (do_normalize=false: another encoder input, so another output) does not:
+    the consumer's miss then says once which settings differ, from the two
+    identities the store's namespaces table holds. (Qwen2.5-VL: its encoder
+    runs data-parallel; BLIP-2's falls back to weights.)"""
+    prod, _ = _pair(tiny_qwen2_5_vl_dir, "ec_producer", disk_extra, mm_encoder_tp_mode="data")
+    other, _ = _pair(tiny_qwen2_5_vl_dir, "ec_producer", disk_extra, mm_processor_kwargs={"do_normalize": False})
+    cons, _ = _pair(tiny_qwen2_5_vl_dir, "ec_consumer", disk_extra)
+    try:
+        assert prod._vllm_config.model_config.multimodal_config.mm_encoder_tp_mode == "data"
+        assert prod.identity.namespace == cons.identity.namespace != other.identity.namespace
+        seed(prod, {A: encoder_output(A)})
+        seed(other, {B: encoder_output(B)})
+        caplog.clear()
+        assert cons.has_cache_item(A) is True  # rounding-only difference: shared
+        assert cons.has_cache_item(B) is False  # stored under the other identity only
+        assert cons.has_cache_item(B) is False
+        assert cons.has_cache_item(C) is False  # nobody stored C: nothing to tell
+        told = [r.getMessage() for r in caplog.records if "another encoder identity" in r.getMessage()]
+        assert len(told) == 1, told  # once
+        assert B in told[0] and other.identity.namespace[:12] in told[0]
+        assert ("settings.model_config.multimodal_config.mm_processor_kwargs: None here, "
+                "{'do_normalize': False} there") in told[0]
+        assert "tp_mode" not in told[0]
+    finally:
+        for conn in (prod, other, cons):
+            conn.shutdown()

@@ -11,6 +11,7 @@ from helpers import vllm_objects as vo
 
 from ecstore.connector.vllm_identity import (
     ENCODER_SETTINGS,
+    ROUNDING_ONLY_SETTINGS,
     encoder_identity,
     is_content_hash,
     is_per_process,
@@ -39,8 +40,6 @@ def test_roles_and_lm_only_settings_share_the_identity(tiny_model_dir):
     ("mm_processor_kwargs", {"do_normalize": False}),
     ("media_io_kwargs", {"image": {"mode": "L"}}),
     ("mm_encoder_attn_dtype", "fp8"),
-    ("mm_encoder_tp_mode", "data"),
-    ("mm_device_do_normalize", "toggle"),
     ("video_pruning_rate", 0.5),
     ("mm_hasher_algorithm", "sha256"),
 ])
@@ -51,6 +50,24 @@ def test_encoder_settings_change_the_identity(tiny_model_dir, path, value):
     setattr(mm, path, (not getattr(mm, path)) if value == "toggle" else value)
     assert ns(changed) != ns(cfg)
     assert f"model_config.multimodal_config.{path}" in {s.path for s in ENCODER_SETTINGS}
+
+
+@pytest.mark.parametrize("path,value", [
+    ("mm_encoder_tp_mode", "data"),
+    ("mm_device_do_normalize", "toggle"),
+    ("mm_encoder_attn_backend", "FLASH_ATTN"),
+])
+def test_rounding_only_settings_share_the_identity(tiny_model_dir, path, value):
+    """An encoder instance started with these (EPD: E with --mm-encoder-tp-mode data,
+    PD without) computes the same function another way: it shares entries."""
+    cfg = vo.vllm_config(tiny_model_dir, "ec_both", {})
+    changed = copy.deepcopy(cfg)
+    mm = changed.model_config.multimodal_config
+    setattr(mm, path, (not getattr(mm, path)) if value == "toggle" else value)
+    assert getattr(mm, path) != getattr(cfg.model_config.multimodal_config, path)
+    assert ns(changed) == ns(cfg)
+    assert f"model_config.multimodal_config.{path}" in {s.path for s in ROUNDING_ONLY_SETTINGS}
+    assert f"model_config.multimodal_config.{path}" not in {s.path for s in ENCODER_SETTINGS}
 
 
 def test_hf_config_revision_and_lora_change_the_identity(tiny_model_dir):

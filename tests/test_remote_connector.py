@@ -50,7 +50,8 @@ def test_node_b_loads_what_node_a_computed(tiny_model_dir, tmp_path, redis_serve
     b.scheduler.add_request(vo.make_request("b1", [A]))
     out = b.step()
     assert out.scheduled_encoder_inputs == {}  # B never ran its encoder
-    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=True)]
+    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=True,
+                                                                 modality="image")]  # a remote yes: no record read
     assert torch.equal(b.encoder_cache[A], encoder_output(A))  # bit-exact from A
     b.run()
     assert b.finished == {"b1": FinishReason.LENGTH}
@@ -63,7 +64,7 @@ def test_node_b_loads_what_node_a_computed(tiny_model_dir, tmp_path, redis_serve
 
 
 def test_an_item_node_b_cannot_encode_is_fetched_verified_and_pinned_before_the_yes(
-        tiny_model_dir, tmp_path, redis_server, engines):
+        tiny_qwen2_5_vl_dir, tmp_path, redis_server, engines):
     """A metadata-only request on node B (an EPD consumer: vLLM holds no
     inputs to encode the item) for an entry only the remote holds: a remote
     yes holds no lease, and the remote may lose the value before the
@@ -71,17 +72,18 @@ def test_an_item_node_b_cannot_encode_is_fetched_verified_and_pinned_before_the_
     fetches and verifies it first, commits it to B's LMDB and pins it there;
     the worker loads the pinned local entry. Without a remote copy the
     request is failed before any token."""
-    a = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
-    a.scheduler.add_request(vo.make_request("a1", [A]))
+    a = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
+    a.scheduler.add_request(vo.make_request("a1", [A], model=vo.QWEN2_5_VL))
     a.run()
     a.worker.worker_side.store.flush()
-    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
+    b = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
     b.scheduler.add_request(vo.make_request("b1", [A], max_tokens=1, inputs=False))
     out = b.step()
     assert "b1" not in out.num_scheduled_tokens  # deferred while A is fetched (off the scheduler thread)
     assert b.connector.scheduler_side._fetches.wait_idle(60)
     out = b.step()
-    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=False)]
+    assert out.ec_connector_metadata.loads == [LoadSpec("b1", A, *SHAPE, index=0, recomputable=False,
+                                                                 stored_width=SHAPE[1], modality="image")]
     assert torch.equal(b.encoder_cache[A], encoder_output(A))
     b.run()
     assert b.finished == {"b1": FinishReason.LENGTH}
@@ -139,17 +141,17 @@ def test_password_of_the_remote_never_reaches_the_logs(tiny_model_dir, tmp_path,
 
 
 def test_a_remote_entry_the_local_store_cannot_take_is_loaded_from_the_remote(
-        tiny_model_dir, tmp_path, redis_server, engines):
+        tiny_qwen2_5_vl_dir, tmp_path, redis_server, engines):
     """Node B's local disk is smaller than A's entry: the fetched, verified
     entry cannot be committed and pinned there. The metadata-only request is
     then served as before the fetch existed (an unpinned remote yes, the
     worker loads from the remote), not failed."""
-    a = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
-    a.scheduler.add_request(vo.make_request("a1", [A]))
+    a = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
+    a.scheduler.add_request(vo.make_request("a1", [A], model=vo.QWEN2_5_VL))
     a.run()
     a.worker.worker_side.store.flush()
     tiny = dict(node(tmp_path, "b", redis_server.url), max_local_disk_size=0.00001)  # ~10 KiB < A's 16 KiB
-    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", tiny))
+    b = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", tiny))
     b.scheduler.add_request(vo.make_request("b1", [A], max_tokens=1, inputs=False))
     b.step()
     assert b.connector.scheduler_side._fetches.wait_idle(60)
@@ -159,7 +161,7 @@ def test_a_remote_entry_the_local_store_cannot_take_is_loaded_from_the_remote(
 
 
 def test_the_remote_fetch_never_holds_the_scheduler_while_another_process_writes(
-        tiny_model_dir, tmp_path, redis_server, connectors):
+        tiny_qwen2_5_vl_dir, tmp_path, redis_server, qwen_connectors):
     """docs/disaggregation.md: a PD instance never waits for the store's
     write lock. Fetching a remote entry into the local store needs a commit;
     while another process (an encoder instance committing) holds the lock,
@@ -170,12 +172,12 @@ def test_the_remote_fetch_never_holds_the_scheduler_while_another_process_writes
     import threading
 
     src = node(tmp_path, "src", redis_server.url)
-    s_src, _ = connectors("ec_both", src)
+    s_src, _ = qwen_connectors("ec_both", src)
     with open_store(s_src) as st:
         st.put(A, encoder_output(A))
         st.flush()
     pd = node(tmp_path, "pd", redis_server.url)
-    sched, _ = connectors("ec_consumer", pd)
+    sched, _ = qwen_connectors("ec_consumer", pd)
     helper = Path(__file__).parent / "helpers" / "lmdb_lock_holder.py"
     holder = subprocess.Popen([sys.executable, str(helper), pd["local_disk"]],
                               text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -217,14 +219,14 @@ def _foreign_value_under_a(tmp_path, redis_server, connectors):
 
 
 def test_a_fetch_that_fails_fails_its_request_instead_of_deferring_it_forever(
-        tiny_model_dir, tmp_path, redis_server, connectors):
+        tiny_qwen2_5_vl_dir, tmp_path, redis_server, qwen_connectors):
     """The remote answers "yes" for A (EXISTS) but its value belongs to
     another identifier (kept there on purpose: a foreign value), so every
     fetch fails. has_cache_item restarted the failed fetch at every step
     and the request was deferred forever, the value downloaded again each
     time; now the request is failed once its fetch failed."""
-    _foreign_value_under_a(tmp_path, redis_server, connectors)
-    sched, _ = connectors("ec_consumer", node(tmp_path, "pd", redis_server.url))
+    _foreign_value_under_a(tmp_path, redis_server, qwen_connectors)
+    sched, _ = qwen_connectors("ec_consumer", node(tmp_path, "pd", redis_server.url))
     side = sched.scheduler_side
     answers = []
     for _ in range(3):
@@ -309,17 +311,17 @@ def test_with_tensor_parallelism_a_failed_fetch_is_tried_again_later(
 
 
 def test_a_fetch_that_ends_before_its_request_looks_defers_it_not_fails_it(
-        tiny_model_dir, tmp_path, redis_server, engines):
+        tiny_qwen2_5_vl_dir, tmp_path, redis_server, engines):
     """A fast fetch can bring the entry into the local store before
     ensure_cache_available looks at it: the request must wait for the next
     step (which pins the local copy), not be failed because the fetch is no
     longer "running". Forced here: the fetch is waited for right after it
     starts."""
-    a = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
-    a.scheduler.add_request(vo.make_request("a1", [A]))
+    a = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", node(tmp_path, "a", redis_server.url)))
+    a.scheduler.add_request(vo.make_request("a1", [A], model=vo.QWEN2_5_VL))
     a.run()
     a.worker.worker_side.store.flush()
-    b = engines(vo.vllm_config(tiny_model_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
+    b = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", node(tmp_path, "b", redis_server.url)))
     fetches = b.connector.scheduler_side._fetches
     real_start = fetches.start
 

@@ -24,8 +24,16 @@ class LoadSpec:
     #: the item's index in the request's mm_features (what vLLM schedules the encoder by)
     index: int = -1
     #: the worker can run the encoder for it in this very step if the load
-    #: fails (vLLM holds the item's processed inputs); else a stand-in + failure
+    #: fails (vLLM holds the inputs its encoder reads: ``features.EncoderInputs``);
+    #: else a stand-in + failure
     recomputable: bool = False
+    #: the width the stored entry's record gave when the scheduler said yes
+    #: (None: not read, e.g. memory-only or a remote yes). A stand-in takes
+    #: ``width`` or this: an encoder's output can be wider than the LM's
+    #: hidden size (Qwen3-VL's deepstack), and a stand-in of the wrong width
+    #: makes the model's split raise
+    stored_width: int | None = None
+    modality: str = ""  # the item's modality ("image", "video", "audio")
 
 
 @dataclass

@@ -68,6 +68,8 @@ from ..errors import ECStoreError
 from ..identity import EncoderIdentity
 from ..store import ECStore
 from .availability import Fetch, RemoteFetches, VerifiedEntries, placeholder_computed
+from .features import EncoderInputs
+from .foreign import ForeignNamespaces
 from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from .shared_stats import SharedCounters, record_path
 from .stats import ECStoreConnectorStats, remote_deltas
@@ -126,15 +128,21 @@ class SchedulerSide:
         # inputs: items without that are verified before a yes (see
         # ensure_cache_available).
         self._can_recompute = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1
+        self._inputs = EncoderInputs(vllm_config.model_config)  # "processed inputs": what the encoder reads
         self._verify_first: set[str] = set()  # this step: verify before a yes
         self._verified = VerifiedEntries(self.store) if self.store is not None else None
         self._step_verified: set[str] = set()  # this step: yeses that passed that check
+        # this step: the stored width of each local yes (its record, read by
+        # _fits): a stand-in's width on an instance where vLLM measured none
+        self._step_widths: dict[str, int] = {}
         # Remote-only entries of such items: fetched into the local store
         # (verified, then pinned like any local entry) off this thread.
         self._fetches = RemoteFetches(self.store, self._verified) if (
             self.store is not None and self._verified is not None and self.store.remote is not None
             and self.store.disk is not None) else None
         self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
+        self._foreign = ForeignNamespaces(self.store) if (
+            is_consumer and self.store is not None and self.store.disk is not None) else None
         self._rejected_logged: set[str] = set()
         self._uuid_warned = False
         self.stats = ECStoreConnectorStats()
@@ -200,6 +208,8 @@ class SchedulerSide:
                 self.stats.add("remote_lookup_hits")
         if found:
             self._step_hits[identifier] = pinned  # a remote yes holds no lease
+        elif self._foreign is not None:
+            self._foreign.on_miss(identifier)  # held under another identity? logged once
         return found
 
     def _kept_out(self, identifier: str) -> bool:
@@ -239,6 +249,8 @@ class SchedulerSide:
                 log.warning("ecstore: entry %s has shape %s but the request expects %s rows%s: "
                             "not loaded, the encoder runs instead", identifier, shape, rows,
                             f" of width {sorted(widths)}" if widths else "")
+        else:
+            self._step_widths[identifier] = int(shape[1])
         return ok
 
     def _producer_has(self, identifier: str) -> bool:
@@ -278,7 +290,9 @@ class SchedulerSide:
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
                                         self._width(feature.modality), index=index,
-                                        recomputable=getattr(feature, "data", None) is not None))
+                                        recomputable=self._inputs.at_hand(feature),
+                                        stored_width=self._step_widths.get(identifier),
+                                        modality=feature.modality))
             if pinned:  # its report (or the request's end) releases the lease
                 self._inflight[identifier].add(request.request_id)
             self.stats.add("hits")
@@ -323,7 +337,7 @@ class SchedulerSide:
         # from its encoder cache and stop the engine).
         deferred = False
         for feature in pending:
-            has_inputs = getattr(feature, "data", None) is not None
+            has_inputs = self._inputs.at_hand(feature)
             if self._can_recompute and has_inputs:
                 continue
             identifier = feature.identifier
@@ -369,6 +383,7 @@ class SchedulerSide:
         self._producer_hits.clear()
         self._verify_first.clear()
         self._step_verified.clear()
+        self._step_widths.clear()
         freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
         self._vllm_holds.difference_update(freed)
         if self._poisoned:

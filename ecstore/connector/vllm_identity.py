@@ -2,7 +2,8 @@
 
 :func:`encoder_identity` gathers every ``VllmConfig`` setting of vLLM 0.32
 that changes what the encoder produces for a given item (the list and the
-reason for each is in :data:`ENCODER_SETTINGS` and docs/correctness.md),
+reason for each is in :data:`ENCODER_SETTINGS` and docs/correctness.md; those
+that change only its rounding, :data:`ROUNDING_ONLY_SETTINGS`, are left out),
 plus a fingerprint of the weights, into an
 :class:`~ecstore.identity.EncoderIdentity`. The scheduler process and every
 worker compute it from the same config and files, so they agree.
@@ -50,18 +51,31 @@ ENCODER_SETTINGS: tuple[EncoderSetting, ...] = (
                    "and mm_processor_device folded into them)"),
     EncoderSetting("model_config.multimodal_config.media_io_kwargs", "media decoding (e.g. video num_frames)"),
     EncoderSetting("model_config.multimodal_config.mm_hasher_algorithm", "how items are hashed into identifiers"),
-    EncoderSetting("model_config.multimodal_config.mm_encoder_attn_backend", "encoder attention kernels"),
     EncoderSetting("model_config.multimodal_config.mm_encoder_attn_dtype", "fp8 encoder attention"),
     EncoderSetting("model_config.multimodal_config.mm_encoder_fp8_scale_path",
                    "static fp8 scales (the file's content is hashed too)"),
-    EncoderSetting("model_config.multimodal_config.mm_encoder_tp_mode", "weights- vs data-parallel encoder"),
-    EncoderSetting("model_config.multimodal_config.mm_device_do_normalize",
-                   "normalisation on the device instead of in the processor"),
     EncoderSetting("model_config.multimodal_config.video_pruning_rate", "video token pruning"),
     EncoderSetting("model_config.multimodal_config.video_pruning_method", "video token pruning algorithm"),
     EncoderSetting("load_config.load_format", "dummy weights, or another loader"),
     EncoderSetting("lora_config.enable_tower_connector_lora", "LoRA applied to the vision tower/connector"),
     EncoderSetting("lora_config.default_mm_loras", "LoRA adapters applied per modality by default"),
+)
+
+#: Settings that change only the rounding of the encoder output, not what it
+#: means: the same function of the same item computed another way (like the
+#: device, compilation or kernel versions, which no identity covers either).
+#: Left out of the identity, so that an encoder instance started with them
+#: (EPD: ``--mm-encoder-tp-mode data`` on E only) shares entries with its PD
+#: instance. docs/correctness.md section 5 gives the decision per setting.
+ROUNDING_ONLY_SETTINGS: tuple[EncoderSetting, ...] = (
+    EncoderSetting("model_config.multimodal_config.mm_encoder_tp_mode",
+                   "data-parallel encoder (full weights per rank) vs weights split across ranks: "
+                   "the same layers, another reduction order"),
+    EncoderSetting("model_config.multimodal_config.mm_device_do_normalize",
+                   "the processor's normalisation done on the device before the tower instead of "
+                   "on the CPU: the same mean/std, another device's arithmetic"),
+    EncoderSetting("model_config.multimodal_config.mm_encoder_attn_backend",
+                   "which attention kernel computes the same attention"),
 )
 
 #: Files of a local model directory that configure the processor (not in hf_config).

@@ -78,9 +78,11 @@ class WorkerSide:
         # A failed load is encoded in the same step instead (see start_load_caches),
         # unless a tensor-parallel encoder would need every rank to join in.
         self._can_recompute = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1
-        # Width of a stand-in when vLLM measured none (consumer-only): the
-        # LM's input embedding size, what most models' encoders produce.
-        self._fallback_width = int(vllm_config.model_config.get_inputs_embeds_size())
+        # Encoder output width per modality, as last loaded here: a
+        # stand-in's width when neither vLLM (producers only) nor the entry's
+        # record told it (see _standin_width).
+        self._seen_widths: dict[str, int] = {}
+        self._lm_width = int(vllm_config.model_config.get_inputs_embeds_size())
         self.memory_only = cfg.local_disk is None
         self._limbo: dict[str, torch.Tensor] = {}  # memory-only: evicted, not yet acked
         if self.memory_only and self.store.memory is not None:
@@ -145,6 +147,7 @@ class WorkerSide:
                 self._loaded.append((spec.req_id, spec.identifier))
                 continue
             tensor, reason = None, "not in the store (evicted, or dropped as corrupt: see above)"
+            read_width: int | None = None  # the width of what was read, if anything
             try:
                 tensor = self.store.get(spec.identifier, device=self.device)
             except ECStoreError as e:
@@ -152,7 +155,8 @@ class WorkerSide:
             if tensor is None and spec.identifier in self._limbo:
                 tensor = self._limbo[spec.identifier].to(self.device)
             if tensor is not None:
-                width = spec.width if spec.width is not None else tensor.shape[-1]
+                read_width = int(tensor.shape[-1])
+                width = spec.width if spec.width is not None else read_width
                 expect = (spec.num_embeds, width)
                 if tuple(tensor.shape) != expect or tensor.dtype != self.dtype:
                     reason = (f"stored shape {tuple(tensor.shape)} {tensor.dtype} does not match "
@@ -169,11 +173,13 @@ class WorkerSide:
                 self._failed.append((spec.req_id, spec.identifier, reason))
                 self._count("load_failures")
                 # Keep the step alive; the request is failed by the scheduler.
-                width = spec.width if spec.width is not None else self._fallback_width
+                width = self._standin_width(spec, read_width)
                 standin = torch.zeros(spec.num_embeds, width, dtype=self.dtype, device=self.device)
                 encoder_cache[spec.identifier] = self._standins[spec.identifier] = standin
                 continue
             encoder_cache[spec.identifier] = tensor
+            if spec.modality:
+                self._seen_widths[spec.modality] = int(tensor.shape[-1])
             self._in_cache.add(spec.identifier)
             self._standins.pop(spec.identifier, None)
             self._loaded.append((spec.req_id, spec.identifier))
@@ -181,6 +187,24 @@ class WorkerSide:
             self._count("bytes_loaded", tensor_nbytes(tensor))
         self._count("load_seconds", time.perf_counter() - t0)
         self.store.write_lru_soon()  # this step's hits: one LRU commit, off the step
+
+    def _standin_width(self, spec: LoadSpec, read_width: int | None) -> int:
+        """The width of a stand-in for ``spec``'s failed load: what the model
+        reads there is the encoder's output, which can be wider than the LM's
+        hidden size (Qwen3-VL's deepstack packs several layers on the last
+        dimension; a stand-in of the LM's width makes the model's split raise).
+        In order: the width vLLM measured (producers), the stored entry's
+        record (read by the scheduler before its yes), what was read here, the
+        width of the last entry of that modality this worker loaded.
+        Only when none is known (a remote-only entry lost before its first
+        load, on a consumer that never saw that modality) the LM's hidden size,
+        logged."""
+        for width in (spec.width, spec.stored_width, read_width, self._seen_widths.get(spec.modality)):
+            if width is not None:
+                return int(width)
+        log.warning("ecstore: the encoder output width of %s is unknown here: its stand-in takes the "
+                    "language model's hidden size (%d)", spec.identifier, self._lm_width)
+        return self._lm_width
 
     def _recompute(self, spec: LoadSpec, meta: ECStoreConnectorMetadata) -> bool:
         """Have vLLM's runner encode ``spec``'s item in this step (it runs the

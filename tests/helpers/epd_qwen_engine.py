@@ -1,0 +1,120 @@
+"""A long-lived real vLLM engine of a tiny Qwen-VL model for the EPD tests
+(tests/test_epd_qwen_engine.py), driven by JSON lines.
+
+    python epd_qwen_engine.py --name qwen2_5_vl --model DIR --role ec_producer|ec_consumer
+                              --extra JSON [--multiprocess]
+
+Single process by default (engine core and worker here: the model is
+instrumented); ``--multiprocess``: vLLM's default multi-process engine (the
+model lives in another process: no ``embeds``/``encoded``). vLLM's console
+output goes to stderr; stdout carries only this protocol: ``{"ready": true}``,
+then one answer per command line read from stdin:
+
+    {"op": "generate", "requests": [item, ...]}
+        one request per item, one after the other (greedy, a few tokens); an
+        item is {"image": seed, "size": px, "uuid": U} (pixels) or
+        {"grid": [t, h, w], "uuid": U} (metadata-only, as an EPD proxy sends
+        it to a consumer: ``{"image": {"image_grid_thw": ...}}``) ->
+        {"results": [{"finish": reason, "tokens": [ids], "embeds": [[sum, abs_sum, sha256]],
+                      "encoded": items the vision tower ran for}, ...]}
+        A request that raises (the engine died) answers {"raised": "..."}.
+    {"op": "reset_encoder_cache"} -> {"ok": true}   (vLLM forgets what it encoded or loaded)
+    {"op": "exit"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from engine_child import record_mm_embeds, sha256_summary
+
+_EMBEDS: list[Any] = []
+_ENCODED = [0]
+
+
+def _instrument(model: Any) -> bool:
+    embed_multimodal = model.embed_multimodal
+
+    def counting_embed_multimodal(*args: Any, **kwargs: Any) -> Any:
+        out = embed_multimodal(*args, **kwargs)
+        _ENCODED[0] += len(out) if out is not None else 0
+        return out
+
+    model.embed_multimodal = counting_embed_multimodal
+    return record_mm_embeds(model, _EMBEDS, sha256_summary)
+
+
+def _prompt(name: str, item: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from ecstore.testing import tiny_qwen
+
+    if "grid" in item:
+        data: Any = {"image_grid_thw": torch.tensor([item["grid"]])}
+    else:
+        data = tiny_qwen.make_image(item["image"], item["size"])
+    return {"prompt": tiny_qwen.prompt(name, ["image"]), "multi_modal_data": {"image": data},
+            "multi_modal_uuids": {"image": [item["uuid"]]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", required=True)
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--multiprocess", action="store_true")
+    a = ap.parse_args()
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    from ecstore.testing import tiny_inputs, tiny_qwen
+
+    single = not a.multiprocess
+    if single:
+        tiny_inputs.setup_single_process_env()
+    from vllm import LLM, SamplingParams
+    from vllm.config import ECTransferConfig
+
+    ec = ECTransferConfig(ec_connector="ECStoreConnector", ec_role=a.role,
+                          ec_connector_module_path="ecstore.connector",
+                          ec_connector_extra_config=json.loads(a.extra))
+    llm = LLM(**tiny_qwen.engine_kwargs(a.name, a.model, single_process=single, enable_prefix_caching=False,
+                                        ec_transfer_config=ec))
+    if single:
+        assert all(llm.apply_model(_instrument))
+    params = SamplingParams(**tiny_inputs.greedy_sampling_kwargs(3))
+    print(json.dumps({"ready": True}), file=proto)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        if cmd["op"] == "reset_encoder_cache":
+            llm.llm_engine.reset_encoder_cache()
+            print(json.dumps({"ok": True}), file=proto)
+            continue
+        results = []
+        for item in cmd["requests"]:
+            _EMBEDS.clear()
+            _ENCODED[0] = 0
+            try:
+                out = llm.generate(_prompt(a.name, item), params, use_tqdm=False)
+            except Exception as e:  # the engine died: what the test must never see
+                results.append({"raised": f"{type(e).__name__}: {e}"})
+                continue
+            completion = out[0].outputs[0]
+            results.append({"finish": str(completion.finish_reason), "tokens": list(completion.token_ids),
+                            "embeds": list(_EMBEDS), "encoded": _ENCODED[0]})
+        print(json.dumps({"results": results}), file=proto)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # an engine that died already
+        pass
+    print(json.dumps({"exited": True}), file=proto)
+
+
+if __name__ == "__main__":
+    main()
