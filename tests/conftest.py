@@ -61,6 +61,39 @@ def tiny_model_dir() -> Path:
     return tiny_model.build_tiny_blip2(repo / ".cache" / "tiny_blip2")
 
 
+# The tiny random Qwen models (ecstore.testing.tiny_qwen), built once each
+# into .cache/tiny_<name> the same way; a test asks only for the ones it runs.
+
+def _tiny_qwen_dir(name: str) -> Path:
+    from ecstore.testing import tiny_qwen
+
+    return tiny_qwen.build_tiny_qwen(name, Path(__file__).resolve().parents[1] / ".cache" / f"tiny_{name}")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir() -> Path:
+    """Tiny Qwen2.5-VL (image, video)."""
+    return _tiny_qwen_dir("qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir() -> Path:
+    """Tiny Qwen3-VL with deepstack (encoder output 384 wide, LM 128)."""
+    return _tiny_qwen_dir("qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir() -> Path:
+    """Tiny Qwen2-Audio (audio)."""
+    return _tiny_qwen_dir("qwen2_audio")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_omni_dir() -> Path:
+    """Tiny Qwen2.5-Omni thinker (image, video, audio, video with its audio)."""
+    return _tiny_qwen_dir("qwen2_5_omni")
+
+
 @pytest.fixture
 def no_lmcache_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Remove every ``LMCACHE_*`` variable (config file, ``LMCACHE_EC_*``...)

@@ -1,7 +1,9 @@
-"""Building the tiny BLIP-2 checkpoint: tokenizer, config, weights, processor, marker.
+"""Building tiny checkpoints: the cached-build machinery, a local BPE tokenizer,
+and the tiny BLIP-2 (config, weights, processor, marker).
 
-:func:`build_tiny_blip2` is the entry point (re-exported by
-:mod:`ecstore.testing.tiny_model`). Builds are serialised per directory with a
+:func:`build_tiny_blip2` is the BLIP-2 entry point (re-exported by
+:mod:`ecstore.testing.tiny_model`); :func:`build_cached` and
+:func:`train_tokenizer` are shared with :mod:`ecstore.testing.tiny_qwen`. Builds are serialised per directory with a
 file lock and made visible atomically (files moved in, marker written last),
 so concurrent processes may call it.
 """
@@ -14,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,14 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def _build_tokenizer(seed: int):
+def train_tokenizer(*, special_tokens: list[str], corpus: list[str], vocab_size: int, pad_token: str,
+                    eos_token: str, bos_token: str | None, unk_token: str | None,
+                    extra_special_tokens: dict[str, str], chat_template: str):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus`` (no download).
+
+    ``special_tokens`` get ids 0.. in order; ``extra_special_tokens`` registers
+    named ones (``{"image_token": "<image>"}`` gives ``tokenizer.image_token``).
+    Deterministic given its arguments."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,28 +52,34 @@ def _build_tokenizer(seed: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TARGET_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    for i, t in enumerate(SPECIAL_TOKENS):
+    tok.train_from_iterator(corpus, trainer=trainer)
+    for i, t in enumerate(special_tokens):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        bos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        pad_token=pad_token,
+        eos_token=eos_token,
+        bos_token=bos_token,
+        unk_token=unk_token,
+        extra_special_tokens=extra_special_tokens,
         model_max_length=1024,
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = _CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
+
+
+def _build_tokenizer(seed: int):
+    return train_tokenizer(special_tokens=SPECIAL_TOKENS, corpus=_corpus(seed), vocab_size=TARGET_VOCAB,
+                           pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
+                           extra_special_tokens={"image_token": IMAGE_TOKEN}, chat_template=_CHAT_TEMPLATE)
 
 
 def _build_config(spec: dict[str, Any], vocab_size: int):
@@ -171,6 +187,47 @@ def _quiet_transformers():
         pass
 
 
+def build_cached(out_dir: str | os.PathLike[str], *, digest: str, build_into: Callable[[Path], list[str]],
+                 marker: dict[str, Any], force: bool = False) -> Path:
+    """Build (or reuse) a checkpoint in ``out_dir``; return its absolute path.
+
+    ``build_into(tmp)`` writes the files into an empty temporary sibling
+    directory and returns their names. A directory whose marker holds
+    ``digest`` (and whose listed files exist) is reused without work
+    (``force=True`` rebuilds). Files are moved in with ``os.replace`` and the
+    marker (``marker`` plus hash, file list and build time) is written last, so
+    a crashed build is never mistaken for a finished one. Builds of one
+    directory are serialised with a file lock: safe from several processes.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if not force and _is_built(out, digest):
+        return out
+
+    with _build_lock(out):
+        if not force and _is_built(out, digest):  # someone else built it meanwhile
+            return out
+        _quiet_transformers()
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            files = build_into(tmp)
+            for name in files:  # some writers create 0600 files; make them world-readable
+                os.chmod(tmp / name, 0o644)
+            out.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                (out / MARKER_NAME).unlink()
+            for name in files:
+                os.replace(tmp / name, out / name)
+            full = {**marker, "hash": digest, "files": sorted(files),
+                    "build_seconds": round(time.perf_counter() - t0, 3)}
+            marker_tmp = out / (MARKER_NAME + ".tmp")
+            marker_tmp.write_text(json.dumps(full, indent=2, sort_keys=True))
+            os.replace(marker_tmp, out / MARKER_NAME)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def build_tiny_blip2(
     out_dir: str | os.PathLike[str],
     *,
@@ -182,43 +239,17 @@ def build_tiny_blip2(
 
     Deterministic given (heavy, seed): same bytes for the weights and tokenizer. A
     directory whose marker file holds the same spec hash is reused without work
-    (``force=True`` rebuilds). The build happens in a temporary sibling directory and
-    files are moved in with ``os.replace``; the marker is written last, so a crashed
-    build is never mistaken for a finished one. Safe to call from several processes.
+    (``force=True`` rebuilds); see :func:`build_cached`. Safe to call from
+    several processes.
     """
-    out = Path(out_dir).expanduser().resolve()
-    digest = spec_hash(heavy=heavy, seed=seed)
-    if not force and _is_built(out, digest):
-        return out
+    marker = {"builder": BUILDER_VERSION, "heavy": heavy, "seed": seed, "spec": model_spec(heavy)}
+    return build_cached(out_dir, digest=spec_hash(heavy=heavy, seed=seed),
+                        build_into=lambda tmp: _build_into(tmp, heavy=heavy, seed=seed), marker=marker, force=force)
 
-    with _build_lock(out):
-        if not force and _is_built(out, digest):  # someone else built it meanwhile
-            return out
-        _quiet_transformers()
-        t0 = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            files = _build_into(tmp, heavy=heavy, seed=seed)
-            out.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                (out / MARKER_NAME).unlink()
-            for name in files:
-                os.replace(tmp / name, out / name)
-            marker = {
-                "hash": digest,
-                "builder": BUILDER_VERSION,
-                "heavy": heavy,
-                "seed": seed,
-                "spec": model_spec(heavy),
-                "files": sorted(files),
-                "build_seconds": round(time.perf_counter() - t0, 3),
-            }
-            marker_tmp = out / (MARKER_NAME + ".tmp")
-            marker_tmp.write_text(json.dumps(marker, indent=2, sort_keys=True))
-            os.replace(marker_tmp, out / MARKER_NAME)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+def saved_files(directory: Path) -> list[str]:
+    """The names of the plain files in ``directory`` (what a ``build_into`` returns)."""
+    return sorted(p.name for p in directory.iterdir() if p.is_file())
 
 
 def _build_into(tmp: Path, *, heavy: bool, seed: int) -> list[str]:
@@ -251,7 +282,4 @@ def _build_into(tmp: Path, *, heavy: bool, seed: int) -> list[str]:
     # Also store the template next to the tokenizer (older loaders look there).
     tokenizer.save_pretrained(str(tmp))
 
-    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
-    for name in names:  # some writers create 0600 files; make them world-readable
-        os.chmod(tmp / name, 0o644)
-    return names
+    return saved_files(tmp)
