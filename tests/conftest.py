@@ -129,15 +129,16 @@ def redis_server(tmp_path: Path):
 
 @pytest.fixture
 def engines():
-    """``make(vllm_config) -> Engine``: vLLM's real Scheduler plus the worker
-    connector (tests/helpers/scheduler_engine.py); every engine made is closed
+    """``make(vllm_config, runner="v1") -> Engine``: vLLM's real Scheduler plus the worker
+    connector (tests/helpers/scheduler_engine.py; ``runner="v2"``: driven through
+    Model Runner V2's EC code, helpers/v2_runner.py); every engine made is closed
     at teardown."""
     from helpers.scheduler_engine import Engine
 
     made: list[Engine] = []
 
-    def make(cfg) -> Engine:
-        made.append(Engine(cfg))
+    def make(cfg, runner: str = "v1") -> Engine:
+        made.append(Engine(cfg, runner))
         return made[-1]
 
     yield make

@@ -44,7 +44,10 @@ class Engine:
         cmd = [sys.executable, str(HELPER), "--model", str(model_dir)]
         if role:
             cmd += ["--role", role, "--extra", json.dumps(extra or {})]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "VLLM_"))}
+        # No outside vLLM/LMCache settings; the platform choice stays (tools/vllm033.sh
+        # sets VLLM_TARGET_DEVICE=cpu: 0.33's Python package cannot tell it is on a CPU build).
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("LMCACHE_", "VLLM_")) or k == "VLLM_TARGET_DEVICE"}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         self.log = log
         self._log_file = open(log, "w")

@@ -143,6 +143,11 @@ class SchedulerSide:
         self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
         self._foreign = ForeignNamespaces(self.store) if (
             is_consumer and self.store is not None and self.store.disk is not None) else None
+        # vLLM 0.33 with Model Runner V2: (req_id -> mm_feature indices) whose
+        # processed inputs the worker released (encoder_input_updates), and
+        # this step's loads of items with inputs (see _restore_inputs).
+        self._released: dict[str, set[int]] = {}
+        self._step_load_inputs: list[tuple[str, int, Any]] = []
         self._rejected_logged: set[str] = set()
         self._uuid_warned = False
         self.stats = ECStoreConnectorStats()
@@ -287,12 +292,15 @@ class SchedulerSide:
         # did not schedule the encoder for it. Anything else is computed.
         if identifier in self._step_hits:
             pinned = self._step_hits.pop(identifier)
+            recomputable = self._inputs.at_hand(feature)
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
                                         self._width(feature.modality), index=index,
-                                        recomputable=self._inputs.at_hand(feature),
+                                        recomputable=recomputable,
                                         stored_width=self._step_widths.get(identifier),
                                         modality=feature.modality))
+            if recomputable:
+                self._step_load_inputs.append((request.request_id, index, feature.data))
             if pinned:  # its report (or the request's end) releases the lease
                 self._inflight[identifier].add(request.request_id)
             self.stats.add("hits")
@@ -376,6 +384,7 @@ class SchedulerSide:
                                         encoder_inputs=getattr(scheduler_output, "scheduled_encoder_inputs", None),
                                         publish=self._to_publish(scheduler_output))
         self._loads, self._acks = [], []
+        self._restore_inputs(scheduler_output)
         # has_cache_item said yes but vLLM did not allocate (e.g. no KV space
         # this step): let go of the pins; it will be asked again.
         self._release([i for i, pinned in self._step_hits.items() if pinned])
@@ -389,6 +398,34 @@ class SchedulerSide:
         if self._poisoned:
             self._unpoison(freed)
         return meta
+
+    def _restore_inputs(self, scheduler_output: Any) -> None:
+        """vLLM 0.33, Model Runner V2: the scheduler has the worker release an
+        item's processed inputs once its placeholder is computed (``None`` in
+        ``encoder_input_updates``), and sends them again only for items it
+        schedules for encoding. A request that rewinds (e.g. KV blocks that
+        failed to load are recomputed) can be announced a load of a released
+        item: should that load fail, the worker has it encoded in the step,
+        which V2 cannot do without inputs ("Encoder cache miss" stops the
+        engine). Such a load therefore sends the inputs back with it. No-op
+        where the field is absent (vLLM 0.32) or always empty (V1)."""
+        loads, self._step_load_inputs = self._step_load_inputs, []
+        updates = getattr(scheduler_output, "encoder_input_updates", None)
+        if not isinstance(updates, dict):
+            return
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            self._released.pop(new.req_id, None)  # (re)installed with its inputs
+        for req_id, changes in updates.items():
+            released = self._released.setdefault(req_id, set())
+            for index, data in changes.items():
+                if data is None:
+                    released.add(index)
+                else:
+                    released.discard(index)
+        for req_id, index, data in loads:
+            if index in self._released.get(req_id, ()):
+                updates.setdefault(req_id, {})[index] = data
+                self._released[req_id].discard(index)
 
     def _to_publish(self, scheduler_output: Any) -> list[str]:
         """Producer-only, disk store: the items of this step's requests that
@@ -482,6 +519,7 @@ class SchedulerSide:
         # keep its entries pinned.
         self._failed_reqs.discard(request.request_id)
         self._req_items.pop(request.request_id, None)
+        self._released.pop(request.request_id, None)
         self._finish_loads([(request.request_id, f.identifier)
                             for f in getattr(request, "mm_features", None) or []])
         return False, None

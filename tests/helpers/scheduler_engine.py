@@ -10,6 +10,7 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import ModelRunnerOutput, make_empty_encoder_model_runner_output
 
 from ecstore.connector import ECStoreConnector
 from helpers import vllm_objects as vo
@@ -24,22 +25,46 @@ def encoder_output(identifier: str) -> torch.Tensor:
 
 
 class Engine:
-    """vLLM's Scheduler plus the worker connector, stepped by hand."""
+    """vLLM's Scheduler plus the worker connector, stepped by hand.
 
-    def __init__(self, cfg):
+    ``runner="v1"`` drives the worker as V1's model-runner mixin does
+    (``vo.run_worker_step``); ``"v2"`` through Model Runner V2's own EC code
+    (``helpers.v2_runner``), with the scheduler as it runs for V2
+    (``use_v2_model_runner``: resumed requests are sent as new ones; in
+    vLLM 0.33 it also sends ``encoder_input_updates``)."""
+
+    def __init__(self, cfg, runner: str = "v1"):
         self.scheduler = vo.make_scheduler(cfg)
         self.worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
         self.connector = self.scheduler.ec_connector
         assert isinstance(self.connector, ECStoreConnector)
+        self.v2 = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # the model runner's
+        if runner == "v2":
+            from helpers.v2_runner import V2Runner
+
+            self.scheduler.use_v2_model_runner = True
+            self.v2 = V2Runner(cfg, self.worker, encode_only=not self.worker.is_consumer)
+            self.encoder_cache = self.v2.encoder_outputs
+        self.kv_output = None  # a KVConnectorOutput to report with the next step's output
         self.finished: dict[str, FinishReason] = {}
         self.tokens: dict[str, list[int]] = {}
         self.ec_stats: list[dict] = []
 
     def step(self):
         out = self.scheduler.schedule()
-        ec_out = vo.run_worker_step(self.worker, out, self.encoder_cache, encoder_output)
-        eco = self.scheduler.update_from_output(out, vo.runner_output(out, ec_out))
+        if self.v2 is not None:
+            ec_out = self.v2.step(out, encoder_output)
+        else:
+            ec_out = vo.run_worker_step(self.worker, out, self.encoder_cache, encoder_output)
+        if self.v2 is not None and self.v2.encode_only:
+            # V2's encoder-only runner (MMEncoderModelRunner): no tokens, but
+            # unlike V1's it keeps the EC connector output.
+            mro = ModelRunnerOutput.with_ec_conn_output(make_empty_encoder_model_runner_output(out), ec_out)
+        else:
+            mro = vo.runner_output(out, ec_out)
+        mro.kv_connector_output, self.kv_output = self.kv_output, None
+        eco = self.scheduler.update_from_output(out, mro)
         for outputs in eco.values():
             for o in outputs.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
