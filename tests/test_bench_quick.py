@@ -144,3 +144,39 @@ def test_runs_without_matplotlib(tmp_path: Path) -> None:
     res = json.loads((out / "bench.json").read_text())
     assert res["meta"]["errors"] == [], res["meta"]["errors"]
     assert {r["section"] for r in res["rows"]} == {"floor"}
+
+
+def _run_tool(argv: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
+    return proc
+
+
+def test_bench_remote_smallest_form_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """tools/bench_remote.py with one small size and a few lookups, against
+    the real redis-server it starts: every section gives numbers. Its lookups
+    section stopped with an AttributeError from a scheduler side made without
+    a VllmConfig (issue 30)."""
+    pytest.importorskip("redis")
+    out = tmp_path / "remote.json"
+    _run_tool([str(REPO / "tools" / "bench_remote.py"), "--reps", "1", "--sizes", "1", "--lookups", "20",
+               "--out", str(out), "--model-dir", str(tiny_model_dir)], tmp_path)
+    res = json.loads(out.read_text())
+    assert set(res["sizes"]) == {"1MB"}
+    for k in ("floor_set", "floor_get", "put", "get"):
+        assert _finite(res["sizes"]["1MB"][k]["median"]), k
+    assert set(res["lookups_us"]) == {"contains_local", "contains_remote", "has_cache_item_local",
+                                      "has_cache_item_remote"}
+    for k, r in res["lookups_us"].items():
+        assert r["n"] == 20 and _finite(r["median"]) and _finite(r["p99"]), (k, r)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench_epd.py", "--sizes", "1", "--reps", "1", "--batch", "2"],
+    ["bench_profile.py", "save", "--reps", "1"],
+], ids=["bench_epd", "bench_profile"])
+def test_other_bench_tools_smallest_form_runs(argv: list[str], tmp_path: Path) -> None:
+    """The other scripts in tools/ that measure (not bench.py: the tests above;
+    not bench_remote.py: the test above) run to the end in their smallest form."""
+    proc = _run_tool([str(REPO / "tools" / argv[0]), *argv[1:]], tmp_path)
+    assert "load average" in proc.stdout or "visible ms" in proc.stdout, proc.stdout[-2000:]
