@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "tools" / "bench.py"
 
-SECTIONS = {"floor", "save", "hit", "write", "contains", "footprint", "mixed"}
+SECTIONS = {"floor", "save", "hit", "write", "contains", "footprint", "mixed", "burst", "producer", "loadread", "sched"}
 TARGETS = {
     "save in model step ≤ 50 µs + 1.5× memcpy",  # the 1 MB entry
     "save in model step ≤ 1.5× memcpy",
@@ -34,6 +34,13 @@ TARGETS = {
     "durable write ≥ raw-file peer (fsync)",
     "contains p50 ≤ 10 µs at 1 M entries",
     "store files ≤ 1.25× max_local_disk_size after churn",
+    "connector load until read ≤ ECExampleConnector's until read",
+    "back-to-back save median ≤ 1.5× memcpy",
+    "back-to-back save worst ≤ 3× memcpy",
+    "back-to-back durable throughput ≥ 0.8× the device floor",
+    "encode-only producer step ≤ 4× memcpy",
+    "scheduler thread per verified item ≤ 50 µs",
+    "has_cache_item p50 ≤ 15 µs at 1 M entries",
 }
 # Systems every quick run must measure (peers included), per section.
 EXPECTED = {
@@ -51,6 +58,13 @@ EXPECTED = {
     "footprint": {"ecstore (no flush, as the connector)", "ecstore (flush every cap)", "raw files (LRU)",
                   "diskcache (LRU, size_limit)"},
     "mixed": {"ecstore connector", "raw files (fsync)", "raw files (no fsync)", "diskcache", "ECExampleConnector"},
+    "burst": {"ecstore connector save (back to back)", "ecstore burst durable throughput",
+              "device floor: one file + fdatasync"},
+    "producer": {"encode-only step per save", "save_caches (info)", "wait until visible (info)"},
+    "loadread": {"ecstore connector load + read (memory tier)", "ecstore connector load + read (LMDB, warm)",
+                 "ECExampleConnector load + read (warm)", "one pass over the tensor (info)"},
+    "sched": {"metadata-only item, first time (scheduler thread)",
+              "metadata-only item, verified before (scheduler thread)"},
 }
 
 
@@ -102,7 +116,7 @@ def test_every_measurement_has_a_number(quick_run: tuple[Path, str]) -> None:
         assert systems <= got, (section, systems - got)
     # each timed section covers every workload
     workloads = {w["name"] for w in res["workloads"]}
-    for section in ("floor", "save", "hit", "write"):
+    for section in ("floor", "save", "hit", "write", "burst", "producer", "loadread", "sched"):
         assert {r["workload"] for r in rows if r["section"] == section} == workloads, section
     # quick mode stays within 10 k entries
     assert max(r["entries"] for r in rows if r["section"] == "contains") <= 10_000

@@ -34,7 +34,8 @@ MiB = 1 << 20
 
 FULL_WORKLOADS = [("1MB", 140), ("34.3MB", 4785), ("130.8MB", 18248)]
 QUICK_WORKLOADS = [("1MB", 140), ("8MB", 1116)]
-ALL_SECTIONS = ["floor", "save", "hit", "write", "contains", "footprint", "mixed"]
+ALL_SECTIONS = ["floor", "save", "hit", "write", "contains", "footprint", "mixed",
+                "burst", "producer", "loadread", "sched"]
 
 
 # ---------------------------------------------------------------------------
@@ -189,6 +190,19 @@ class Bench:
             log(f"VllmConfig for {self.model} (bf16) built in {time.time() - t0:.1f} s")
             freeze_gc()
         return self.vcfg
+
+    def vllm_config_for(self, ec_role: str):
+        """The same tiny model's real ``VllmConfig`` with the connector in
+        ``ec_role`` (e.g. ``ec_producer``: an encode-only instance)."""
+        if ec_role == "ec_both":
+            return self.vllm_config()
+        cached = getattr(self, "_vcfg_roles", {})
+        if ec_role not in cached:
+            self.vllm_config()
+            cached[ec_role] = tiny_vllm_config(self.args.model_dir, role=ec_role)
+            self._vcfg_roles = cached
+            freeze_gc()
+        return cached[ec_role]
 
     def store_connector(self, role_name: str, **extra: Any):
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
