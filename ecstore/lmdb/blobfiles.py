@@ -140,15 +140,19 @@ def _write_error(what: str, path: str, e: OSError) -> StoreFullError:
     return StoreFullError(f"cannot write {what} {path}: {reason}")
 
 
-def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str) -> None:
+def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, missing_ok: bool = False) -> None:
     """Open ``path`` read-only (plus ``flags``) and ``sync`` it (``os.fsync``
-    or ``os.fdatasync``); StoreFullError naming ``what`` on an OS error."""
+    or ``os.fdatasync``); StoreFullError naming ``what`` on an OS error
+    (``missing_ok``: a path that no longer exists is no error)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
         try:
             sync(fd)
         finally:
             os.close(fd)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise _write_error(what, path, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))) from None
     except OSError as e:
         raise _write_error(what, path, e) from None
 
@@ -293,23 +297,27 @@ class BlobFiles:
             raise _write_error("blob file", path, e) from None
         return FileRef(name, size)
 
-    def sync(self, names: Iterable[str]) -> None:
+    def sync(self, names: Iterable[str], *, missing_ok: bool = False) -> None:
         """Make the named files (written by :meth:`write`) durable:
         ``fdatasync`` each, then ``fsync`` the blob directory (their names),
         and on a handle's first call the store directory (``blobs/`` itself).
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
-        the files)."""
+        the files). ``missing_ok``: a file already removed (its entry,
+        committed before this call, evicted meanwhile) is skipped."""
         for name in names:
-            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file")
-        # The store directory too, once per handle: its entry for blobs/ must
-        # be durable before any commit references a file in it (the process
-        # that created blobs/ may have died before this, so every handle does
-        # it once rather than only the creator).
-        dirs = [self.dir] if self._store_dir_synced else [self.dir, os.path.dirname(self.dir)]
-        for d in dirs:
-            _sync_path(d, os.O_DIRECTORY, os.fsync, "the directory")
-        self._store_dir_synced = True
+            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file", missing_ok)
+        self.sync_store_dir()
+        _sync_path(self.dir, os.O_DIRECTORY, os.fsync, "the directory")
+
+    def sync_store_dir(self) -> None:
+        """Once per handle, ``fsync`` the store directory (its entry for
+        ``blobs/``): before any commit references a file in ``blobs/`` (the
+        process that created it may have died before this, so every handle
+        does it once rather than only the creator). StoreFullError on an OS error."""
+        if not self._store_dir_synced:
+            _sync_path(os.path.dirname(self.dir), os.O_DIRECTORY, os.fsync, "the directory")
+            self._store_dir_synced = True
 
     def discard(self, names: Iterable[str]) -> None:
         """Unlink the named blob files; one already gone is no error, any
