@@ -88,6 +88,25 @@ def _writeback_starter() -> Callable[[int, int, int], object] | None:
 
 _start_writeback = _writeback_starter()
 
+
+def _preallocator() -> Callable[[int, int], int] | None:
+    """``fallocate(fd, 0, 0, nbytes)`` through libc (releases the GIL; never
+    glibc's ``posix_fallocate``, which writes zeros where the file system
+    cannot allocate): a new blob file's blocks are allocated in one call
+    instead of page by page as it is written (on the benchmark VM, ext4:
+    writing 34.3 MB into the page cache 8-10 -> 6-7 ms of CPU). Returns 0 or
+    the errno; None where libc has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return lambda fd, nbytes: 0 if fn(fd, 0, 0, nbytes) == 0 else ctypes.get_errno()
+
+
+_preallocate = _preallocator()
+
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 #: Errors opening a blob file that say nothing about the file: the process or
 #: the system is out of descriptors or memory. The read is a miss; the entry
@@ -282,6 +301,11 @@ class BlobFiles:
         done, size = 0, len(data)
         try:
             try:
+                if _preallocate is not None and size:
+                    err = _preallocate(fd, size)
+                    if err in _FULL_ERRNOS:  # not room for it: nothing written yet
+                        raise OSError(err, os.strerror(err))
+                    # any other failure (EOPNOTSUPP...): the writes allocate as they go
                 while done < size:
                     # short writes: once the disk or RLIMIT_FSIZE is reached
                     n = os.write(fd, data[done:done + WRITEBACK_CHUNK])
