@@ -185,12 +185,10 @@ def test_bench_remote_smallest_form_runs(tmp_path: Path, tiny_model_dir: Path) -
         assert r["n"] == 20 and _finite(r["median"]) and _finite(r["p99"]), (k, r)
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench_epd.py", "--sizes", "1", "--reps", "1", "--batch", "2"],
-    ["bench_profile.py", "save", "--reps", "1"],
-], ids=["bench_epd", "bench_profile"])
-def test_other_bench_tools_smallest_form_runs(argv: list[str], tmp_path: Path) -> None:
-    """The other scripts in tools/ that measure (not bench.py: the tests above;
-    not bench_remote.py: the test above) run to the end in their smallest form."""
-    proc = _run_tool([str(REPO / "tools" / argv[0]), *argv[1:]], tmp_path)
-    assert "load average" in proc.stdout or "visible ms" in proc.stdout, proc.stdout[-2000:]
+def test_bench_profile_smallest_form_runs(tmp_path: Path) -> None:
+    """tools/bench_profile.py's cheapest breakdown runs to the end (it had
+    rotted: it called a store method that no longer exists). The other tools:
+    bench.py above, bench_remote.py here, bench_epd.py in
+    test_epd.py::test_bench_epd_runs."""
+    proc = _run_tool([str(REPO / "tools" / "bench_profile.py"), "save", "--reps", "1"], tmp_path)
+    assert "contains + put: what save_caches does" in proc.stdout, proc.stdout[-2000:]

@@ -293,9 +293,10 @@ def markdown(res: dict) -> str:
             L.append(f"| workload | system | median | p10–p90 | {ratio_head} | n | note |")
             L.append("|---|---|---:|---|---:|---:|---|")
             for r in sec:
-                ratio = r.get("x_memcpy") if unit == "s" else r.get("x_ecstore")
-                L.append(f"| {r['workload']} | {r['system']} | {fmt_value(r['median'], unit)} | "
-                         f"{fmt_value(r['p10'], unit)}–{fmt_value(r['p90'], unit)} | {fmt_ratio(ratio)} | "
+                ru = r["unit"]  # a section may mix times and rates (burst)
+                ratio = r.get("x_memcpy") if ru == "s" else r.get("x_ecstore")
+                L.append(f"| {r['workload']} | {r['system']} | {fmt_value(r['median'], ru)} | "
+                         f"{fmt_value(r['p10'], ru)}–{fmt_value(r['p90'], ru)} | {fmt_ratio(ratio)} | "
                          f"{r['n']} | {r.get('note', '')} |")
         L.append("")
     if res.get("notes"):
