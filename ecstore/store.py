@@ -326,7 +326,7 @@ class ECStore:
         flush (disk full...): those entries are not stored; earlier ones are
         intact.
         """
-        self._wait_committed()  # LMDB commits, and remote writes sent or dropped
+        self._wait_committed(durable=True)  # LMDB commits and blob files synced; remote writes sent or dropped
         if self._writer is None:
             return
         assert self.disk is not None
@@ -342,9 +342,11 @@ class ECStore:
         After it returns, ``contains``/``get`` in every other process on the
         same ``local_disk`` see those entries (read-your-writes across
         processes), except puts that failed (disk full...), which
-        :meth:`flush` reports. Unlike :meth:`flush` it adds no fsync of its own:
-        the cost is the writer's commit of what is queued (each commit syncs
-        the data pages; see ``ecstore.lmdb``).
+        :meth:`flush` reports. Unlike :meth:`flush` it does not wait for
+        durability: the cost is the writer's commit of what is queued (each
+        commit syncs LMDB's data pages; see ``ecstore.lmdb``); blob files are
+        written whole before that commit and ``fdatasync``ed after it
+        (``ecstore.writer``), which only ``flush`` waits for.
 
         With a remote tier it also waits until those puts were sent to the
         remote (or dropped: the remote down, slow or its queue full; each
@@ -354,9 +356,9 @@ class ECStore:
         """
         self._wait_committed()
 
-    def _wait_committed(self) -> None:
+    def _wait_committed(self, durable: bool = False) -> None:
         if self._writer is not None:
-            self._writer.drain()
+            self._writer.drain(durable)
         if self.remote is not None:
             self.remote.drain()
 
@@ -382,7 +384,7 @@ class ECStore:
         """Flush and release the tiers: :meth:`close`, once, with no call running."""
         try:
             if self._writer is not None:
-                self._writer.drain()
+                self._writer.drain(durable=True)
                 self._writer.stop()
                 if self.disk is not None:
                     self.disk.sync()

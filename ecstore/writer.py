@@ -10,9 +10,18 @@ the store reads the writer's counters (``write_errors``, queue sizes) and
 takes its errors at ``flush``.
 
 Tickets: every put and every read (touch) takes the next number of one
-counter (``ticket``). :meth:`Writer.drain` (``flush``) waits until nothing
-numbered at or before its call is still pending, so puts and reads made after
-the call, however many, never hold it up. After :meth:`Writer.stop` (``close``)
+counter (``ticket``). :meth:`Writer.drain` (``wait_committed``) waits until
+nothing numbered at or before its call is still uncommitted, and with
+``durable=True`` (``flush``) until it is durable too, so puts and reads made
+after the call, however many, never hold it up.
+
+Visible first, durable next: a batch's blob files are written whole (into the
+page cache) before its commit, which makes the entries visible to every
+process; their ``fdatasync`` follows the commit, on this thread, before the
+next batch. A killed process loses nothing of a committed entry (the page
+cache survives it); a power loss before that sync can tear a committed
+entry's file, which its read finds by size, header and checksum (a miss,
+never garbage). ``flush`` returns only after the sync. After :meth:`Writer.stop` (``close``)
 a put is refused with "store is closed"; everything queued before is written
 before the thread exits.
 """
@@ -156,6 +165,9 @@ class Writer(threading.Thread):
         self.offers_refused = 0  # offers (remote promotions) refused for want of room since start
         self.busy = False
         self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
+        # oldest ticket of the committed batch whose blob files are being
+        # synced (None: none): what drain(durable=True) still waits for
+        self.syncing_since: int | None = None
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
         self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
@@ -298,9 +310,10 @@ class Writer(threading.Thread):
             self.progress += 1
             self.cv.notify_all()
 
-    def drain(self) -> None:
+    def drain(self, durable: bool = False) -> None:
         """Block until every put submitted and every touch recorded before the
-        call has been written (committed, or failed: see :meth:`take_errors`).
+        call has been written (committed, or failed: see :meth:`take_errors`);
+        ``durable``: and its blob files synced (see the module doc).
         Puts and reads made after the call do not hold it up: each batch takes
         the oldest queued puts, so the writer reaches the last earlier one
         after a bounded number of batches; while a drainer waits, the writer
@@ -314,21 +327,24 @@ class Writer(threading.Thread):
                 while True:
                     if seen != self.progress:  # only a finished batch or a cancel can settle ours
                         seen = self.progress
-                        oldest = self._oldest_pending()
+                        oldest = self._oldest_pending(durable)
                         if oldest is None or oldest > target:
                             return
                     self.cv.wait()
             finally:
                 self.drainers -= 1
 
-    def _oldest_pending(self) -> int | None:
+    def _oldest_pending(self, durable: bool = False) -> int | None:
         """The smallest ticket of a put or touch not yet written (queued or
-        in the batch being written), None when there is none. Holds ``cv``."""
+        in the batch being written; ``durable``: or whose blob files are
+        being synced), None when there is none. Holds ``cv``."""
         tickets = [it.since for it in self.queue.values()]
         tickets += [it.since for it in self.inflight.values()]
         tickets += [t.since for t in self.touches.values()]
         if self.busy_since is not None:
             tickets.append(self.busy_since)
+        if durable and self.syncing_since is not None:
+            tickets.append(self.syncing_since)
         return min(tickets, default=None)
 
     def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
@@ -392,6 +408,7 @@ class Writer(threading.Thread):
             self.queued_bytes = 0
             self.busy = False
             self.busy_since = None
+            self.syncing_since = None
             self.progress += 1
             self.cv.notify_all()
 
@@ -428,23 +445,47 @@ class Writer(threading.Thread):
                         POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
             except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway
                 log.warning("ecstore: could not ready memory for the next save: %r", e)
+            to_sync: list[str] = []
             try:
-                self._write(batch, touches)
+                to_sync = self._write(batch, touches)
             except BaseException as e:  # never let the writer die silently
                 log.error("ecstore: background write failed: %s", e)
                 self.add_error(e)
             finally:
-                with self.cv:
+                with self.cv:  # committed: visible to every process (wait_committed returns)
                     for key, item in batch:
                         self.inflight.pop(key, None)
                         self.queued_bytes -= item.nbytes
                     self.busy = False
                     self.busy_since = None
+                    if to_sync:
+                        self.syncing_since = min(item.since for _, item in batch)
                     self.progress += 1
                     self.cv.notify_all()
+            if to_sync:
+                self._sync_files(to_sync)
 
-    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> None:
-        """Writer thread: one LMDB transaction for ``batch`` and ``touches``."""
+    def _sync_files(self, names: list[str]) -> None:
+        """Writer thread: make a committed batch's blob files durable, then
+        let ``drain(durable=True)`` (``flush``) go on. A failure is a write
+        error (``flush`` raises it): those entries stay visible, and a read
+        checks them as it checks every entry."""
+        try:
+            self.disk.sync_files(names)
+        except ECStoreError as e:
+            log.error("ecstore: %d committed blob file(s) could not be made durable: %s", len(names), e)
+            with self.cv:
+                self.write_errors += len(names)
+                self.errors.append(e)
+        finally:
+            with self.cv:
+                self.syncing_since = None
+                self.progress += 1
+                self.cv.notify_all()
+
+    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> list[str]:
+        """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
+        returns the blob files of the stored puts, still to be synced."""
         namespace = self.namespace
         if batch and namespace is not None:
             try:
@@ -456,12 +497,13 @@ class Writer(threading.Thread):
         reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
                 for key, it in batch]
         try:
-            self.disk.write_batch(reqs, dict(touches))
+            self.disk.write_batch(reqs, dict(touches), sync_files=False)
         except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
         for (key, it), r in zip(batch, reqs):
             outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
             self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
+        return [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
 
     def _report(self, res: WriteResult) -> None:
         if res.outcome is PutOutcome.STORED:

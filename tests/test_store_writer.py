@@ -99,7 +99,7 @@ def test_flush_returns_while_other_threads_keep_putting_or_reading(tmp_path, mon
             assert s.get("a") is not None
         fed.append(name)
 
-    def hooked(puts, touches=None):
+    def hooked(puts, touches=None, **kw):
         nonlocal batches
         batches += 1
         if batches == 1:  # the batch of everything before the flush call
@@ -108,7 +108,7 @@ def test_flush_returns_while_other_threads_keep_putting_or_reading(tmp_path, mon
         elif not release.is_set():
             feed_one()  # the writer will find work queued after this batch too
             release.wait(BOUND_S)  # held until the flush returned (or the test gave up)
-        return real_write(puts, touches)
+        return real_write(puts, touches, **kw)
 
     s.disk.write_batch = hooked
     try:
@@ -202,12 +202,12 @@ def _held_in_batch_of_a(s: ecstore.ECStore, bound: int):
     in_batch, go = threading.Event(), threading.Event()
     batches: list[list[str]] = []
 
-    def hooked(puts, touches=None):
+    def hooked(puts, touches=None, **kw):
         batches.append([p.identifier.rsplit("/", 1)[-1] for p in puts])
         if any(p.identifier.endswith("/a") for p in puts):
             in_batch.set()
             assert go.wait(BOUND_S)
-        return real_write(puts, touches)
+        return real_write(puts, touches, **kw)
 
     s.disk.write_batch = hooked
     try:
@@ -366,7 +366,7 @@ def test_flush_returns_while_a_hot_entry_is_read_after_every_put(tmp_path, monke
         assert s.get("a") is not None
         fed.append(name)
 
-    def hooked(puts, touches=None):
+    def hooked(puts, touches=None, **kw):
         nonlocal batches
         batches += 1
         if batches == 1:
@@ -376,7 +376,7 @@ def test_flush_returns_while_a_hot_entry_is_read_after_every_put(tmp_path, monke
             feed_one()
         else:
             returned.wait(BOUND_S)  # held until the flush returned (or the test gave up)
-        return real_write(puts, touches)
+        return real_write(puts, touches, **kw)
 
     s.disk.write_batch = hooked
     try:

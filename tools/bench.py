@@ -31,6 +31,14 @@ Sections (``--sections``, default all):
                 connector's ``has_cache_item`` at 10 k, 100 k, 1 M entries.
 * ``footprint`` LMDB file size vs ``max_local_disk_size`` after writing 10x the cap.
 * ``mixed``     Zipf-like reuse of small image entries: hit ratio, throughput.
+* ``burst``     10 saves back to back (the writer busy), then flush: each save
+                and the burst's durable throughput against the device floor.
+* ``producer``  an encode-only producer's step per save: save_caches plus
+                build_connector_worker_meta (until visible to other processes).
+* ``loadread``  connector loads until the data is read (one pass over the
+                tensor), ecstore vs ECExampleConnector.
+* ``sched``     the scheduler thread's cost per item it must verify
+                (metadata-only items, tensor parallelism).
 
 Peers: vLLM's ``ECExampleConnector`` (the real class), a raw-file store with
 an in-memory index modelled on LMCache's local-disk backend (**our own small
@@ -64,11 +72,13 @@ import bench_report as report
 from bench_core import ALL_SECTIONS, DTYPE, HIDDEN, REPO, ROW_BYTES, Bench, check_device, freeze_gc, log
 from bench_io import sec_floor, sec_hit, sec_save, sec_write
 from bench_scale import sec_contains, sec_footprint, sec_mixed
+from bench_steady import sec_burst, sec_loadread, sec_producer, sec_sched
 
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "floor": sec_floor, "save": sec_save, "hit": sec_hit, "write": sec_write,
     "contains": sec_contains, "footprint": sec_footprint, "mixed": sec_mixed,
+    "burst": sec_burst, "producer": sec_producer, "loadread": sec_loadread, "sched": sec_sched,
 }
 
 
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
-    if "save" in args.sections or "hit" in args.sections:
+    if {"save", "hit", "burst", "producer", "loadread", "sched"} & set(args.sections):
         if "floor" not in args.sections:
             args.sections.insert(0, "floor")  # ratios need the floor
     out = Path(args.out)
@@ -224,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         f"sections {','.join(args.sections)}{' (quick)' if args.quick else ''}")
     errors: list[str] = []
     try:
-        if any(s in args.sections for s in ("save", "hit", "contains", "mixed")):
+        if any(s in args.sections for s in ("save", "hit", "contains", "mixed", "burst", "producer", "loadread",
+                                            "sched")):
             b.vllm_config()
         freeze_gc()
         for s in args.sections:

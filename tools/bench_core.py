@@ -34,7 +34,8 @@ MiB = 1 << 20
 
 FULL_WORKLOADS = [("1MB", 140), ("34.3MB", 4785), ("130.8MB", 18248)]
 QUICK_WORKLOADS = [("1MB", 140), ("8MB", 1116)]
-ALL_SECTIONS = ["floor", "save", "hit", "write", "contains", "footprint", "mixed"]
+ALL_SECTIONS = ["floor", "save", "hit", "write", "contains", "footprint", "mixed",
+                "burst", "producer", "loadread", "sched"]
 
 
 # ---------------------------------------------------------------------------
@@ -182,23 +183,26 @@ class Bench:
     # -- vLLM ------------------------------------------------------------------
     def vllm_config(self):
         if self.vcfg is None:
-            from ecstore.testing import tiny_model
-            from vllm.config import ECTransferConfig
-            from vllm.engine.arg_utils import EngineArgs
-
             t0 = time.time()
-            model_dir = tiny_model.build_tiny_blip2(self.args.model_dir)
-            kw = tiny_model.engine_kwargs(
-                model_dir, dtype="bfloat16",
-                ec_transfer_config=ECTransferConfig(
-                    ec_connector="ECStoreConnector", ec_role="ec_both",
-                    ec_connector_module_path="ecstore.connector", ec_connector_extra_config={}))
-            self.vcfg = EngineArgs(**kw).create_engine_config()
+            self.vcfg = tiny_vllm_config(self.args.model_dir)
             self.model = self.vcfg.model_config.model
             assert self.vcfg.model_config.dtype == DTYPE, self.vcfg.model_config.dtype
             log(f"VllmConfig for {self.model} (bf16) built in {time.time() - t0:.1f} s")
             freeze_gc()
         return self.vcfg
+
+    def vllm_config_for(self, ec_role: str):
+        """The same tiny model's real ``VllmConfig`` with the connector in
+        ``ec_role`` (e.g. ``ec_producer``: an encode-only instance)."""
+        if ec_role == "ec_both":
+            return self.vllm_config()
+        cached = getattr(self, "_vcfg_roles", {})
+        if ec_role not in cached:
+            self.vllm_config()
+            cached[ec_role] = tiny_vllm_config(self.args.model_dir, role=ec_role)
+            self._vcfg_roles = cached
+            freeze_gc()
+        return cached[ec_role]
 
     def store_connector(self, role_name: str, **extra: Any):
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -236,6 +240,23 @@ class Bench:
 
             identity = encoder_identity(self.vcfg, "bfloat16", None)
         return ECStore(cfg, model=model or self.model or "bench/model", dtype=DTYPE, identity=identity)
+
+
+def tiny_vllm_config(model_dir: str | Path, role: str = "ec_both", extra: dict | None = None):
+    """The real bf16 ``VllmConfig`` vLLM builds for the tiny BLIP-2 (built
+    into ``model_dir`` once, then reused) with the ecstore connector in
+    ``role``: what the connectors of the bench tools are made from."""
+    from ecstore.testing import tiny_model
+    from vllm.config import ECTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    built = tiny_model.build_tiny_blip2(model_dir)
+    kw = tiny_model.engine_kwargs(
+        built, dtype="bfloat16",
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="ECStoreConnector", ec_role=role,
+            ec_connector_module_path="ecstore.connector", ec_connector_extra_config=dict(extra or {})))
+    return EngineArgs(**kw).create_engine_config()
 
 
 def freeze_gc() -> None:

@@ -92,14 +92,22 @@ def bench_sizes(url: str, port: int, sizes: list[float], reps: int) -> dict:
     return out
 
 
-def bench_lookups(url: str, n: int, tmp: Path) -> dict:
+def bench_lookups(url: str, n: int, tmp: Path, model_dir: str) -> dict:
+    from bench_core import ids, tiny_vllm_config
+
     from ecstore.connector.scheduler_side import SchedulerSide
 
+    # The scheduler side reads vLLM's parallel and transfer configs: the real
+    # VllmConfig of the tiny BLIP-2 (a consumer), as in an engine.
+    vcfg = tiny_vllm_config(model_dir, role="ec_consumer")
+
     t = torch.zeros(4, 16, dtype=torch.bfloat16)
+    # Content-hash-like names, as vLLM makes them (others are never looked up).
+    names = ids("remote-lookups", n)
     cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp / "node-a"), max_local_disk_size=0.1, remote_url=url)
     with ECStore(cfg, model="bench", dtype=torch.bfloat16) as a:
         for i in range(n):
-            a.put(f"id{i}", t)
+            a.put(names[i], t)
         a.flush()
     res: dict[str, list[float]] = {"contains_local": [], "contains_remote": [],
                                    "has_cache_item_local": [], "has_cache_item_remote": []}
@@ -108,13 +116,13 @@ def bench_lookups(url: str, n: int, tmp: Path) -> dict:
         with ECStore(ncfg, model="bench", dtype=torch.bfloat16) as st:
             for i in range(n):
                 t0 = time.perf_counter()
-                found = st.contains(f"id{i}")
+                found = st.contains(names[i])
                 res[f"contains_{kind}"].append(time.perf_counter() - t0)
                 assert found
-        side = SchedulerSide(None, ncfg, model="bench", dtype=torch.bfloat16, is_producer=False, is_consumer=True)
+        side = SchedulerSide(vcfg, ncfg, model="bench", dtype=torch.bfloat16, is_producer=False, is_consumer=True)
         try:
             for i in range(n):
-                ident = f"id{i}"
+                ident = names[i]
                 t0 = time.perf_counter()
                 found = side.has_cache_item(ident)
                 res[f"has_cache_item_{kind}"].append(time.perf_counter() - t0)
@@ -126,13 +134,15 @@ def bench_lookups(url: str, n: int, tmp: Path) -> dict:
     return {k: {q: v * 1e6 for q, v in summary(s).items() if q != "n"} | {"n": len(s)} for k, s in res.items()}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="1,34.3,130.8")
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--out", default="bench-results/remote.json")
-    a = ap.parse_args()
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "ecstore-bench-tiny-blip2"),
+                    help="tiny BLIP-2 build dir (cached) for the scheduler connector's real VllmConfig")
+    a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         server = RedisServer(tmp).start()
@@ -141,7 +151,7 @@ def main() -> int:
             url = server.url
             load0 = os.getloadavg()[0]
             sizes = bench_sizes(url, port, [float(s) for s in a.sizes.split(",")], a.reps)
-            lookups = bench_lookups(url, a.lookups, tmp) if a.lookups else {}
+            lookups = bench_lookups(url, a.lookups, tmp, a.model_dir) if a.lookups else {}
             load1 = os.getloadavg()[0]
         finally:
             server.kill()

@@ -96,6 +96,25 @@ def _writeback_starter() -> Callable[[int, int, int], object] | None:
 
 _start_writeback = _writeback_starter()
 
+
+def _preallocator() -> Callable[[int, int], int] | None:
+    """``fallocate(fd, 0, 0, nbytes)`` through libc (releases the GIL; never
+    glibc's ``posix_fallocate``, which writes zeros where the file system
+    cannot allocate): a new blob file's blocks are allocated in one call
+    instead of page by page as it is written (on the benchmark VM, ext4:
+    writing 34.3 MB into the page cache 8-10 -> 6-7 ms of CPU). Returns 0 or
+    the errno; None where libc has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return lambda fd, nbytes: 0 if fn(fd, 0, 0, nbytes) == 0 else ctypes.get_errno()
+
+
+_preallocate = _preallocator()
+
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 #: Errors opening a blob file that say nothing about the file: the process or
 #: the system is out of descriptors or memory. The read is a miss; the entry
@@ -149,16 +168,20 @@ def _write_error(what: str, path: str, e: OSError) -> StoreFullError:
 
 
 def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, *,
-               name: str | None = None, dir_fd: int | None = None) -> None:
+               name: str | None = None, dir_fd: int | None = None, missing_ok: bool = False) -> None:
     """Open ``name`` in directory ``dir_fd`` (else ``path``) read-only (plus
     ``flags``) and ``sync`` it (``os.fsync`` or ``os.fdatasync``);
-    StoreFullError naming ``what`` and ``path`` on an OS error."""
+    StoreFullError naming ``what`` and ``path`` on an OS error
+    (``missing_ok``: a file that no longer exists is no error)."""
     try:
         fd = os.open(path if name is None else name, os.O_RDONLY | os.O_CLOEXEC | flags, dir_fd=dir_fd)
         try:
             sync(fd)
         finally:
             os.close(fd)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise _write_error(what, path, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))) from None
     except OSError as e:
         raise _write_error(what, path, e) from None
 
@@ -340,6 +363,11 @@ class BlobFiles:
         done, size = 0, len(data)
         try:
             try:
+                if _preallocate is not None and size:
+                    err = _preallocate(fd, size)
+                    if err in _FULL_ERRNOS:  # not room for it: nothing written yet
+                        raise OSError(err, os.strerror(err))
+                    # any other failure (EOPNOTSUPP...): the writes allocate as they go
                 while done < size:
                     # short writes: once the disk or RLIMIT_FSIZE is reached
                     n = os.write(fd, data[done:done + WRITEBACK_CHUNK])
@@ -355,32 +383,41 @@ class BlobFiles:
             raise _write_error("blob file", path, e) from None
         return FileRef(name, size)
 
-    def sync(self, names: Iterable[str]) -> None:
+    def sync(self, names: Iterable[str], *, missing_ok: bool = False) -> None:
         """Make the named files (written by :meth:`write`) durable:
         ``fdatasync`` each, then ``fsync`` the blob directory (their names),
         and on a handle's first call the store directory (``blobs/`` itself).
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
-        the files)."""
+        the files). ``missing_ok``: a file already removed (its entry,
+        committed before this call, evicted meanwhile) is skipped."""
         try:
             dir_fd = self._dirfd()
         except OSError as e:
             raise _write_error("the directory", self.dir, e) from None
         for name in names:
-            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file", name=name, dir_fd=dir_fd)
-        # The store directory too, once per handle: its entry for blobs/ must
-        # be durable before any commit references a file in it (the process
-        # that created blobs/ may have died before this, so every handle does
-        # it once rather than only the creator).
-        dirs = [(self.dir, dir_fd)] if self._store_dir_synced else \
-            [(self.dir, dir_fd), (os.path.dirname(self.dir), self._store_fd)]
-        for path, fd in dirs:
-            try:
-                if fd is None:
-                    raise OSError(errno.EBADF, "closed", path)
-                os.fsync(fd)
-            except OSError as e:
-                raise _write_error("the directory", path, e) from None
+            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file", name=name, dir_fd=dir_fd,
+                       missing_ok=missing_ok)
+        self.sync_store_dir()
+        try:
+            os.fsync(dir_fd)
+        except OSError as e:
+            raise _write_error("the directory", self.dir, e) from None
+
+    def sync_store_dir(self) -> None:
+        """Once per handle, ``fsync`` the store directory (its entry for
+        ``blobs/``): before any commit references a file in ``blobs/`` (the
+        process that created it may have died before this, so every handle
+        does it once rather than only the creator). StoreFullError on an OS error."""
+        if self._store_dir_synced:
+            return
+        path = os.path.dirname(self.dir)
+        try:
+            if self._store_fd is None:
+                raise OSError(errno.EBADF, "closed", path)
+            os.fsync(self._store_fd)
+        except OSError as e:
+            raise _write_error("the directory", path, e) from None
         self._store_dir_synced = True
 
     def discard(self, names: Iterable[str]) -> None:

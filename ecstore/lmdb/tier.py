@@ -179,7 +179,8 @@ class LMDBTier(TierReads):
             return w.evict_to(target_bytes, extra)
 
     @_lmdb_errors_as_store_errors
-    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None) -> None:
+    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None, *,
+                    sync_files: bool = True) -> None:
         """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
         last_access_ns[, orders])) in one transaction, evicting LRU entries to
         stay within the cap. Sets each request's ``result``; never raises for a
@@ -195,6 +196,14 @@ class LMDBTier(TierReads):
         are applied in that order, so an entry read before a put is already
         most recently used when that put evicts. Otherwise puts are applied
         in list order, then touches (:func:`~ecstore.lmdb.batch.in_call_order`).
+
+        ``sync_files=False``: blob files are written completely (into the
+        page cache: a killed process loses nothing of them) but not
+        ``fdatasync``ed before the commit, so the entries are visible sooner;
+        the caller then makes them durable with :meth:`sync_files` (the names
+        of the stored puts' ``ref``). Until then a power loss may leave such a
+        committed entry's file torn or missing: a checked miss at its read
+        (size, header and checksum), never garbage.
         """
         self._check()
         touches = touches or {}
@@ -210,7 +219,7 @@ class LMDBTier(TierReads):
                     f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.result == "pending"]
         try:
-            self._write_files(todo)
+            self._write_files(todo, sync=sync_files)
             self._write_batch(todo, touches)
         finally:  # files of puts that were not stored (present, full, failed) are nobody's
             self.files.discard([p.ref.name for p in todo if p.ref is not None and p.result != "stored"])
@@ -219,11 +228,13 @@ class LMDBTier(TierReads):
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
         return self.file_blobs_from is not None and len(p.encoded) >= self.file_blobs_from
 
-    def _write_files(self, todo: list[PutRequest]) -> None:
-        """Write the blobs that go to files, then make them durable together
-        (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
+    def _write_files(self, todo: list[PutRequest], sync: bool = True) -> None:
+        """Write the blobs that go to files, then (``sync``) make them durable
+        together (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
         before the transaction that references them: a committed entry's
-        file is always complete and durable. Outside LMDB's write lock, so
+        file is always complete, and durable unless ``sync`` is False (then
+        only the store directory's entry for ``blobs/`` is made durable first,
+        and :meth:`sync_files` the files after the commit). Outside LMDB's write lock, so
         other processes keep committing meanwhile. StoreFullError (every put
         failed with it) if a file cannot be written; files already written
         are discarded by the caller."""
@@ -232,8 +243,10 @@ class LMDBTier(TierReads):
                 if self._in_file(p):
                     p.ref = self.files.write(p.encoded)  # type: ignore[arg-type]  # ndarray: a buffer
             written = [p.ref.name for p in todo if p.ref is not None]
-            if written:
+            if written and sync:
                 self.files.sync(written)
+            elif written:
+                self.files.sync_store_dir()
         except ECStoreError as e:
             for p in todo:
                 p.result, p.error = "failed", e
@@ -377,6 +390,16 @@ class LMDBTier(TierReads):
         return self.files.sweep(referenced)
 
     @_lmdb_errors_as_store_errors
+    def sync_files(self, names: list[str]) -> None:
+        """Make the blob files of entries committed by
+        ``write_batch(sync_files=False)`` durable (``fdatasync`` each, then
+        ``blobs/``); a file gone meanwhile (its entry evicted or removed) is
+        skipped. StoreFullError on an OS error: the entries stay committed,
+        their durability is not known."""
+        self._check()
+        if names:
+            self.files.sync(names, missing_ok=True)
+
     def sync(self) -> None:
         """Force committed transactions to stable storage."""
         self._check()

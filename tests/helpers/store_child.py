@@ -14,6 +14,10 @@ Commands (``op`` plus arguments):
   flush      lru_keys -> [keys]      stats -> {...}
   blob_sizes -> {key: len(blob)} over every entry
   close      exit_now (os._exit(0) at once: no close, no flush)
+  wait_committed
+  hold_blob_syncs (from now on the blob files' fdatasync after a commit never
+        returns: the state between an entry's commit and its file's sync, for
+        a SIGKILL to land in)
 Errors are answered as {"error": "..."} and the child keeps going.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 
 import torch
@@ -79,6 +84,14 @@ def main() -> None:
                 result = store.stats().as_dict()
             elif op == "blob_sizes":
                 result = {k: len(store.disk.blob_bytes(k)) for k, _ in store.disk.iter_records()}
+            elif op == "wait_committed":
+                store.wait_committed()
+                result = None
+            elif op == "hold_blob_syncs":
+                from ecstore.lmdb.blobfiles import BlobFiles
+
+                BlobFiles.sync = lambda self, names, **kw: threading.Event().wait()  # type: ignore[method-assign]
+                result = None
             elif op == "close":
                 store.close()
                 result = None
