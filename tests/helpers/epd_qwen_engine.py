@@ -1,4 +1,5 @@
-"""A long-lived real vLLM engine of a tiny Qwen-VL model for the EPD tests
+"""A long-lived real vLLM engine of a tiny Qwen model (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio,
+the Qwen2.5-Omni thinker) for the EPD tests
 (tests/test_epd_qwen_engine.py), driven by JSON lines.
 
     python epd_qwen_engine.py --name qwen2_5_vl --model DIR --role ec_producer|ec_consumer
@@ -10,13 +11,16 @@ model lives in another process: no ``embeds``/``encoded``). vLLM's console
 output goes to stderr; stdout carries only this protocol: ``{"ready": true}``,
 then one answer per command line read from stdin:
 
-    {"op": "generate", "requests": [item, ...]}
-        one request per item, one after the other (greedy, a few tokens); an
-        item is {"image": seed, "size": px, "uuid": U} (pixels) or
-        {"grid": [t, h, w], "uuid": U} (metadata-only, as an EPD proxy sends
-        it to a consumer: ``{"image": {"image_grid_thw": ...}}``) ->
+    {"op": "generate", "requests": [request, ...]}
+        one request per entry, one after the other (greedy, a few tokens); a
+        request is a list of parts, one item each, in prompt order; a part is
+        {"image": seed, "size": px, "uuid": U} or {"audio": seed, "uuid": U}
+        (inputs), or {"metadata": {"modality": M, FIELD: value, ...}, "uuid": U}
+        (metadata-only, as an EPD proxy sends it to a consumer, e.g.
+        ``{"image": {"image_grid_thw": ...}}``, ``{"audio": {"audio_num_tokens": ...}}``;
+        each value becomes a one-item tensor) ->
         {"results": [{"finish": reason, "tokens": [ids], "embeds": [[sum, abs_sum, sha256]],
-                      "encoded": items the vision tower ran for}, ...]}
+                      "encoded": items the encoders ran for}, ...]}
         A request that raises (the engine died) answers {"raised": "..."}.
     {"op": "reset_encoder_cache"} -> {"ok": true}   (vLLM forgets what it encoded or loaded)
     {"op": "exit"}
@@ -48,17 +52,34 @@ def _instrument(model: Any) -> bool:
     return record_mm_embeds(model, _EMBEDS, sha256_summary)
 
 
-def _prompt(name: str, item: dict[str, Any]) -> dict[str, Any]:
+def _part(part: dict[str, Any]) -> tuple[str, Any]:
+    """(modality, the item's ``multi_modal_data`` value) of one request part."""
     import torch
 
     from ecstore.testing import tiny_qwen
 
-    if "grid" in item:
-        data: Any = {"image_grid_thw": torch.tensor([item["grid"]])}
-    else:
-        data = tiny_qwen.make_image(item["image"], item["size"])
-    return {"prompt": tiny_qwen.prompt(name, ["image"]), "multi_modal_data": {"image": data},
-            "multi_modal_uuids": {"image": [item["uuid"]]}}
+    if "metadata" in part:
+        fields = dict(part["metadata"])
+        modality = fields.pop("modality")
+        return modality, {k: torch.tensor([v]) for k, v in fields.items()}
+    if "audio" in part:
+        return "audio", tiny_qwen.audio_item(part["audio"])
+    return "image", tiny_qwen.make_image(part["image"], part["size"])
+
+
+def _prompt(name: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    from ecstore.testing import tiny_qwen
+
+    items = [_part(p) for p in parts]
+    data: dict[str, Any] = {}
+    uuids: dict[str, list[str]] = {}
+    for (modality, value), part in zip(items, parts):
+        data.setdefault(modality, []).append(value)
+        uuids.setdefault(modality, []).append(part["uuid"])
+    # One item of a modality goes as the item itself (not a list of one).
+    data = {m: v[0] if len(v) == 1 else v for m, v in data.items()}
+    return {"prompt": tiny_qwen.prompt(name, [m for m, _ in items]), "multi_modal_data": data,
+            "multi_modal_uuids": uuids}
 
 
 def main() -> None:
@@ -97,11 +118,11 @@ def main() -> None:
             print(json.dumps({"ok": True}), file=proto)
             continue
         results = []
-        for item in cmd["requests"]:
+        for parts in cmd["requests"]:
             _EMBEDS.clear()
             _ENCODED[0] = 0
             try:
-                out = llm.generate(_prompt(a.name, item), params, use_tqdm=False)
+                out = llm.generate(_prompt(a.name, parts), params, use_tqdm=False)
             except Exception as e:  # the engine died: what the test must never see
                 results.append({"raised": f"{type(e).__name__}: {e}"})
                 continue
