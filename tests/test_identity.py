@@ -104,6 +104,53 @@ def test_same_key_other_identity_is_still_a_miss(tmp_store_dir):
         assert_same(a.get("img"), make_tensor(1))
 
 
+def test_foreign_namespace_check_reads_the_table_once_not_per_miss(tmp_store_dir, monkeypatch, caplog):
+    """A consumer's miss is looked up under the model's other identities
+    (ecstore.connector.foreign). It used to read the namespaces table and parse
+    every identity description (several KB of JSON) on every miss, forever,
+    on vLLM's scheduler thread: now the table is read again only after
+    REFRESH_SECONDS, parsed only when it changed, and a namespace already
+    reported is not looked at again."""
+    from ecstore import namespaces
+    from ecstore.connector import foreign
+
+    with open_store(tmp_store_dir, ident("w1")) as other:
+        assert other.put("img-1", make_tensor(1))
+        other.flush()
+    now = [100.0]
+    parsed: list[str | None] = []
+    parse = namespaces.identity_of
+    monkeypatch.setattr(namespaces, "identity_of", lambda d, ns: parsed.append(ns) or parse(d, ns))
+    with open_store(tmp_store_dir, ident("w2")) as mine:
+        assert mine.disk is not None
+        reads, lookups = [], []
+        read, contains = mine.disk.namespace_descriptions, mine.disk.contains
+        monkeypatch.setattr(mine.disk, "namespace_descriptions", lambda: reads.append(1) or read())
+        monkeypatch.setattr(mine.disk, "contains", lambda k, n: lookups.append(n) or contains(k, n))
+        check = foreign.ForeignNamespaces(mine, clock=lambda: now[0])
+        caplog.set_level("WARNING", logger="ecstore")
+        assert [check.on_miss(f"nobody-{i}") for i in range(50)] == [None] * 50
+        assert (len(reads), parsed) == (1, [ident("w1").namespace])  # once for 50 misses
+        assert len(lookups) == 50  # one per miss under the one other identity
+        assert check.on_miss("img-1") == ident("w1").namespace
+        assert check.on_miss("img-1") is None  # told: that namespace is not looked at again
+        lookups.clear()
+        assert check.on_miss("nobody") is None and lookups == []
+        told = [r.getMessage() for r in caplog.records if "another encoder identity" in r.getMessage()]
+        assert len(told) == 1 and "weights.value: 'w2' here, 'w1' there" in told[0], told
+
+        with open_store(tmp_store_dir, ident("w3")) as third:  # registered while the consumer runs
+            assert third.put("img-3", make_tensor(3))
+            third.flush()
+        assert check.on_miss("img-3") is None and len(reads) == 1  # not read again yet
+        now[0] += foreign.REFRESH_SECONDS
+        assert check.on_miss("img-3") == ident("w3").namespace
+        assert len(reads) == 2 and parsed == [ident("w1").namespace, ident("w3").namespace]
+        now[0] += foreign.REFRESH_SECONDS
+        assert check.on_miss("nobody") is None
+        assert len(reads) == 3 and len(parsed) == 2  # unchanged table: not parsed again
+
+
 # --------------------------------------------------------------------------- old stores
 def _legacy_store(path: Path) -> None:
     """A store as ecstore wrote it before identities (schema 2, records v1)."""

@@ -9,16 +9,21 @@ fails). :class:`ForeignNamespaces` notices it: on a consumer's miss it looks
 the item up under every other namespace the store's ``namespaces`` table
 registers for the same model, and the first time it is found under one it
 logs (once per such namespace) which settings differ, from both identity
-descriptions.
+descriptions; that namespace is not looked at again.
 
-Cost per miss until told: one read of the small ``namespaces`` table and one
-key lookup per other namespace of the model (microseconds each). Scheduler
+Cost per miss: one key lookup per other namespace of the model not yet
+reported (microseconds each; none once all are). The ``namespaces`` table is
+read at most every :data:`REFRESH_SECONDS` and its identity descriptions
+(several KB of JSON each) parsed again only when it changed. Scheduler
 thread only.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .. import namespaces
@@ -30,41 +35,83 @@ log = logging.getLogger("ecstore")
 
 #: Longest rendering of one differing value in the log line.
 _VALUE_CHARS = 120
+#: Seconds between two reads of the ``namespaces`` table (a namespace
+#: registered meanwhile is looked at from the next read on).
+REFRESH_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class _Other:
+    """Another registered identity of this model: where its entries are."""
+
+    namespace: str
+    dtype: str
+    description: dict[str, Any]
 
 
 class ForeignNamespaces:
-    """Checks a consumer's misses against the other identities of its model."""
+    """Checks a consumer's misses against the other identities of its model.
 
-    def __init__(self, store: Any) -> None:
+    ``clock``: monotonic seconds (tests pass their own)."""
+
+    def __init__(self, store: Any, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._mine = store.identity.describe()
+        self._clock = clock
         self._told: set[str] = set()
+        self._raw: dict[str, bytes] | None = None  # the table as last read
+        self._others: list[_Other] = []  # parsed from it, sorted by namespace
+        self._read_at = 0.0
 
     def on_miss(self, identifier: str) -> str | None:
         """After a local miss of ``identifier``: the namespace that holds it
-        under another identity of this model, logged the first time (None if
-        none does). Never raises."""
+        under another identity of this model, the first time one does (then
+        logged, and that namespace not looked at again); None otherwise.
+        Never raises."""
         disk = self._store.disk
         if disk is None:
             return None
         try:
-            descriptions = disk.namespace_descriptions()
-            for ns in sorted(descriptions):
-                if ns == self._store.namespace:
+            for other in self._candidates(disk):
+                if other.namespace in self._told:
                     continue
-                theirs = namespaces.identity_of(descriptions, ns)
-                if theirs is None or theirs.get("model") != self._mine["model"]:
-                    continue
-                name = qualify(ns, identifier)
-                key = make_key(self._store.model, self._store._hash(name), str(theirs.get("dtype")))
+                name = qualify(other.namespace, identifier)
+                key = make_key(self._store.model, self._store._hash(name), other.dtype)
                 if disk.contains(key, name):
-                    if ns not in self._told:
-                        self._told.add(ns)
-                        self._log(identifier, ns, theirs)
-                    return ns
+                    self._told.add(other.namespace)
+                    self._log(identifier, other.namespace, other.description)
+                    return other.namespace
         except (ECStoreError, ValueError, TypeError) as e:  # a damaged table: nothing to tell
             log.debug("ecstore: could not compare with other namespaces: %s", e)
         return None
+
+    def _candidates(self, disk: Any) -> list[_Other]:
+        """The other identities of this model, from the table read at most
+        every REFRESH_SECONDS and parsed only when it changed."""
+        now = self._clock()
+        if self._raw is not None and now - self._read_at < REFRESH_SECONDS:
+            return self._others
+        self._read_at = now
+        try:
+            raw = disk.namespace_descriptions()
+        except ECStoreError:
+            if self._raw is None:
+                self._raw = {}  # unreadable: tried again after REFRESH_SECONDS, not on every miss
+            raise
+        if raw != self._raw:
+            self._raw = raw
+            self._others = self._parse(raw)
+        return self._others
+
+    def _parse(self, raw: dict[str, bytes]) -> list[_Other]:
+        out: list[_Other] = []
+        for ns in sorted(raw):
+            if ns == self._store.namespace or ns in self._told:
+                continue
+            theirs = namespaces.identity_of(raw, ns)
+            if theirs is not None and theirs.get("model") == self._mine["model"]:
+                out.append(_Other(ns, str(theirs.get("dtype")), theirs))
+        return out
 
     def _log(self, identifier: str, ns: str, theirs: dict[str, Any]) -> None:
         diffs = namespaces.differences(self._mine, theirs)
