@@ -706,3 +706,32 @@ def test_a_consumers_stand_in_is_as_wide_as_the_stored_entry(tiny_qwen3_vl_dir, 
     finally:
         sched.shutdown()
         worker.shutdown()
+
+
+def test_unknown_placeholder_metadata_fails_closed(tiny_qwen2_5_vl_dir, disk_extra, monkeypatch, caplog):
+    """When the model's placeholder metadata fields cannot be read (its
+    multimodal processor does not build), every field used to count as an
+    encoder input: a metadata-only item (``image_grid_thw`` only) was "at
+    hand", was not verified before a yes, and vLLM would schedule its encoder
+    with nothing to encode (the engine stops). It is now not at hand; an item
+    with pixels still is. The processor's creation is made to raise (the one
+    call that builds it): a real failure the test cannot otherwise cause."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from ecstore.connector.features import EncoderInputs
+
+    cfg = vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_consumer", disk_extra)
+    metadata_only = vo.feature_template(vo.QWEN2_5_VL, False)[0]  # vLLM's own, built before the failure
+    pixels = vo.feature_template(vo.QWEN2_5_VL, True)[0]
+    assert EncoderInputs(cfg.model_config).at_hand(metadata_only) is False  # the fields read: the rule
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("processor does not build here")
+
+    monkeypatch.setattr(MULTIMODAL_REGISTRY, "create_processor", fails)
+    inputs = EncoderInputs(cfg.model_config)
+    with caplog.at_level(logging.WARNING, logger="ecstore"):
+        assert inputs.at_hand(metadata_only) is False
+        assert inputs.at_hand(pixels) is True
+    assert inputs.metadata_fields("image") is None
+    assert "only known encoder inputs" in caplog.text

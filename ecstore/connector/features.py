@@ -15,7 +15,16 @@ Which fields are metadata is the model's own declaration
 way vLLM's connectors read it (``PlaceholderMetadataResolver``); vLLM's CPU
 connector decides "local input available" by the same rule. A model that
 declares none (e.g. BLIP-2, which cannot be sent metadata-only items) counts
-any field with a value.
+any field with a value. When the declaration cannot be read (the processor
+does not build here, an unusual parser), the answer fails closed: only a
+field of :data:`ENCODER_INPUT_FIELDS` with a value counts, so a
+metadata-only item is never taken for one vLLM can encode (it would stop
+the engine); an item holding only other fields is verified before a yes.
+
+vLLM's own ``PlaceholderMetadataResolver`` (``ec_connector/utils.py``) is not
+used: it answers "no metadata fields" (count every field) when the
+processor does not build, the failure this module must tell apart, and
+builds the processor once per modality.
 
 One :class:`EncoderInputs` per scheduler side; the model's parser is looked
 up once, at the first item asked about (it builds vLLM's multimodal
@@ -29,6 +38,16 @@ from typing import Any
 
 log = logging.getLogger("ecstore")
 
+#: Fields that are encoder inputs wherever vLLM's models use them (pixels,
+#: audio features, pre-computed embeddings): what counts when a model's
+#: placeholder metadata fields are unknown.
+ENCODER_INPUT_FIELDS = frozenset({
+    "pixel_values", "pixel_values_videos", "video_pixel_values", "image_pixel_values", "patch_pixel_values",
+    "pixel_values_flat", "pixel_values_flat_video", "images",
+    "input_features", "input_features_padded", "input_audio_features", "audio_features", "input_values",
+    "image_embeds", "video_embeds", "audio_embeds", "input_image_embeds", "input_audio_embeds",
+})
+
 
 class EncoderInputs:
     """Answers :meth:`at_hand` for the items of one model."""
@@ -37,30 +56,36 @@ class EncoderInputs:
         self._model_config = model_config
         self._parser: Any = None
         self._looked_up = False
-        self._fields: dict[str, frozenset[str]] = {}
+        self._fields: dict[str, frozenset[str] | None] = {}
 
-    def metadata_fields(self, modality: str) -> frozenset[str]:
-        """The fields of ``modality`` that only size its placeholder."""
-        fields = self._fields.get(modality)
-        if fields is None:
-            parser = self._parser_class()
+    def metadata_fields(self, modality: str) -> frozenset[str] | None:
+        """The fields of ``modality`` that only size its placeholder; None if
+        they cannot be read (see the module docstring)."""
+        if modality in self._fields:
+            return self._fields[modality]
+        fields: frozenset[str] | None = None
+        parser = self._parser_class()
+        if parser is not None:
             try:
-                fields = frozenset(parser.placeholder_metadata_fields(modality)) if parser else frozenset()
-            except Exception as e:  # an unusual parser: count every field (vLLM's resolver does the same)
-                log.warning("ecstore: placeholder metadata fields of %s unknown (%s): every processed "
-                            "field counts as encoder input", modality, e)
-                fields = frozenset()
-            self._fields[modality] = fields
+                fields = frozenset(parser.placeholder_metadata_fields(modality))
+            except Exception as e:  # an unusual parser
+                log.warning("ecstore: placeholder metadata fields of %s unknown (%s): only known encoder "
+                            "inputs (pixel values, audio features, embeddings) count", modality, e)
+        self._fields[modality] = fields
         return fields
 
     def at_hand(self, feature: Any) -> bool:
         """Whether vLLM can run the encoder for ``feature`` (a
         ``MultiModalFeatureSpec``): its ``data`` holds a field that is not
-        placeholder metadata, with a value."""
+        placeholder metadata (if those are unknown: one of
+        :data:`ENCODER_INPUT_FIELDS`), with a value."""
         data = getattr(feature, "data", None)
         if not data:
             return False
         metadata = self.metadata_fields(feature.modality)
+        if metadata is None:
+            return any(getattr(elem, "data", None) is not None
+                       for key, elem in data.items() if key in ENCODER_INPUT_FIELDS)
         return any(getattr(elem, "data", None) is not None
                    for key, elem in data.items() if key not in metadata)
 
@@ -73,6 +98,6 @@ class EncoderInputs:
                 info = MULTIMODAL_REGISTRY.create_processor(self._model_config).info
                 self._parser = type(info.data_parser)
             except Exception as e:  # not multimodal, or a processor that does not build here
-                log.warning("ecstore: could not read the model's multimodal fields (%s): every "
-                            "processed field counts as encoder input", e)
+                log.warning("ecstore: could not read the model's multimodal fields (%s): only known "
+                            "encoder inputs (pixel values, audio features, embeddings) count", e)
         return self._parser
