@@ -266,3 +266,24 @@ def test_dump_timeout_option_bounds_a_remote_command(monkeypatch: pytest.MonkeyP
     import json
     listed = json.loads(out)
     assert listed["complete"] is False and "0.5 s" in listed["stopped_early"]
+
+
+@pytest.mark.parametrize("reply", [b":4000000\r\n", b"*2\r\n:1\r\n:2\r\n"], ids=["integer", "array"])
+def test_dump_verify_lists_a_key_whose_get_reply_is_no_string_and_goes_on(reply: bytes,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GET answered with another reply than a bulk string raises
+    RemoteBadReply (a RemoteUnavailable): ``verify`` stopped at the first such
+    key as if the server could not be reached. Each is now a bad value (never
+    deleted: its bytes are unknown) and the other keys are verified."""
+    import json
+
+    from ecstore.cli import ExitCode
+
+    scan = b"*2\r\n$1\r\n0\r\n*2\r\n$11\r\necstore:1:a\r\n$11\r\necstore:1:b\r\n"  # two keys, then done
+    with FakeRedis("reply", replies={"SCAN": scan, "GET": reply}) as server:
+        rc, out, err = _dump_bounded(monkeypatch, 60.0, "verify", server.url, "--delete-bad", "--json")
+    assert rc == ExitCode.BAD, (out, err)
+    res = json.loads(out)
+    assert [b["key"] for b in res["bad"]] == ["a", "b"] and "not a string" in res["bad"][0]["error"]
+    assert (res["checked"], res["deleted"], res["kept"], res["complete"]) == (2, 0, 2, True)
+    assert server.commands["GET"] == 2 and server.commands["EVALSHA"] + server.commands["EVAL"] == 0

@@ -47,16 +47,16 @@ def run_remote(command: str, args: argparse.Namespace) -> int:
 
     seconds = getattr(args, "timeout", None)
     bound = TimeBound.starting_now(DEFAULT_TIMEOUT_S if seconds is None else seconds)
-    backend = connect(args.path)
-    try:
-        with bounded(bound):
+    with bounded(bound):  # the connection's setup too
+        backend = connect(args.path)
+        try:
             if command == "list":
                 return _cmd_list(backend, args, bound)
             if command == "stats":
                 return _cmd_stats(backend, args, bound)
             return _cmd_verify(backend, args, bound)
-    finally:
-        backend.close()
+        finally:
+            backend.close()
 
 
 def _stopped(why: str | None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from ..codec import CorruptBlobError
 from ..errors import ECStoreError
 from ..key import parse_key
 from . import frame
-from .backend import KEY_PREFIX, RedisBackend, RemoteRefused
+from .backend import KEY_PREFIX, RedisBackend, RemoteBadReply, RemoteRefused
 from .deadline import deadline, time_left
 from .url import parse_remote_url, supported_scheme
 
@@ -236,7 +236,8 @@ def server_info(backend: RedisBackend, bound: TimeBound | None = None) -> dict[s
 class VerifyResult:
     """What :func:`verify` found: values checked, bad ones (key, error),
     deleted, vanished meanwhile, and kept: bad keys ``delete_bad`` left
-    alone (keys of another type than a string, not ecstore's)."""
+    alone (keys of another type than a string, not ecstore's; keys whose
+    ``GET`` reply was no string)."""
 
     checked: int = 0
     bad: list[dict[str, str]] | None = None
@@ -250,7 +251,8 @@ def verify(backend: RedisBackend, *, delete_bad: bool = False, bound: TimeBound 
     """Read every value in full and check it as the remote tier does
     (:func:`frame.check_value`: framing, record, checksum, header, shape)
     and against its key. A key of another type than a string is bad and
-    never deleted: ecstore did not write it. Past ``bound``: what was found
+    never deleted: ecstore did not write it; so is one whose ``GET``
+    reply is no string (:class:`RemoteBadReply`). Past ``bound``: what was found
     so far, ``stopped_early`` saying so. Call it inside :func:`bounded`."""
     result = VerifyResult(bad=[])
     try:
@@ -267,6 +269,11 @@ def _verify(backend: RedisBackend, delete_bad: bool, bound: TimeBound | None, re
         key = k.decode("utf-8", "replace")[len(KEY_PREFIX):]
         try:
             value = backend.get(key)
+        except RemoteBadReply as e:  # not a bulk string: this key is unreadable, the others may not be
+            result.checked += 1
+            result.bad.append({"key": key, "error": f"{e}: unreadable, left alone"})
+            result.kept += delete_bad
+            continue
         except RemoteRefused:
             other = _other_type(backend, k)
             if other is None:
