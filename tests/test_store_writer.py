@@ -460,3 +460,19 @@ def test_a_writer_thread_that_dies_fails_flush_and_puts_instead_of_hanging(tmp_p
     with pytest.raises(ECStoreError, match="background writer stopped"):
         s.put("b", _tensor(2))
     assert _bounded(s.close) == [None], "close() hung on a dead writer"
+
+
+def test_an_lmdb_error_from_the_final_sync_is_an_ecstore_error(tmp_path):
+    """flush() and close() end with LMDBTier.sync (mdb_env_sync(force)); it
+    had lost its error-translating decorator (moved to the method inserted
+    above it), so an LMDB error there (EIO from the fsync; here: the
+    environment closed underneath, a real lmdb.Error) escaped both as a raw
+    lmdb.Error, not an ECStoreError."""
+    s = _open(tmp_path)
+    assert s.put("a", _tensor(1))
+    s.wait_committed()
+    s.disk.env.close()  # the real environment, closed: env.sync(True) raises lmdb.Error
+    with pytest.raises(ECStoreError, match="LMDB error"):
+        s.flush()
+    with pytest.raises(ECStoreError, match="LMDB error"):
+        s.close()

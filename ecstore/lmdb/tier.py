@@ -389,7 +389,6 @@ class LMDBTier(TierReads):
             return names
         return self.files.sweep(referenced)
 
-    @_lmdb_errors_as_store_errors
     def sync_files(self, names: list[str]) -> None:
         """Make the blob files of entries committed by
         ``write_batch(sync_files=False)`` durable (``fdatasync`` each, then
@@ -400,8 +399,10 @@ class LMDBTier(TierReads):
         if names:
             self.files.sync(names, missing_ok=True)
 
+    @_lmdb_errors_as_store_errors
     def sync(self) -> None:
-        """Force committed transactions to stable storage."""
+        """Force committed transactions to stable storage. An LMDB error
+        (EIO from the fsync, a closed environment) is an ECStoreError."""
         self._check()
         if not self.readonly:
             self.env.sync(True)
