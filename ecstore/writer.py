@@ -485,7 +485,11 @@ class Writer(threading.Thread):
 
     def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> list[str]:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
-        returns the blob files of the stored puts, still to be synced."""
+        returns the blob files still to be synced: those of the stored puts,
+        and those of the entries found present (another handle may have
+        committed one visible-first and not synced its file yet: ``flush``
+        vouches for it too; the ``fdatasync`` of a clean file costs next to
+        nothing)."""
         namespace = self.namespace
         if batch and namespace is not None:
             try:
@@ -503,7 +507,8 @@ class Writer(threading.Thread):
         for (key, it), r in zip(batch, reqs):
             outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
             self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
-        return [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
+        stored = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
+        return stored + [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
 
     def _report(self, res: WriteResult) -> None:
         if res.outcome is PutOutcome.STORED:

@@ -201,7 +201,9 @@ class LMDBTier(TierReads):
         page cache: a killed process loses nothing of them) but not
         ``fdatasync``ed before the commit, so the entries are visible sooner;
         the caller then makes them durable with :meth:`sync_files` (the names
-        of the stored puts' ``ref``). Until then a power loss may leave such a
+        of the stored puts' ``ref``, and the ``present_file`` of the puts
+        found present: another handle may have committed that entry the
+        same way and not synced its file yet). Until then a power loss may leave such a
         committed entry's file torn or missing: a checked miss at its read
         (size, header and checksum), never garbage.
         """
@@ -305,6 +307,7 @@ class LMDBTier(TierReads):
         sets the results only once it committed."""
         now = time.time_ns()
         results: list[str] = ["pending"] * len(todo)
+        present_files: list[str | None] = [None] * len(todo)
         with self._writing() as w:
             for op in in_call_order(todo, touches):
                 if not isinstance(op, PutOp):
@@ -315,6 +318,8 @@ class LMDBTier(TierReads):
                 held = w.identifier_of(k)  # a damaged entry under this key is dropped: replaced
                 if held is not None:
                     results[op.index] = "present" if held == p.identifier else "collision"
+                    if held == p.identifier:
+                        present_files[op.index] = w.file_of(k)
                     continue
                 blob = p.encoded
                 if not w.make_room(len(blob), self.capacity_bytes):
@@ -324,7 +329,8 @@ class LMDBTier(TierReads):
                                          tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
                                          codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
                 results[op.index] = "stored"
-        for p, r in zip(todo, results):
+        for p, r, present in zip(todo, results, present_files):
+            p.present_file = present
             if r == "full":
                 p.result, p.error = "failed", StoreFullError(
                     f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
