@@ -129,8 +129,9 @@ class Writer(threading.Thread):
     waits for what was submitted before its call only (see the module doc);
     :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
     only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
-    lines) and records failures: :attr:`write_errors` counts them and
-    :meth:`take_errors` hands them to ``flush``.
+    lines) and records failures: :attr:`write_errors` counts failed puts,
+    :attr:`sync_errors` committed blob files whose sync failed, and
+    :meth:`take_errors` hands both to ``flush`` (and ``close``, which logs them).
     """
 
     def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
@@ -162,6 +163,9 @@ class Writer(threading.Thread):
         self.stopping = False
         self.errors: list[BaseException] = []
         self.write_errors = 0  # failed puts since start
+        # blob files of committed entries whose sync after the commit failed
+        # since start (those puts were reported stored: not write_errors)
+        self.sync_errors = 0
         self.offers_refused = 0  # offers (remote promotions) refused for want of room since start
         self.busy = False
         self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
@@ -239,6 +243,16 @@ class Writer(threading.Thread):
         with self.cv:
             errors, self.errors = self.errors, []
         return errors
+
+    def log_untaken_errors(self) -> None:
+        """``close``: log, in one line, the errors recorded since the last
+        :meth:`take_errors` (``flush``), which nobody will raise now (each
+        was also logged when it happened); takes them."""
+        errors = self.take_errors()
+        if errors:
+            log.error("ecstore: closing %s: %d write error(s) since the last flush() were not raised "
+                      "(call flush() before close() to have them raised); the last: %s",
+                      self.disk.path, len(errors), errors[-1])
 
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
@@ -467,16 +481,20 @@ class Writer(threading.Thread):
 
     def _sync_files(self, names: list[str]) -> None:
         """Writer thread: make a committed batch's blob files durable, then
-        let ``drain(durable=True)`` (``flush``) go on. A failure is a write
-        error (``flush`` raises it): those entries stay visible, and a read
-        checks them as it checks every entry."""
+        let ``drain(durable=True)`` (``flush``) go on. A failure counts in
+        :attr:`sync_errors` (not :attr:`write_errors`: those puts were
+        committed and reported stored) and is an error ``flush`` raises:
+        those entries stay visible, and a read checks them as it checks
+        every entry."""
         try:
             self.disk.sync_files(names)
         except ECStoreError as e:
             log.error("ecstore: %d committed blob file(s) could not be made durable: %s", len(names), e)
             with self.cv:
-                self.write_errors += len(names)
-                self.errors.append(e)
+                self.sync_errors += len(names)
+                self.errors.append(StoreFullError(
+                    f"{len(names)} committed blob file(s) not made durable (the entries stay readable "
+                    f"until a power loss; a torn file is a miss): {e}"))
         finally:
             with self.cv:
                 self.syncing_since = None
