@@ -234,7 +234,7 @@ class LMDBTier(TierReads):
         """Write the blobs that go to files, then (``sync``) make them durable
         together (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
         before the transaction that references them: a committed entry's
-        file is always complete, and durable unless ``sync`` is False (then
+        file is always complete (in the page cache at least), and durable unless ``sync`` is False (then
         only the store directory's entry for ``blobs/`` is made durable first,
         and :meth:`sync_files` the files after the commit). Outside LMDB's write lock, so
         other processes keep committing meanwhile. StoreFullError (every put
