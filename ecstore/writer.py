@@ -172,6 +172,9 @@ class Writer(threading.Thread):
         # oldest ticket of the committed batch whose blob files are being
         # synced (None: none): what drain(durable=True) still waits for
         self.syncing_since: int | None = None
+        # key -> (identifier, ticket): puts skipped because the store already
+        # held that entry (:meth:`vouch`), whose blob file the next batch syncs
+        self.vouches: dict[str, tuple[str, int]] = {}
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
         self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
@@ -243,6 +246,20 @@ class Writer(threading.Thread):
         with self.cv:
             errors, self.errors = self.errors, []
         return errors
+
+    def vouch(self, key: str, identifier: str) -> None:
+        """A put of ``identifier`` under ``key`` skipped because the store
+        already holds it: ``drain(durable=True)`` (``flush``) vouches for it
+        too, so the next batch syncs that entry's blob file (another handle
+        may have committed it visible-first and not synced it yet; the
+        ``fdatasync`` of a clean file costs next to nothing). Does not block;
+        ignored once :meth:`stop` began."""
+        with self.cv:
+            if self.stopping:
+                return
+            self.ticket += 1
+            held = self.vouches.get(key)
+            self.vouches[key] = (identifier, self.ticket if held is None or held[0] != identifier else held[1])
 
     def log_untaken_errors(self) -> None:
         """``close``: log, in one line, the errors recorded since the last
@@ -359,6 +376,8 @@ class Writer(threading.Thread):
             tickets.append(self.busy_since)
         if durable and self.syncing_since is not None:
             tickets.append(self.syncing_since)
+        if durable:
+            tickets += [since for _, since in self.vouches.values()]
         return min(tickets, default=None)
 
     def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
@@ -419,6 +438,7 @@ class Writer(threading.Thread):
             self.queue.clear()
             self.inflight.clear()
             self.touches.clear()
+            self.vouches.clear()
             self.queued_bytes = 0
             self.busy = False
             self.busy_since = None
@@ -429,7 +449,7 @@ class Writer(threading.Thread):
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not (self.queue or self.stopping or (self.touches and self.drainers)):
+                while not (self.queue or self.stopping or ((self.touches or self.vouches) and self.drainers)):
                     if not self.touches:
                         self.cv.wait()
                         continue
@@ -437,7 +457,7 @@ class Writer(threading.Thread):
                     if due <= 0:
                         break
                     self.cv.wait(due)
-                if self.stopping and not (self.queue or self.touches):
+                if self.stopping and not (self.queue or self.touches or self.vouches):
                     self.cv.notify_all()
                     return
                 batch: list[tuple[str, PendingPut]] = []
@@ -450,6 +470,9 @@ class Writer(threading.Thread):
                 touches, self.touches = self._split_touches()
                 if touches:
                     self.touches_written_at = time.monotonic()
+                vouches, self.vouches = self.vouches, {}
+                vouched_since = min((since for _, since in vouches.values()), default=None)
+                self.syncing_since = vouched_since  # until the sync below
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             try:
@@ -461,7 +484,7 @@ class Writer(threading.Thread):
                 log.warning("ecstore: could not ready memory for the next save: %r", e)
             to_sync: list[str] = []
             try:
-                to_sync = self._write(batch, touches)
+                to_sync = self._write(batch, touches, vouches)
             except BaseException as e:  # never let the writer die silently
                 log.error("ecstore: background write failed: %s", e)
                 self.add_error(e)
@@ -472,8 +495,8 @@ class Writer(threading.Thread):
                         self.queued_bytes -= item.nbytes
                     self.busy = False
                     self.busy_since = None
-                    if to_sync:
-                        self.syncing_since = min(item.since for _, item in batch)
+                    self.syncing_since = min([item.since for _, item in batch]
+                                             + ([] if vouched_since is None else [vouched_since])) if to_sync else None
                     self.progress += 1
                     self.cv.notify_all()
             if to_sync:
@@ -501,13 +524,14 @@ class Writer(threading.Thread):
                 self.progress += 1
                 self.cv.notify_all()
 
-    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> list[str]:
+    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch],
+               vouches: dict[str, tuple[str, int]] | None = None) -> list[str]:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
         returns the blob files still to be synced: those of the stored puts,
-        and those of the entries found present (another handle may have
-        committed one visible-first and not synced its file yet: ``flush``
-        vouches for it too; the ``fdatasync`` of a clean file costs next to
-        nothing)."""
+        and those of the entries found present or ``vouches`` (puts skipped:
+        see :meth:`vouch`) point to (another handle may have committed one
+        visible-first and not synced its file yet: ``flush`` vouches for it
+        too; the ``fdatasync`` of a clean file costs next to nothing)."""
         namespace = self.namespace
         if batch and namespace is not None:
             try:
@@ -525,8 +549,20 @@ class Writer(threading.Thread):
         for (key, it), r in zip(batch, reqs):
             outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
             self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
-        stored = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
-        return stored + [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
+        names = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
+        names += [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
+        for key, (identifier, _) in (vouches or {}).items():
+            try:
+                name = self.disk.file_of(key, identifier)
+            except ECStoreError as e:  # cannot tell which file: not vouched for
+                log.error("ecstore: cannot find the blob file of %s to make it durable: %s", identifier, e)
+                with self.cv:
+                    self.sync_errors += 1
+                    self.errors.append(StoreFullError(f"blob file of {identifier} not made durable: {e}"))
+                continue
+            if name is not None:
+                names.append(name)
+        return list(dict.fromkeys(names))
 
     def _report(self, res: WriteResult) -> None:
         if res.outcome is PutOutcome.STORED:

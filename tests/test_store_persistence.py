@@ -380,3 +380,34 @@ def test_flush_syncs_the_file_of_an_entry_another_process_committed_and_has_not_
     finally:
         gate.set()
         store.close()
+
+
+def test_flush_syncs_the_file_of_an_entry_a_skipped_put_found_unsynced(tmp_store_dir, children, monkeypatch):
+    """The same as above when this handle's put comes after the producer's
+    commit: put() finds the entry held and returns False (skipped); flush()
+    ("everything put so far is durable") must still sync its file. Before,
+    a skipped put left nothing to sync: flush() returned with the producer's
+    file never synced."""
+    cap = 64 << 20
+    rows, cols = 512, 1024  # 1 MiB: a blob file of its own
+    producer = children("producer")
+    producer.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": cap}, {"op": "hold_blob_syncs"},
+                  {"op": "put", "id": "big", "seed": 7, "rows": rows, "cols": cols}, {"op": "wait_committed"})
+    assert producer.recv()[2] is True  # committed; its file's sync never returns
+    with open_store(tmp_store_dir, cap) as store:
+        real_sync = store.disk.files.sync
+        synced: list[str] = []
+
+        def recording_sync(names, **kw):
+            names = list(names)
+            real_sync(names, **kw)
+            synced.extend(names)
+
+        monkeypatch.setattr(store.disk.files, "sync", recording_sync)
+        assert store.put("big", make_tensor(7, rows, cols)) is False  # already held: skipped
+        store.flush()
+        files = {f.name for f in (tmp_store_dir / "blobs").glob("*.ecb")}
+        assert len(files) == 1
+        assert set(synced) == files, "flush() returned without syncing the producer's file"
+        assert store.stats().sync_errors == 0
+    producer.kill()

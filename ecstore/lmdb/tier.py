@@ -30,6 +30,7 @@ from .env import MiB
 from .full import MapFullRetry, space_hint
 from .handle import _lmdb_errors_as_store_errors, lmdb_store_error
 from .reads import TierReads
+from .txn import file_ref
 
 log = logging.getLogger("ecstore")
 
@@ -394,6 +395,21 @@ class LMDBTier(TierReads):
             self._sync_for_deletes()
             return names
         return self.files.sweep(referenced)
+
+    @_lmdb_errors_as_store_errors
+    def file_of(self, key: str, identifier: str) -> str | None:
+        """The name of the blob file ``key``'s entry of ``identifier`` points
+        to (one read transaction); None for an inline blob, another
+        identifier or no entry."""
+        self._check()
+        k = self._k(key)
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(k, db=self._entries)
+            if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
+                return None
+            value = txn.get(k, db=self._blobs)
+            ref = None if value is None else file_ref(value)
+        return None if ref is None else ref.name
 
     def sync_files(self, names: list[str]) -> None:
         """Make the blob files of entries committed by
