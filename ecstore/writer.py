@@ -21,7 +21,9 @@ process; their ``fdatasync`` follows the commit, on this thread, before the
 next batch. A killed process loses nothing of a committed entry (the page
 cache survives it); a power loss before that sync can tear a committed
 entry's file, which its read finds by size, header and checksum (a miss,
-never garbage). ``flush`` returns only after the sync. After :meth:`Writer.stop` (``close``)
+never garbage). ``flush`` returns only after the sync, which also covers the
+files of entries another handle stored first (a put found present, or
+skipped: :meth:`Writer.vouch`). After :meth:`Writer.stop` (``close``)
 a put is refused with "store is closed"; everything queued before is written
 before the thread exits.
 """
