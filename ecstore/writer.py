@@ -545,7 +545,8 @@ class Writer(threading.Thread):
         reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
                 for key, it in batch]
         try:
-            self.disk.write_batch(reqs, dict(touches), sync_files=False)
+            if reqs or touches:  # not for vouches alone: a commit of nothing still costs an fsync
+                self.disk.write_batch(reqs, dict(touches), sync_files=False)
         except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
         for (key, it), r in zip(batch, reqs):
