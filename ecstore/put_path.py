@@ -69,6 +69,8 @@ class PutPath:
         held = r.identifier_at(key)
         if held == name:
             self.counters.put_skipped()
+            if writer is not None:  # flush() vouches for it: its blob file is synced too
+                writer.vouch(key, name)
             return False
         if held is not None:
             self.counters.refused_collision(mm_hash, key, held)

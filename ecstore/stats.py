@@ -49,6 +49,7 @@ class StoreStats:
     puts_skipped: int = 0
     puts_refused: int = 0
     write_errors: int = 0
+    sync_errors: int = 0  # committed blob files whose fdatasync after the commit failed (flush raises)
     memory_evictions: int = 0
     disk_evictions: int = 0
     corrupt_dropped: int = 0
@@ -145,6 +146,7 @@ class Counters:
         if writer is not None:
             with writer.cv:
                 s.write_errors = writer.write_errors
+                s.sync_errors = writer.sync_errors
                 s.pending_writes = len(writer.queue) + len(writer.inflight)
                 s.pending_bytes = writer.queued_bytes
                 s.remote_promotions_skipped = writer.offers_refused

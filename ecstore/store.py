@@ -364,8 +364,10 @@ class ECStore:
 
     def close(self) -> None:
         """Write pending puts and LRU updates, make them durable and release
-        the store. Idempotent. A write that fails here is logged, not raised:
-        call :meth:`flush` first to have such errors raised.
+        the store. Idempotent. A write that fails here (or a blob file that
+        could not be made durable) is logged, not raised, and so are those
+        since the last :meth:`flush` (one line naming how many): call
+        :meth:`flush` first to have such errors raised.
 
         Thread-safe (see :mod:`ecstore.calls`): new calls raise "store is
         closed" from the moment it begins; it waits for the calls already
@@ -388,6 +390,7 @@ class ECStore:
                 self._writer.stop()
                 if self.disk is not None:
                     self.disk.sync()
+                self._writer.log_untaken_errors()  # logged, not raised: see close()
         finally:
             remote, self.remote = getattr(self, "remote", None), None
             if getattr(self, "_reads", None) is not None:

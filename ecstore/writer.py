@@ -21,7 +21,9 @@ process; their ``fdatasync`` follows the commit, on this thread, before the
 next batch. A killed process loses nothing of a committed entry (the page
 cache survives it); a power loss before that sync can tear a committed
 entry's file, which its read finds by size, header and checksum (a miss,
-never garbage). ``flush`` returns only after the sync. After :meth:`Writer.stop` (``close``)
+never garbage). ``flush`` returns only after the sync, which also covers the
+files of entries another handle stored first (a put found present, or
+skipped: :meth:`Writer.vouch`). After :meth:`Writer.stop` (``close``)
 a put is refused with "store is closed"; everything queued before is written
 before the thread exits.
 """
@@ -129,8 +131,9 @@ class Writer(threading.Thread):
     waits for what was submitted before its call only (see the module doc);
     :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
     only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
-    lines) and records failures: :attr:`write_errors` counts them and
-    :meth:`take_errors` hands them to ``flush``.
+    lines) and records failures: :attr:`write_errors` counts failed puts,
+    :attr:`sync_errors` committed blob files whose sync failed, and
+    :meth:`take_errors` hands both to ``flush`` (and ``close``, which logs them).
     """
 
     def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
@@ -162,12 +165,18 @@ class Writer(threading.Thread):
         self.stopping = False
         self.errors: list[BaseException] = []
         self.write_errors = 0  # failed puts since start
+        # blob files of committed entries whose sync after the commit failed
+        # since start (those puts were reported stored: not write_errors)
+        self.sync_errors = 0
         self.offers_refused = 0  # offers (remote promotions) refused for want of room since start
         self.busy = False
         self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
         # oldest ticket of the committed batch whose blob files are being
         # synced (None: none): what drain(durable=True) still waits for
         self.syncing_since: int | None = None
+        # key -> (identifier, ticket): puts skipped because the store already
+        # held that entry (:meth:`vouch`), whose blob file the next batch syncs
+        self.vouches: dict[str, tuple[str, int]] = {}
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
         self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
@@ -239,6 +248,30 @@ class Writer(threading.Thread):
         with self.cv:
             errors, self.errors = self.errors, []
         return errors
+
+    def vouch(self, key: str, identifier: str) -> None:
+        """A put of ``identifier`` under ``key`` skipped because the store
+        already holds it: ``drain(durable=True)`` (``flush``) vouches for it
+        too, so the next batch syncs that entry's blob file (another handle
+        may have committed it visible-first and not synced it yet; the
+        ``fdatasync`` of a clean file costs next to nothing). Does not block;
+        ignored once :meth:`stop` began."""
+        with self.cv:
+            if self.stopping:
+                return
+            self.ticket += 1
+            held = self.vouches.get(key)
+            self.vouches[key] = (identifier, self.ticket if held is None or held[0] != identifier else held[1])
+
+    def log_untaken_errors(self) -> None:
+        """``close``: log, in one line, the errors recorded since the last
+        :meth:`take_errors` (``flush``), which nobody will raise now (each
+        was also logged when it happened); takes them."""
+        errors = self.take_errors()
+        if errors:
+            log.error("ecstore: closing %s: %d write error(s) since the last flush() were not raised "
+                      "(call flush() before close() to have them raised); the last: %s",
+                      self.disk.path, len(errors), errors[-1])
 
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
@@ -345,6 +378,8 @@ class Writer(threading.Thread):
             tickets.append(self.busy_since)
         if durable and self.syncing_since is not None:
             tickets.append(self.syncing_since)
+        if durable:
+            tickets += [since for _, since in self.vouches.values()]
         return min(tickets, default=None)
 
     def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
@@ -405,6 +440,7 @@ class Writer(threading.Thread):
             self.queue.clear()
             self.inflight.clear()
             self.touches.clear()
+            self.vouches.clear()
             self.queued_bytes = 0
             self.busy = False
             self.busy_since = None
@@ -415,7 +451,7 @@ class Writer(threading.Thread):
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not (self.queue or self.stopping or (self.touches and self.drainers)):
+                while not (self.queue or self.stopping or ((self.touches or self.vouches) and self.drainers)):
                     if not self.touches:
                         self.cv.wait()
                         continue
@@ -423,7 +459,7 @@ class Writer(threading.Thread):
                     if due <= 0:
                         break
                     self.cv.wait(due)
-                if self.stopping and not (self.queue or self.touches):
+                if self.stopping and not (self.queue or self.touches or self.vouches):
                     self.cv.notify_all()
                     return
                 batch: list[tuple[str, PendingPut]] = []
@@ -436,6 +472,9 @@ class Writer(threading.Thread):
                 touches, self.touches = self._split_touches()
                 if touches:
                     self.touches_written_at = time.monotonic()
+                vouches, self.vouches = self.vouches, {}
+                vouched_since = min((since for _, since in vouches.values()), default=None)
+                self.syncing_since = vouched_since  # until the sync below
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             try:
@@ -447,7 +486,7 @@ class Writer(threading.Thread):
                 log.warning("ecstore: could not ready memory for the next save: %r", e)
             to_sync: list[str] = []
             try:
-                to_sync = self._write(batch, touches)
+                to_sync = self._write(batch, touches, vouches)
             except BaseException as e:  # never let the writer die silently
                 log.error("ecstore: background write failed: %s", e)
                 self.add_error(e)
@@ -458,8 +497,8 @@ class Writer(threading.Thread):
                         self.queued_bytes -= item.nbytes
                     self.busy = False
                     self.busy_since = None
-                    if to_sync:
-                        self.syncing_since = min(item.since for _, item in batch)
+                    self.syncing_since = min([item.since for _, item in batch]
+                                             + ([] if vouched_since is None else [vouched_since])) if to_sync else None
                     self.progress += 1
                     self.cv.notify_all()
             if to_sync:
@@ -467,25 +506,34 @@ class Writer(threading.Thread):
 
     def _sync_files(self, names: list[str]) -> None:
         """Writer thread: make a committed batch's blob files durable, then
-        let ``drain(durable=True)`` (``flush``) go on. A failure is a write
-        error (``flush`` raises it): those entries stay visible, and a read
-        checks them as it checks every entry."""
+        let ``drain(durable=True)`` (``flush``) go on. A failure counts in
+        :attr:`sync_errors` (not :attr:`write_errors`: those puts were
+        committed and reported stored) and is an error ``flush`` raises:
+        those entries stay visible, and a read checks them as it checks
+        every entry."""
         try:
             self.disk.sync_files(names)
         except ECStoreError as e:
             log.error("ecstore: %d committed blob file(s) could not be made durable: %s", len(names), e)
             with self.cv:
-                self.write_errors += len(names)
-                self.errors.append(e)
+                self.sync_errors += len(names)
+                self.errors.append(StoreFullError(
+                    f"{len(names)} committed blob file(s) not made durable (the entries stay readable "
+                    f"until a power loss; a torn file is a miss): {e}"))
         finally:
             with self.cv:
                 self.syncing_since = None
                 self.progress += 1
                 self.cv.notify_all()
 
-    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch]) -> list[str]:
+    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch],
+               vouches: dict[str, tuple[str, int]] | None = None) -> list[str]:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
-        returns the blob files of the stored puts, still to be synced."""
+        returns the blob files still to be synced: those of the stored puts,
+        and those of the entries found present or ``vouches`` (puts skipped:
+        see :meth:`vouch`) point to (another handle may have committed one
+        visible-first and not synced its file yet: ``flush`` vouches for it
+        too; the ``fdatasync`` of a clean file costs next to nothing)."""
         namespace = self.namespace
         if batch and namespace is not None:
             try:
@@ -497,13 +545,27 @@ class Writer(threading.Thread):
         reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
                 for key, it in batch]
         try:
-            self.disk.write_batch(reqs, dict(touches), sync_files=False)
+            if reqs or touches:  # not for vouches alone: a commit of nothing still costs an fsync
+                self.disk.write_batch(reqs, dict(touches), sync_files=False)
         except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
         for (key, it), r in zip(batch, reqs):
             outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
             self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
-        return [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
+        names = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
+        names += [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
+        for key, (identifier, _) in (vouches or {}).items():
+            try:
+                name = self.disk.file_of(key, identifier)
+            except ECStoreError as e:  # cannot tell which file: not vouched for
+                log.error("ecstore: cannot find the blob file of %s to make it durable: %s", identifier, e)
+                with self.cv:
+                    self.sync_errors += 1
+                    self.errors.append(StoreFullError(f"blob file of {identifier} not made durable: {e}"))
+                continue
+            if name is not None:
+                names.append(name)
+        return list(dict.fromkeys(names))
 
     def _report(self, res: WriteResult) -> None:
         if res.outcome is PutOutcome.STORED:

@@ -152,14 +152,15 @@ def test_two_threads_closing_at_once_tear_down_once(tmp_path):
     in_drain = 0
     go, a_done = threading.Event(), threading.Event()
 
-    def held_drain() -> None:  # the first closer holds here, mid-teardown; a second one until the first is done
+    def held_drain(durable: bool = False) -> None:
+        # the first closer holds here, mid-teardown; a second one until the first is done
         nonlocal in_drain
         with cv:
             in_drain += 1
             first = in_drain == 1
             cv.notify_all()
         assert (go if first else a_done).wait(BOUND_S)
-        real_drain()
+        real_drain(durable)
 
     w.drain = held_drain
     errors: list[BaseException] = []

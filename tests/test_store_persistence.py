@@ -12,6 +12,7 @@ import json
 import select
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -336,3 +337,77 @@ def test_entry_is_visible_before_its_blob_file_is_synced_and_a_kill_there_loses_
         check_accounting(store, cap)
     left = list((tmp_store_dir / "blobs").glob("*.ecb"))
     assert left == ([] if torn else files)
+
+
+def test_flush_syncs_the_file_of_an_entry_another_process_committed_and_has_not_synced(
+        tmp_store_dir, children, monkeypatch):
+    """Visible first, durable next: a producer commits an entry and syncs its
+    blob file after the commit. This handle's put of the same entry, queued
+    before that commit and written after it, comes out "present"; flush()
+    then vouches for it (docs/guarantees.md, power loss after flush()), so
+    it must sync that file too. Before, only stored puts' files were synced:
+    flush() returned with the producer's file never synced (here the
+    producer's sync never returns), and a power loss could tear it."""
+    cap = 64 << 20
+    rows, cols = 512, 1024  # 1 MiB: blob files of their own
+    store = open_store(tmp_store_dir, cap)
+    real_sync = store.disk.files.sync
+    synced: list[str] = []
+    gate = threading.Event()
+
+    def held_sync(names, **kw):  # the real sync, after the gate opens; names recorded
+        names = list(names)
+        assert gate.wait(60), "the gate was never opened"
+        real_sync(names, **kw)
+        synced.extend(names)
+
+    monkeypatch.setattr(store.disk.files, "sync", held_sync)
+    try:
+        assert store.put("x", make_tensor(3, rows, cols))
+        store.wait_committed()  # the writer now waits in x's sync: "big" stays queued behind it
+        assert store.put("big", make_tensor(7, rows, cols))  # nobody holds it yet: queued
+        producer = children("producer")
+        producer.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": cap}, {"op": "hold_blob_syncs"},
+                      {"op": "put", "id": "big", "seed": 7, "rows": rows, "cols": cols}, {"op": "wait_committed"})
+        assert producer.recv()[2] is True  # the producer stored it (its file's sync never returns)
+        gate.set()
+        store.flush()  # this handle's "big" comes out present
+        files = {f.name for f in (tmp_store_dir / "blobs").glob("*.ecb")}
+        assert len(files) == 2  # x's and the producer's "big"
+        assert set(synced) == files, "flush() returned without syncing the producer's file"
+        assert_same(store.get("big"), make_tensor(7, rows, cols))
+        producer.kill()
+    finally:
+        gate.set()
+        store.close()
+
+
+def test_flush_syncs_the_file_of_an_entry_a_skipped_put_found_unsynced(tmp_store_dir, children, monkeypatch):
+    """The same as above when this handle's put comes after the producer's
+    commit: put() finds the entry held and returns False (skipped); flush()
+    ("everything put so far is durable") must still sync its file. Before,
+    a skipped put left nothing to sync: flush() returned with the producer's
+    file never synced."""
+    cap = 64 << 20
+    rows, cols = 512, 1024  # 1 MiB: a blob file of its own
+    producer = children("producer")
+    producer.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": cap}, {"op": "hold_blob_syncs"},
+                  {"op": "put", "id": "big", "seed": 7, "rows": rows, "cols": cols}, {"op": "wait_committed"})
+    assert producer.recv()[2] is True  # committed; its file's sync never returns
+    with open_store(tmp_store_dir, cap) as store:
+        real_sync = store.disk.files.sync
+        synced: list[str] = []
+
+        def recording_sync(names, **kw):
+            names = list(names)
+            real_sync(names, **kw)
+            synced.extend(names)
+
+        monkeypatch.setattr(store.disk.files, "sync", recording_sync)
+        assert store.put("big", make_tensor(7, rows, cols)) is False  # already held: skipped
+        store.flush()
+        files = {f.name for f in (tmp_store_dir / "blobs").glob("*.ecb")}
+        assert len(files) == 1
+        assert set(synced) == files, "flush() returned without syncing the producer's file"
+        assert store.stats().sync_errors == 0
+    producer.kill()

@@ -17,6 +17,7 @@ import contextlib
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -460,3 +461,69 @@ def test_a_writer_thread_that_dies_fails_flush_and_puts_instead_of_hanging(tmp_p
     with pytest.raises(ECStoreError, match="background writer stopped"):
         s.put("b", _tensor(2))
     assert _bounded(s.close) == [None], "close() hung on a dead writer"
+
+
+def test_an_lmdb_error_from_the_final_sync_is_an_ecstore_error(tmp_path):
+    """flush() and close() end with LMDBTier.sync (mdb_env_sync(force)); it
+    had lost its error-translating decorator (moved to the method inserted
+    above it), so an LMDB error there (EIO from the fsync; here: the
+    environment closed underneath, a real lmdb.Error) escaped both as a raw
+    lmdb.Error, not an ECStoreError."""
+    s = _open(tmp_path)
+    assert s.put("a", _tensor(1))
+    s.wait_committed()
+    s.disk.env.close()  # the real environment, closed: env.sync(True) raises lmdb.Error
+    with pytest.raises(ECStoreError, match="LMDB error"):
+        s.flush()
+    with pytest.raises(ECStoreError, match="LMDB error"):
+        s.close()
+
+
+def _blob_file_replaced_by_a_symlink_before_its_sync(s: ecstore.ECStore, monkeypatch) -> None:
+    """Put a 1 MiB entry (a blob file of its own) into ``s``; between its
+    commit and its file's sync, replace that file by a symlink to a copy:
+    the real sync then fails (``O_NOFOLLOW``: ELOOP), a real OS error."""
+    real_sync = s.disk.files.sync
+    gate = threading.Event()
+
+    def gated_sync(names, **kw):
+        assert gate.wait(BOUND_S), "the gate was never opened"
+        real_sync(names, **kw)
+
+    monkeypatch.setattr(s.disk.files, "sync", gated_sync)
+    assert s.put("a", torch.randn(512, 512))  # 1 MiB
+    s.wait_committed()  # committed; the writer waits at its file's sync
+    (blob,) = Path(s.disk.files.dir).glob("*.ecb")
+    moved = blob.with_suffix(".moved")
+    blob.rename(moved)
+    blob.symlink_to(moved)
+    gate.set()
+
+
+def test_a_failed_blob_file_sync_is_a_sync_error_raised_by_flush_not_a_write_error(tmp_path, monkeypatch):
+    """A blob file's sync after its commit failing counted len(names) into
+    write_errors, for puts already reported stored (and committed). It is a
+    sync error now: StoreStats.sync_errors, raised by flush()."""
+    s = _open(tmp_path / "s")
+    try:
+        _blob_file_replaced_by_a_symlink_before_its_sync(s, monkeypatch)
+        with pytest.raises(ECStoreError) as raised:
+            s.flush()
+        st = s.stats()
+        assert (st.write_errors, getattr(st, "sync_errors", None)) == (0, 1)
+        assert "not made durable" in str(raised.value)
+    finally:
+        s.close()
+
+
+def test_a_failed_blob_file_sync_at_close_is_reported_by_close(tmp_path, monkeypatch, caplog):
+    """close() flushes; a sync failure there was only the writer's own log
+    line, and the error itself stayed in the closed handle, untaken. close()
+    logs, not raises (its contract, as for failed writes): one line at close
+    naming the errors no flush() took."""
+    s = _open(tmp_path / "s")
+    _blob_file_replaced_by_a_symlink_before_its_sync(s, monkeypatch)
+    with caplog.at_level("ERROR", logger="ecstore"):
+        s.close()
+    closing = [r.getMessage() for r in caplog.records if "closing" in r.getMessage()]
+    assert len(closing) == 1 and "1 write error(s)" in closing[0] and "not made durable" in closing[0], closing

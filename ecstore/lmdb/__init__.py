@@ -28,9 +28,12 @@ blob, or a pointer to the file holding it), ``entries`` (key -> packed Record), 
 ``meta`` (schema version, total bytes, next LRU sequence number). A blob, its
 record and its LRU position are always written and removed in the same write
 transaction, and ``total_bytes`` is updated in that transaction too, so the
-accounting can never drift from the entries. A blob file is complete and
-durable before the transaction that points to it commits, and deleted only
-after the one that removed its entry did.
+accounting can never drift from the entries. A blob file is written whole
+(into the page cache) before the transaction that points to it commits,
+``fdatasync``ed right after that commit (before ``flush`` returns: visible
+first, durable next, :mod:`ecstore.writer`), and deleted only after the one
+that removed its entry did. A power loss between that commit and the sync
+can tear the file: its read is a checked miss, never garbage.
 
 Leases (pins against eviction while a loader is about to read an entry) live
 in a second, tiny LMDB file, ``leases.mdb``, opened without fsync: they are
@@ -50,8 +53,10 @@ Design notes
 * Readers. Read transactions are opened per call and closed before
   returning, so no reader pins old pages across calls; ``reader_check()``
   clears slots of dead processes at open and whenever the map fills.
-* Durability. Blob files are ``fdatasync``ed (and ``blobs/`` ``fsync``ed)
-  before their entries commit. The environment is opened with
+* Durability. Blob files are written whole before their entries commit and
+  ``fdatasync``ed (and ``blobs/`` ``fsync``ed) right after that commit, before
+  ``flush`` returns (the store directory is ``fsync``ed once per handle
+  before its first commit pointing into ``blobs/``). The environment is opened with
   ``metasync=False``: one fsync per commit; the newest commit can be lost on power failure (not on a
   process crash), integrity is preserved. ``sync()`` forces it to disk.
 * Processes and threads. Any number of processes may open the same directory

@@ -32,6 +32,11 @@ class PutRequest:
     #: The file holding the blob, once written (blobs of at least the tier's
     #: ``file_blobs_from`` bytes); None: the blob goes into LMDB itself.
     ref: FileRef | None = None
+    #: Result "present": the blob file of the entry already stored (None: an
+    #: inline blob). Another handle may have committed it with
+    #: ``sync_files=False`` and not synced it yet: a caller that vouches for
+    #: this put's durability syncs that file too (``LMDBTier.sync_files``).
+    present_file: str | None = None
 
     @property
     def encoded(self) -> codec.Blob:

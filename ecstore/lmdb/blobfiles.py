@@ -6,11 +6,14 @@ A safetensors blob starts with its u64 LE header length (at most
 :data:`POINTER_MAGIC` (bytes 4..7 ``ECFP``) is never an inline blob.
 
 Files are written once, never changed: :meth:`BlobFiles.write` creates
-``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback; the caller calls
-:meth:`BlobFiles.sync` on a batch's files (``fdatasync`` each, then the
-directory) before the LMDB commit that references them and
-:meth:`BlobFiles.discard` after a commit that failed. A file is only ever
-referenced by commits of the live writer that created it.
+``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback; the caller
+commits the LMDB transaction that references a batch's files, then calls
+:meth:`BlobFiles.sync` on them (``fdatasync`` each, then the directory;
+with the store's writer, before ``flush`` returns; ``write_batch`` with
+``sync_files=True`` syncs before the commit), and :meth:`BlobFiles.discard`
+after a commit that failed. A file is only ever referenced by commits of
+the live writer that created it; another handle may sync it (its put of the
+same entry found it present: ``flush`` vouches for that entry too).
 
 Leftovers (a writer killed before its commit, an unlink that failed) are
 removed by :meth:`BlobFiles.sweep`. Each handle takes a random token on its

@@ -30,6 +30,7 @@ from .env import MiB
 from .full import MapFullRetry, space_hint
 from .handle import _lmdb_errors_as_store_errors, lmdb_store_error
 from .reads import TierReads
+from .txn import file_ref
 
 log = logging.getLogger("ecstore")
 
@@ -201,7 +202,9 @@ class LMDBTier(TierReads):
         page cache: a killed process loses nothing of them) but not
         ``fdatasync``ed before the commit, so the entries are visible sooner;
         the caller then makes them durable with :meth:`sync_files` (the names
-        of the stored puts' ``ref``). Until then a power loss may leave such a
+        of the stored puts' ``ref``, and the ``present_file`` of the puts
+        found present: another handle may have committed that entry the
+        same way and not synced its file yet). Until then a power loss may leave such a
         committed entry's file torn or missing: a checked miss at its read
         (size, header and checksum), never garbage.
         """
@@ -232,7 +235,7 @@ class LMDBTier(TierReads):
         """Write the blobs that go to files, then (``sync``) make them durable
         together (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
         before the transaction that references them: a committed entry's
-        file is always complete, and durable unless ``sync`` is False (then
+        file is always complete (in the page cache at least), and durable unless ``sync`` is False (then
         only the store directory's entry for ``blobs/`` is made durable first,
         and :meth:`sync_files` the files after the commit). Outside LMDB's write lock, so
         other processes keep committing meanwhile. StoreFullError (every put
@@ -305,6 +308,7 @@ class LMDBTier(TierReads):
         sets the results only once it committed."""
         now = time.time_ns()
         results: list[str] = ["pending"] * len(todo)
+        present_files: list[str | None] = [None] * len(todo)
         with self._writing() as w:
             for op in in_call_order(todo, touches):
                 if not isinstance(op, PutOp):
@@ -315,6 +319,8 @@ class LMDBTier(TierReads):
                 held = w.identifier_of(k)  # a damaged entry under this key is dropped: replaced
                 if held is not None:
                     results[op.index] = "present" if held == p.identifier else "collision"
+                    if held == p.identifier:
+                        present_files[op.index] = w.file_of(k)
                     continue
                 blob = p.encoded
                 if not w.make_room(len(blob), self.capacity_bytes):
@@ -324,7 +330,8 @@ class LMDBTier(TierReads):
                                          tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
                                          codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
                 results[op.index] = "stored"
-        for p, r in zip(todo, results):
+        for p, r, present in zip(todo, results, present_files):
+            p.present_file = present
             if r == "full":
                 p.result, p.error = "failed", StoreFullError(
                     f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
@@ -390,6 +397,20 @@ class LMDBTier(TierReads):
         return self.files.sweep(referenced)
 
     @_lmdb_errors_as_store_errors
+    def file_of(self, key: str, identifier: str) -> str | None:
+        """The name of the blob file ``key``'s entry of ``identifier`` points
+        to (one read transaction); None for an inline blob, another
+        identifier or no entry."""
+        self._check()
+        k = self._k(key)
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(k, db=self._entries)
+            if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
+                return None
+            value = txn.get(k, db=self._blobs)
+            ref = None if value is None else file_ref(value)
+        return None if ref is None else ref.name
+
     def sync_files(self, names: list[str]) -> None:
         """Make the blob files of entries committed by
         ``write_batch(sync_files=False)`` durable (``fdatasync`` each, then
@@ -400,8 +421,10 @@ class LMDBTier(TierReads):
         if names:
             self.files.sync(names, missing_ok=True)
 
+    @_lmdb_errors_as_store_errors
     def sync(self) -> None:
-        """Force committed transactions to stable storage."""
+        """Force committed transactions to stable storage. An LMDB error
+        (EIO from the fsync, a closed environment) is an ECStoreError."""
         self._check()
         if not self.readonly:
             self.env.sync(True)

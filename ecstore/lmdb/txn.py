@@ -204,6 +204,13 @@ class WriteTxn:
             return None
         return None if raw is None else codec.record_identifier(raw, self.record_version)
 
+    def file_of(self, k: bytes) -> str | None:
+        """The name of the blob file ``k``'s entry points to; None for an
+        inline blob or no entry."""
+        value = self.txn.get(k, db=self.dbs.blobs)
+        ref = None if value is None else file_ref(value)
+        return None if ref is None else ref.name
+
     def insert(self, k: bytes, blob: codec.Blob, record: Record, ref: FileRef | None = None) -> None:
         """Store a new entry (no entry may exist under ``k``): blob (or, with
         ``ref``, a pointer to the file already holding it), record (its
