@@ -209,6 +209,43 @@ def test_a_forked_child_does_not_keep_a_dead_parents_lease_lock(tmp_path: Path) 
         tier.close()
 
 
+@pytest.mark.vllm
+def test_a_metadata_only_request_is_deferred_not_failed_while_the_lease_file_is_busy(
+        tiny_qwen2_5_vl_dir, engines, tmp_path: Path, no_lmcache_env) -> None:
+    """An EPD consumer's request whose item vLLM holds no inputs for
+    (metadata-only, ``inputs=False``), stored, while another process is
+    stopped inside a lease write: the pin cannot be taken, and such an item
+    cannot be computed instead. The request used to be failed ("not
+    available") although the store held the entry; it is now deferred (not
+    scheduled, not failed; counted as ``lease_busy``) and loaded once the
+    other process went on."""
+    import torch
+    from helpers import vllm_objects as vo
+    from helpers.connector_store import open_store
+    from helpers.scheduler_engine import encoder_output
+
+    from vllm.v1.engine import FinishReason
+
+    a = "a" * 64
+    store_dir = tmp_path / "ec"
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both",
+                                 {"local_disk": str(store_dir), "max_local_disk_size": 0.01, "lease_seconds": 600}))
+    with open_store(eng.connector) as st:
+        st.put(a, encoder_output(a))
+        st.flush()
+    with stopped_inside_a_lease_write(store_dir):
+        eng.scheduler.add_request(vo.make_request("r1", [a], max_tokens=1, inputs=False))
+        for _ in range(2):  # a failed request is finished (ERROR) at the step after the failure
+            finished, out = call_with_hang_guard(eng.step)
+            assert finished
+            assert "r1" not in out.num_scheduled_tokens and out.ec_connector_metadata.loads == []
+        assert "r1" not in eng.finished
+        assert eng.totals().get("lease_busy", 0) >= 1
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.LENGTH}
+    assert torch.equal(eng.encoder_cache[a], encoder_output(a))  # loaded, bit-exact
+    assert eng.totals()["loads"] == 1
+
 
 def test_a_pins_cleanup_does_not_wait_for_a_busy_lease_file(tmp_path: Path, monkeypatch) -> None:
     """The pin leased an entry, then found it being evicted (a live
