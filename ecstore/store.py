@@ -47,6 +47,7 @@ from .identity import EncoderIdentity, library_identity, qualify
 from .key import (ChunkHasher, check_device, check_identifier, check_identifier_list, check_model, chunk_hash,
                   dtype_name, make_key)
 from .lmdb import LMDBTier
+from .lmdb.leases import Pin
 from .memory import MemoryTier
 from .put_path import PutPath
 from .read_path import ReadPath
@@ -417,13 +418,27 @@ class ECStore:
         answer guarantees no process evicts it until :meth:`release` (or the
         lease expires, or this process dies). False: nothing stays leased;
         also while another process holds the lease file's write lock (stopped
-        inside a lease write, say): a pin never waits for another process.
-        Memory-only stores answer :meth:`contains` (nothing to pin)."""
+        inside a lease write, say): a pin never waits for another process;
+        :meth:`pin` tells that case apart. Memory-only stores answer
+        :meth:`contains` (nothing to pin)."""
+        return self._pin(mm_hash, ttl_s) is Pin.HELD
+
+    @_gated
+    def pin(self, mm_hash: str, ttl_s: float | None = None) -> Pin:
+        """:meth:`pin_if_present` with a three-way answer: ``Pin.HELD``
+        (leased, as its True), ``Pin.ABSENT`` (not held), or ``Pin.BUSY``
+        (held by the disk tier, but another process holds the lease file's
+        write lock, or did a moment ago: nothing leased; ask again later).
+        Memory-only and read-only stores answer HELD or ABSENT from
+        :meth:`contains` (nothing to pin)."""
+        return self._pin(mm_hash, ttl_s)
+
+    def _pin(self, mm_hash: str, ttl_s: float | None) -> Pin:
         name = self.stored_name(mm_hash)
         if self.disk is None or self.readonly:
-            return self._reads.contains(self._key_of(name), name)
-        return self.disk.pin_if_present(self._key_of(name), name,
-                                        self.config.lease_seconds if ttl_s is None else ttl_s)
+            return Pin.HELD if self._reads.contains(self._key_of(name), name) else Pin.ABSENT
+        return self.disk.pin(self._key_of(name), name,
+                             self.config.lease_seconds if ttl_s is None else ttl_s)
 
     @_gated
     def release(self, mm_hashes: list[str], *, wait: bool = True) -> bool:

@@ -7,10 +7,13 @@ One index for scheduler and workers
 -----------------------------------
 * Disk mode: the scheduler opens the same LMDB store as the workers, so
   ``has_cache_item`` is true exactly when a worker can read the entry. Before
-  answering yes it pins the entry with a lease (``ECStore.pin_if_present``),
-  one per announced load: no process's eviction can remove it until the
-  worker reports that load (or the request ends, or the lease expires / this
-  process dies).
+  answering yes it pins the entry with a lease (``ECStore.pin``), one per
+  announced load: no process's eviction can remove it until the worker
+  reports that load (or the request ends, or the lease expires / this
+  process dies). A stored entry that cannot be pinned now (``Pin.BUSY``:
+  another process inside, or stopped inside, a lease write) is a miss that
+  step; a request that needs it and could not compute it (no inputs) is
+  deferred to the next step instead of failed.
 * Memory-only mode: entries live in the workers' memory, possibly another
   process. The workers report what they saved and evicted in each step's
   worker metadata, and the scheduler keeps a mirror of that index. An entry
@@ -66,6 +69,7 @@ from typing import Any
 from ..config import ECStoreConfig
 from ..errors import ECStoreError
 from ..identity import EncoderIdentity
+from ..lmdb.leases import Pin
 from ..store import ECStore
 from .availability import Fetch, RemoteFetches, VerifiedEntries, placeholder_computed
 from .features import EncoderInputs
@@ -132,6 +136,9 @@ class SchedulerSide:
         self._verify_first: set[str] = set()  # this step: verify before a yes
         self._verified = VerifiedEntries(self.store) if self.store is not None else None
         self._step_verified: set[str] = set()  # this step: yeses that passed that check
+        # Stored entries whose latest lookup met a busy lease write lock
+        # (Pin.BUSY): a miss, but ensure_cache_available defers, not fails.
+        self._lease_busy: set[str] = set()
         # this step: the stored width of each local yes (its record, read by
         # _fits): a stand-in's width on an instance where vLLM measured none
         self._step_widths: dict[str, int] = {}
@@ -169,7 +176,8 @@ class SchedulerSide:
                 return True
             if self._step_hits.pop(identifier):
                 self._release([identifier])
-        pinned = False
+        pinned = busy = False
+        self._lease_busy.discard(identifier)
         if self.memory_only or self.store is None:
             found = local = identifier in self.mirror
         else:
@@ -177,7 +185,12 @@ class SchedulerSide:
             # for this entry holds its own pin (see _finish_loads).
             found = local = False
             try:
-                local = self.store.pin_if_present(identifier)
+                answer = self.store.pin(identifier)
+                local = answer is Pin.HELD
+                if answer is Pin.BUSY:  # stored, but not pinnable now: a miss this time
+                    busy = True
+                    self._lease_busy.add(identifier)
+                    self.stats.add("lease_busy")
                 found = pinned = local and self._fits(identifier)
                 if found and identifier in self._verify_first:
                     if self._is_verified(identifier):
@@ -194,7 +207,7 @@ class SchedulerSide:
                     local = False
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
-        if not local and self.store is not None and self.store.remote is not None:
+        if not local and not busy and self.store is not None and self.store.remote is not None:
             try:
                 found = self.store.remote_contains(identifier)  # bounded; no remote failure raises
             except ECStoreError as e:  # an identifier no key can be made of (share_client_uuids)
@@ -354,6 +367,9 @@ class SchedulerSide:
                 continue
             if self._fetches is not None and self._fetches.pending(identifier):
                 deferred = True  # being fetched from the remote (or just fetched): asked again next step
+                continue
+            if identifier in self._lease_busy:
+                deferred = True  # stored, but the lease file was busy: asked again next step
                 continue
             return self._fail(request, f"the encoder output {identifier} is not available "
                                        "(not stored, or failed its checks) and vLLM holds no inputs "

@@ -91,6 +91,8 @@ class ECStoreConnectorStats(ECConnectorStats):
             "save_ms": round(d.get("save_seconds", 0) * 1e3, 3),
             "evictions": int(d.get("evictions", 0)),
             "commit_ms": round(d.get("commit_seconds", 0) * 1e3, 3),
+            # lookups of stored entries answered while the lease file's write lock was busy
+            **({"lease_busy": int(d["lease_busy"])} if "lease_busy" in d else {}),
             **({
                 "remote_hits": int(d.get("remote_hits", 0)),
                 "remote_misses": int(d.get("remote_misses", 0)),

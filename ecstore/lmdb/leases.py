@@ -50,10 +50,16 @@ debugger) held it for as long as it was stopped, making every other
 process's ``pin_if_present`` wait. The flock is taken first by every ecstore
 lease writer, so a held flock says a write transaction is (about to be)
 open; :meth:`LeaseTable.try_lease` (``pin_if_present``) waits at most
-:data:`LEASE_LOCK_WAIT_S` for it and then answers "not leased" (a miss)
-without touching LMDB's lock; the other writes wait as LMDB would. A process
-of an older ecstore (or a plain ``lmdb`` writer) takes no flock: a pin can
-still wait for its transaction. One :class:`LeaseTable` exists
+:data:`LEASE_LOCK_WAIT_S` for both locks together and then answers "not
+leased" (``LMDBTier.pin``: :attr:`Pin.BUSY`) without touching LMDB's lock;
+for :data:`LEASE_BUSY_HOLD_S` after such a timeout, those calls (and
+``release(wait=False)``) try the locks once instead of waiting, so a caller
+asking about many items pays one wait. The other writes wait as LMDB would.
+A forked child closes its inherited copy of the flock's descriptor (which
+shares the parent's lock: the child would hold it after the parent died
+inside a lease write) and opens its own when it writes. A process of an
+older ecstore (or a plain ``lmdb`` writer) takes no flock: a pin can still
+wait for its transaction. One :class:`LeaseTable` exists
 per lease environment per process (``_SharedEnv.lease_table``); its
 pending-tombstone list is only touched under the data environment's write
 lock (eviction happens in data write transactions), and its prune threshold
@@ -63,11 +69,13 @@ is a plain int (a racing update only moves when the next prune happens).
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import lmdb
@@ -86,7 +94,24 @@ LEASE_PRUNE_MIN = 1024
 #: (seconds) before it gives up: another process's lease transactions last
 #: microseconds (no fsync), so only a stopped or stuck one outlasts it.
 LEASE_LOCK_WAIT_S = 0.02
+#: After a bounded wait for the lease write lock timed out, bounded calls try
+#: the lock once (no wait) for this many seconds: a scheduler step asking about
+#: many items pays one :data:`LEASE_LOCK_WAIT_S`, not one per item.
+LEASE_BUSY_HOLD_S = 1.0
 _LOCK_POLL_S = 0.0005
+
+
+class Pin(enum.Enum):
+    """The answer of a pin (``LMDBTier.pin`` / ``ECStore.pin``)."""
+
+    #: The entry is there and leased: no process evicts it before the lease ends.
+    HELD = "held"
+    #: The entry is not there (or is being evicted, or is gone since the lease): nothing leased.
+    ABSENT = "absent"
+    #: The entry is there but the lease write lock stayed held (another
+    #: process inside, or stopped inside, a lease write): nothing leased;
+    #: ask again later.
+    BUSY = "busy"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -109,43 +134,85 @@ class LeaseTable:
         (StoreOpenError if that fails: no descriptor left, say); call
         :meth:`close` with the environment."""
         self.env = env
-        path = env.path()
-        try:
-            self._lock_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise StoreOpenError(f"cannot open the lease file {path} to lock it: {e.strerror}") from None
+        self._lock_fd: int | None = self._open_lock_fd()
         self._thread_lock = threading.Lock()
+        #: time.monotonic() until which a bounded call tries the lock once
+        #: instead of waiting (a wait timed out just before; see
+        #: LEASE_BUSY_HOLD_S). A plain float: a racing update only moves when
+        #: the next wait happens.
+        self._busy_until = 0.0
         #: Lease-table size above which lease() prunes dead and expired leases.
         self.prune_at = LEASE_PRUNE_MIN
         #: (key, stamp) of the tombstones this process wrote (mark_evicting)
         #: and has not cleared yet.
         self._tombstones: list[tuple[bytes, bytes]] = []
 
+        _LIVE.add(self)
+
+    def _open_lock_fd(self) -> int:
+        path = self.env.path()
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise StoreOpenError(f"cannot open the lease file {path} to lock it: {e.strerror}") from None
+
     def close(self) -> None:
         """Close the lock descriptor (with the lease environment)."""
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _forget_inherited_lock(self) -> None:
+        """In a forked child: close the inherited copy of the flock's
+        descriptor (it shares the parent's open file description, so the
+        child would hold the parent's flock after the parent died inside a
+        lease write, blocking every process's lease writes while it lives)
+        and renew the thread lock (one held at fork time is never released
+        in the child). A lease write of the child opens a descriptor of its own."""
+        fd, self._lock_fd = self._lock_fd, None
+        self._thread_lock = threading.Lock()
+        self._busy_until = 0.0
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _lock(self, wait: bool) -> bool:
         """Take the lease write lock (this process's thread lock, then the
-        flock): waiting, or (``wait=False``) polling it for at most
-        :data:`LEASE_LOCK_WAIT_S`; whether it was taken. Release it with
-        :meth:`_unlock`."""
+        flock): waiting, or (``wait=False``) polling both for at most
+        :data:`LEASE_LOCK_WAIT_S` together; whether it was taken. For
+        :data:`LEASE_BUSY_HOLD_S` after such a poll timed out, a
+        ``wait=False`` call tries each lock once instead (no wait): a caller
+        asking about many items pays one wait, and a lock that came free is
+        taken at once. Release it with :meth:`_unlock`."""
+        holding = False
         if wait:
             self._thread_lock.acquire()
-        elif not self._thread_lock.acquire(timeout=LEASE_LOCK_WAIT_S):
-            return False
+        else:
+            now = time.monotonic()
+            holding = now < self._busy_until
+            deadline = now if holding else now + LEASE_LOCK_WAIT_S
+            taken = (self._thread_lock.acquire(blocking=False) if holding
+                     else self._thread_lock.acquire(timeout=LEASE_LOCK_WAIT_S))
+            if not taken:
+                if not holding:
+                    self._busy_until = time.monotonic() + LEASE_BUSY_HOLD_S
+                return False
         try:
+            if self._lock_fd is None:  # closed in a forked child: a descriptor of its own
+                self._lock_fd = self._open_lock_fd()
             if wait:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
                 return True
-            deadline = time.monotonic() + LEASE_LOCK_WAIT_S
             while True:
                 try:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self._busy_until = 0.0
                     return True
                 except BlockingIOError:  # another process's lease write
                     if time.monotonic() >= deadline:
+                        if not holding:
+                            self._busy_until = time.monotonic() + LEASE_BUSY_HOLD_S
                         self._thread_lock.release()
                         return False
                     time.sleep(_LOCK_POLL_S)
@@ -158,7 +225,8 @@ class LeaseTable:
 
     def _unlock(self) -> None:
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         finally:
             self._thread_lock.release()
 
@@ -324,3 +392,16 @@ class LeaseTable:
                 if ltxn.get(_TOMB + k) == stamp:
                     ltxn.delete(_TOMB + k)
         self._tombstones = []
+
+
+#: Every LeaseTable of this process: a forked child closes their inherited
+#: lock descriptors (:meth:`LeaseTable._forget_inherited_lock`).
+_LIVE: "weakref.WeakSet[LeaseTable]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for table in list(_LIVE):
+        table._forget_inherited_lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

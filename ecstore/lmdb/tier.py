@@ -29,6 +29,7 @@ from .batch import PutOp, PutRequest, in_call_order
 from .env import MiB
 from .full import MapFullRetry, space_hint
 from .handle import _lmdb_errors_as_store_errors, lmdb_store_error
+from .leases import Pin
 from .reads import TierReads
 from .txn import file_ref
 
@@ -141,35 +142,44 @@ class LMDBTier(TierReads):
         self._check()
         return leases.release([self._k(key) for key in keys], os.getpid() if pid is None else pid, wait=wait)
 
-    @_lmdb_errors_as_store_errors
     def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
-        """Lease ``key`` and report whether it holds ``identifier``, such that
-        a True answer guarantees no process evicts the entry before the lease
-        ends: steps (a) lease, (b) tombstone check, (c) entry check of the
+        """Whether :meth:`pin` holds ``key`` (``Pin.HELD``): a True answer
+        guarantees no process evicts the entry before the lease ends; False
+        also while the lease write lock is busy (see :meth:`pin`)."""
+        return self.pin(key, identifier, ttl_s) is Pin.HELD
+
+    @_lmdb_errors_as_store_errors
+    def pin(self, key: str, identifier: str, ttl_s: float) -> Pin:
+        """Lease ``key`` if it holds ``identifier``, such that ``Pin.HELD``
+        guarantees no process evicts the entry before the lease ends: steps
+        (a) lease, (b) tombstone check, (c) entry check of the
         eviction-marker protocol written down in :mod:`ecstore.lmdb.leases`.
-        Never waits for another process's lease write: while one holds the
-        lease write lock (a process stopped inside its transaction, say) for
-        more than :data:`~ecstore.lmdb.leases.LEASE_LOCK_WAIT_S`, the answer
-        is False (a miss; nothing leased). InvalidEntryError for a ``ttl_s``
-        outside [0, 86400] s.
+        ``Pin.ABSENT``: not stored (or being evicted); nothing leased.
+        ``Pin.BUSY``: stored, but another process (or thread) held the lease
+        write lock (a process stopped inside its transaction, say) for more
+        than :data:`~ecstore.lmdb.leases.LEASE_LOCK_WAIT_S`, or did so just
+        before (:data:`~ecstore.lmdb.leases.LEASE_BUSY_HOLD_S`); nothing
+        leased. Never waits longer than that for another process's lease
+        write; the cleanup of a lease taken for an entry found gone does not
+        wait either (a release the busy lock refuses is left to the lease's
+        expiry). InvalidEntryError for a ``ttl_s`` outside [0, 86400] s.
         """
         ttl_s = _check_ttl(ttl_s)
         if not self.contains(key, identifier):
             # A miss needs no pin: answering "no" is always safe, and the
             # scheduler asks about every uncached item at every step, so the
             # common miss costs one read instead of two lease-file commits.
-            return False
+            return Pin.ABSENT
         leases = self._leases
         if leases is None:
-            return True
+            return Pin.HELD
         self._check()
         if not leases.try_lease([self._k(key)], ttl_s, os.getpid()):
-            return False
+            return Pin.BUSY
         if leases.evicting(self._k(key)) or not self.contains(key, identifier):
-            self.release([key])
-            return False
-        return True
-
+            self.release([key], wait=False)  # refused while busy: the lease expires
+            return Pin.ABSENT
+        return Pin.HELD
 
     # ----------------------------------------------------------------- writes
     def _evict_to(self, target_bytes: int, extra: int = 0) -> int:
