@@ -427,9 +427,9 @@ def test_instances_configured_differently_share_rounding_only_settings_and_tell_
     the consumer's miss then says once which settings differ, from the two
     identities the store's namespaces table holds. (Qwen2.5-VL: its encoder
     runs data-parallel; BLIP-2's falls back to weights.)"""
-    prod, _ = _pair(tiny_qwen2_5_vl_dir, "ec_producer", disk_extra, mm_encoder_tp_mode="data")
-    other, _ = _pair(tiny_qwen2_5_vl_dir, "ec_producer", disk_extra, mm_processor_kwargs={"do_normalize": False})
-    cons, _ = _pair(tiny_qwen2_5_vl_dir, "ec_consumer", disk_extra)
+    prod, prod_w = _pair(tiny_qwen2_5_vl_dir, "ec_producer", disk_extra, mm_encoder_tp_mode="data")
+    other, other_w = _pair(tiny_qwen2_5_vl_dir, "ec_producer", disk_extra, mm_processor_kwargs={"do_normalize": False})
+    cons, cons_w = _pair(tiny_qwen2_5_vl_dir, "ec_consumer", disk_extra)
     try:
         assert prod._vllm_config.model_config.multimodal_config.mm_encoder_tp_mode == "data"
         assert prod.identity.namespace == cons.identity.namespace != other.identity.namespace
@@ -447,5 +447,5 @@ def test_instances_configured_differently_share_rounding_only_settings_and_tell_
                 "{'do_normalize': False} there") in told[0]
         assert "tp_mode" not in told[0]
     finally:
-        for conn in (prod, other, cons):
+        for conn in (prod, prod_w, other, other_w, cons, cons_w):  # every handle closed
             conn.shutdown()
