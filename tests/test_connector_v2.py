@@ -103,14 +103,15 @@ def test_v2_encodes_an_item_whose_load_failed_in_the_same_step(tiny_model_dir, d
 
 
 def test_v2_an_item_it_cannot_encode_with_a_corrupt_entry_fails_its_request_not_the_engine(
-        tiny_model_dir, disk_extra, engines):
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
     """A metadata-only item (no payload: V2's prepare_mm_inputs skips it)
-    whose entry is corrupt: failed before any token, the engine goes on."""
-    eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra), runner="v2")
+    whose entry is corrupt: failed before any token, the engine goes on.
+    (Qwen2.5-VL: BLIP-2 has no metadata-only form.)"""
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", disk_extra), runner="v2")
     store_entry(eng.connector, A)
     damage_blob(eng.connector, A)
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1, inputs=False))
-    eng.scheduler.add_request(vo.make_request("r2", [B], max_tokens=2))
+    eng.scheduler.add_request(vo.make_request("r2", [B], model=vo.QWEN2_5_VL, max_tokens=2))
     eng.run()
     assert eng.finished == {"r1": FinishReason.ERROR, "r2": FinishReason.LENGTH}
     assert not eng.tokens.get("r1")
