@@ -338,22 +338,7 @@ def sec_write(b: Bench) -> None:
             return dt
 
         def run_device() -> float:
-            d = b.dir("write-device")
-            path = os.path.join(d, "one-file")
-            view = memoryview(peers.tensor_u8(src))
-            gc.collect()
-            t0 = now_ns()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            for _ in range(count):
-                off = 0
-                while off < nb:
-                    off += os.write(fd, view[off:])
-            os.fdatasync(fd)
-            os.close(fd)
-            dt = (now_ns() - t0) * 1e-9
-            b.rm(d)
-            b.settle()
-            return dt
+            return device_floor(b, src, count)
 
         systems: list[tuple[str, Callable[[], float], str]] = [
             ("device floor: one file + fdatasync", run_device,
@@ -378,3 +363,25 @@ def sec_write(b: Bench) -> None:
             e = report.find(b.rows, section="write", workload=r["workload"], system="ecstore put+flush")
             if e and e["median"]:
                 r["x_ecstore"] = r["median"] / e["median"]
+
+
+def device_floor(b: Bench, src: torch.Tensor, count: int, dirname: str = "write-device") -> float:
+    """Seconds to append ``count`` copies of ``src``'s bytes to one new file
+    and fdatasync it: the device floor of the durable-write sections."""
+    d = b.dir(dirname)
+    path = os.path.join(d, "one-file")
+    view = memoryview(peers.tensor_u8(src.cpu()))
+    nb = len(view)
+    gc.collect()
+    t0 = now_ns()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for _ in range(count):
+        off = 0
+        while off < nb:
+            off += os.write(fd, view[off:])
+    os.fdatasync(fd)
+    os.close(fd)
+    dt = (now_ns() - t0) * 1e-9
+    b.rm(d)
+    b.settle()
+    return dt

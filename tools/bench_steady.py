@@ -21,13 +21,12 @@
 from __future__ import annotations
 
 import gc
-import os
 
 import torch
 
 import bench_peers as peers
 from bench_core import GiB, MiB, Bench, now_ns, timed, ws_load
-from bench_io import fill_ratios
+from bench_io import device_floor, fill_ratios
 
 BURST = 10  # saves in a row
 
@@ -57,7 +56,7 @@ def sec_burst(b: Bench) -> None:
             if r:
                 saves += one
                 rates.append(BURST * nb / dt / 1e9)
-                floors.append(BURST * nb / device_floor(b, src, BURST) / 1e9)
+                floors.append(BURST * nb / device_floor(b, src, BURST, "burst-device") / 1e9)
         b.add("burst", "ecstore connector save (back to back)", saves, workload=name,
               note=f"{BURST} `save_caches` in a row, no flush between: the writer busy with the previous ones")
         b.add("burst", "ecstore burst durable throughput", rates, unit="GB/s", workload=name,
@@ -65,27 +64,6 @@ def sec_burst(b: Bench) -> None:
         b.add("burst", "device floor: one file + fdatasync", floors, unit="GB/s", workload=name,
               note="the same bytes appended to one file, one fdatasync")
     fill_ratios(b, "burst")
-
-
-def device_floor(b: Bench, src: torch.Tensor, count: int) -> float:
-    """Seconds to append ``count`` copies of ``src``'s bytes to one new file
-    and fdatasync it (what ``sec_write`` calls the device floor)."""
-    d = b.dir("burst-device")
-    path = os.path.join(d, "one-file")
-    view = memoryview(peers.tensor_u8(src.cpu()))
-    nb = len(view)
-    t0 = now_ns()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for _ in range(count):
-        off = 0
-        while off < nb:
-            off += os.write(fd, view[off:])
-    os.fdatasync(fd)
-    os.close(fd)
-    dt = (now_ns() - t0) * 1e-9
-    b.rm(d)
-    b.settle()
-    return dt
 
 
 def sec_producer(b: Bench) -> None:
