@@ -10,8 +10,8 @@ Public API::
 The vLLM connector lives in :mod:`ecstore.connector` (imports vLLM lazily).
 """
 
-from .config import ConfigWarning, ECStoreConfig, describe_config, load_config
-from .errors import (
+from ecstore.config import ConfigWarning, ECStoreConfig, describe_config, load_config
+from ecstore.errors import (
     ConfigError,
     CorruptEntryError,
     ECStoreError,
@@ -21,8 +21,8 @@ from .errors import (
     StoreFullError,
     StoreOpenError,
 )
-from .key import ECKey, chunk_hash, make_key, parse_key
-from .store import ECStore, StoreStats
+from ecstore.key import ECKey, chunk_hash, make_key, parse_key
+from ecstore.store import ECStore, StoreStats
 
 __version__ = "0.1.0"
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from .codec import _ST_CODE, FORMAT, TENSOR_NAME, CorruptBlobError, checksum, tensor_nbytes_of
-from .errors import ECStoreError
-from .key import parse_key
-from .record import Record
+from ecstore.codec import _ST_CODE, FORMAT, TENSOR_NAME, CorruptBlobError, checksum, tensor_nbytes_of
+from ecstore.errors import ECStoreError
+from ecstore.key import parse_key
+from ecstore.record import Record
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ MAX_NDIM = 8
 MAX_DIM = 1 << 48
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def storable_dtype(name: str) -> torch.dtype | None:
     """The torch dtype a blob may claim by ``name``, or None: only canonical
     names (``"float32"``, not the alias ``"float"``) of dtypes whose tensors
@@ -54,7 +54,7 @@ def storable_dtype(name: str) -> torch.dtype | None:
         return None
     try:
         probe = torch.empty(1, dtype=dt)
-    except Exception:
+    except Exception:  # noqa: BLE001
         return None
     if probe.is_quantized or probe.element_size() != dt.itemsize or dt.itemsize < 1:
         return None

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 import xxhash
 
-from . import split_read
-from .blob_check import MAX_HEADER_BYTES, BlobHeader, check_entry, check_shape, parse_header, storable_dtype
-from .codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
-from .pool import POOL
-from .record import Record
+from ecstore import split_read
+from ecstore.blob_check import MAX_HEADER_BYTES, BlobHeader, check_entry, check_shape, parse_header, storable_dtype
+from ecstore.codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
+from ecstore.pool import POOL
+from ecstore.record import Record
 
 
 def _destination(blob: Any, hdr: BlobHeader, size: int | None = None) -> tuple[torch.Tensor, np.ndarray]:

@@ -40,7 +40,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from .errors import ECStoreError
+from ecstore.errors import ECStoreError
 
 log = logging.getLogger("ecstore")
 

@@ -39,15 +39,15 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import CorruptEntryError, InvalidEntryError
-from .pool import BufferPool
-from .record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
-from .record import RECORD_VERSION as RECORD_VERSION
-from .record import Record as Record
-from .record import pack_record as pack_record
-from .record import record_identifier as record_identifier
-from .record import record_readable as record_readable
-from .record import unpack_record as unpack_record
+from ecstore.errors import CorruptEntryError, InvalidEntryError
+from ecstore.pool import BufferPool
+from ecstore.record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
+from ecstore.record import RECORD_VERSION as RECORD_VERSION
+from ecstore.record import Record as Record
+from ecstore.record import pack_record as pack_record
+from ecstore.record import record_identifier as record_identifier
+from ecstore.record import record_readable as record_readable
+from ecstore.record import unpack_record as unpack_record
 
 FORMAT = "ecstore/1"
 TENSOR_NAME = "ec"
@@ -101,7 +101,7 @@ DATA_ALIGN = 64
 _json_str = json.encoder.encode_basestring_ascii
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -139,9 +139,9 @@ def _header_template(shape: tuple[int, ...], dtype: torch.dtype, model: str) -> 
     nbytes = tensor_nbytes_of(dtype, shape)
     code = _ST_CODE.get(dtype)
     st_shape = shape if code else (nbytes,)
-    before = ('{"%s":{"dtype":"%s","shape":[%s],"data_offsets":[0,%d]},"__metadata__":{"format":"%s",'
-              '"identifier":') % (TENSOR_NAME, code or "U8", ",".join(map(str, st_shape)), nbytes, FORMAT)
-    after = ',"model":%s,"dtype":"%s","shape":"[%s]"}}' % (
+    before = (f'{{"{TENSOR_NAME}":{{"dtype":"{code or "U8"}","shape":[{",".join(map(str, st_shape))}],'
+              f'"data_offsets":[0,{nbytes}]}},"__metadata__":{{"format":"{FORMAT}","identifier":')
+    after = ',"model":{},"dtype":"{}","shape":"[{}]"}}}}'.format(
         _json_str(model), _dtype_name(dtype), ", ".join(map(str, shape)))
     return before, after
 

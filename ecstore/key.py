@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
-from .errors import InvalidEntryError
+from ecstore.errors import InvalidEntryError
 
 WORLD_SIZE_SENTINEL = 1
 WORKER_ID_SENTINEL = 0

@@ -261,7 +261,7 @@ class BufferPool:
         with self._done:
             return self._done.wait_for(lambda: not self._wanted, timeout_s)
 
-    def _on_dead(self, ref: "weakref.ReferenceType[np.ndarray]") -> None:
+    def _on_dead(self, ref: weakref.ReferenceType[np.ndarray]) -> None:
         # Runs when the last reference to a handed-out buffer is gone (any
         # thread, possibly inside our own critical section: the lock is an
         # RLock). After fork the child's ``_live`` is empty: nothing inherited

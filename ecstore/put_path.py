@@ -16,13 +16,13 @@ import logging
 
 import torch
 
-from . import codec
-from .errors import InvalidEntryError
-from .key import dtype_name
-from .pool import POOL
-from .read_path import ReadPath
-from .stats import Counters
-from .writer import PendingPut
+from ecstore import codec
+from ecstore.errors import InvalidEntryError
+from ecstore.key import dtype_name
+from ecstore.pool import POOL
+from ecstore.read_path import ReadPath
+from ecstore.stats import Counters
+from ecstore.writer import PendingPut
 
 log = logging.getLogger("ecstore")
 

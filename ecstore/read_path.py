@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import codec
-from .errors import CorruptEntryError
-from .stats import HitTier
-from .writer import PendingPut
+from ecstore import codec
+from ecstore.errors import CorruptEntryError
+from ecstore.stats import HitTier
+from ecstore.writer import PendingPut
 
 if TYPE_CHECKING:
-    from .lmdb import LMDBTier
-    from .memory import MemoryTier
-    from .remote.tier import RemoteTier
-    from .writer import Writer
+    from ecstore.lmdb import LMDBTier
+    from ecstore.memory import MemoryTier
+    from ecstore.remote.tier import RemoteTier
+    from ecstore.writer import Writer
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import CorruptEntryError
-from .identity import split_stored
-
+from ecstore.errors import CorruptEntryError
+from ecstore.identity import split_stored
 
 #: Version 2 records hold a stored name ``"<namespace>/<mm identifier>"``
 #: (see ecstore.identity); version 1 records (schema <= 2) hold a bare mm
@@ -60,7 +59,7 @@ class Record:
             return self.identifier
         return split_stored(self.identifier).identifier
 
-    def touched(self, now_ns: int, seq: int, hits: int = 1) -> "Record":
+    def touched(self, now_ns: int, seq: int, hits: int = 1) -> Record:
         return replace(self, last_access_ns=max(self.last_access_ns, now_ns), hits=self.hits + hits, lru_seq=seq)
 
 
@@ -94,7 +93,7 @@ def unpack_record(data: Any) -> Record:
             raise CorruptEntryError("record length mismatch")
     except CorruptEntryError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         raise CorruptEntryError(f"malformed record: {e}") from None
     return Record(ident, dtype, tuple(shape), nbytes, bsize, csum, created, last, hits, seq, ver)
 

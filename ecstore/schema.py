@@ -16,14 +16,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, ContextManager, Iterator
 
 import lmdb
 
-from .errors import SchemaError, StoreOpenError
+from ecstore.errors import SchemaError, StoreOpenError
 
 _NAME = re.compile(r"^(\d{4})_\w+\.py$")
 

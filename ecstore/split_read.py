@@ -97,7 +97,7 @@ class _Chunks:
         try:
             while (i := self.claim()) is not None:
                 self.read(i)
-        except BaseException as e:  # handed to the caller, which raises it
+        except BaseException as e:  # handed to the caller, which raises it  # noqa: BLE001
             # Without its traceback: its frames hold views of the destination,
             # and the stored error a reference to this object (a cycle that
             # kept a pool slab alive until the cyclic collector ran).

@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .lmdb import LMDBTier
-    from .memory import MemoryTier
-    from .remote.tier import RemoteTier
-    from .writer import Writer
+    from ecstore.lmdb import LMDBTier
+    from ecstore.memory import MemoryTier
+    from ecstore.remote.tier import RemoteTier
+    from ecstore.writer import Writer
 
 log = logging.getLogger("ecstore")
 

@@ -39,23 +39,31 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from . import codec, split_read
-from .calls import CallGate
-from .config import ECStoreConfig
-from .errors import ECStoreError, StoreFullError, check_same_process
-from .identity import EncoderIdentity, library_identity, qualify
-from .key import (ChunkHasher, check_device, check_identifier, check_identifier_list, check_model, chunk_hash,
-                  dtype_name, make_key)
-from .lmdb import LMDBTier
-from .lmdb.leases import Pin
-from .memory import MemoryTier
-from .put_path import PutPath
-from .read_path import ReadPath
-from .stats import Counters, StoreStats
-from .writer import Writer
+from ecstore import codec, split_read
+from ecstore.calls import CallGate
+from ecstore.config import ECStoreConfig
+from ecstore.errors import ECStoreError, StoreFullError, check_same_process
+from ecstore.identity import EncoderIdentity, library_identity, qualify
+from ecstore.key import (
+    ChunkHasher,
+    check_device,
+    check_identifier,
+    check_identifier_list,
+    check_model,
+    chunk_hash,
+    dtype_name,
+    make_key,
+)
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.leases import Pin
+from ecstore.memory import MemoryTier
+from ecstore.put_path import PutPath
+from ecstore.read_path import ReadPath
+from ecstore.stats import Counters, StoreStats
+from ecstore.writer import Writer
 
 if TYPE_CHECKING:
-    from .remote.tier import RemoteTier
+    from ecstore.remote.tier import RemoteTier
 
 #: Upper bound of a typical safetensors header (informational: put sizes each
 #: blob exactly with codec.blob_size).
@@ -74,7 +82,7 @@ def _gated(method: _F) -> _F:
     it raises ECStoreError "store is closed"), in the process that opened
     the handle only (ForkedStoreError)."""
     @functools.wraps(method)
-    def call(self: "ECStore", *args: Any, **kwargs: Any) -> Any:
+    def call(self: ECStore, *args: Any, **kwargs: Any) -> Any:
         if os.getpid() != self._pid:
             check_same_process(self._pid, repr(self))
         me = self._calls.enter()
@@ -147,7 +155,7 @@ class ECStore:
         self._puts = PutPath(self._reads, self._counters, pooled=config.pooled_blobs)
         self.remote: RemoteTier | None = None
         if config.remote_url:
-            from .remote import open_remote
+            from ecstore.remote import open_remote
 
             try:
                 self.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
@@ -158,7 +166,7 @@ class ECStore:
             self._reads.remote = self.remote
 
     # ----------------------------------------------------------------- basics
-    def __enter__(self) -> "ECStore":
+    def __enter__(self) -> ECStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:

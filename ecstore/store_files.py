@@ -33,7 +33,7 @@ import stat
 import threading
 from dataclasses import dataclass
 
-from .errors import StoreOpenError
+from ecstore.errors import StoreOpenError
 
 log = logging.getLogger("ecstore")
 

@@ -40,10 +40,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import codec
-from .errors import ECStoreError, StoreFullError
-from .lmdb import LMDBTier, PutRequest
-from .pool import POOL
+from ecstore import codec
+from ecstore.errors import ECStoreError, StoreFullError
+from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
 
@@ -419,7 +419,7 @@ class Writer(threading.Thread):
     def run(self) -> None:
         try:
             self._run()
-        except BaseException as e:  # a defect or an exhausted process: fail every waiter, hang none
+        except BaseException as e:  # a defect or an exhausted process: fail every waiter, hang none  # noqa: BLE001
             self._die(e)
 
     def _die(self, error: BaseException) -> None:
@@ -482,12 +482,12 @@ class Writer(threading.Thread):
                     if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
                         t = item.tensor
                         POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
-            except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway
+            except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway  # noqa: BLE001
                 log.warning("ecstore: could not ready memory for the next save: %r", e)
             to_sync: list[str] = []
             try:
                 to_sync = self._write(batch, touches, vouches)
-            except BaseException as e:  # never let the writer die silently
+            except BaseException as e:  # never let the writer die silently  # noqa: BLE001
                 log.error("ecstore: background write failed: %s", e)
                 self.add_error(e)
             finally:

@@ -6,8 +6,8 @@ specific to one file stays in that file.
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 from pathlib import Path
 
 import pytest

@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from helpers.tensors import assert_same, make_tensor, raw_bytes
 
 import ecstore
 import ecstore.store
 from ecstore import ECStore, InvalidEntryError
-from helpers.tensors import assert_same, make_tensor, raw_bytes
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 BIG = 64 << 20  # default cap: nothing gets evicted

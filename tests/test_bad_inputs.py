@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import gib
+from helpers.tensors import make_tensor, raw_bytes
+
 from ecstore import ECStore, ECStoreConfig, InvalidEntryError, parse_key
 from ecstore.key import MAX_IDENTIFIER_BYTES, MAX_MODEL_NAME_BYTES
-from helpers.tensors import make_tensor, raw_bytes
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*(Sparse CSR|quantize_per_tensor|nested tensors|ComplexHalf).*:UserWarning")

@@ -9,8 +9,8 @@ are shared and noisy; the numbers themselves are for people to read.
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path

@@ -12,17 +12,17 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
+from helpers import fault_fs
+from helpers.blobfiles_child import pattern
 
 from ecstore import blob_check, codec
 from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError
 from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFiles, FileRef, pack_ref, unpack_ref
-from helpers import fault_fs
-from helpers.blobfiles_child import pattern
 
 CHILD = str(Path(__file__).parent / "helpers" / "blobfiles_child.py")
 MiB = 1 << 20

@@ -30,8 +30,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ecstore import ECStore, ECStoreConfig
-from ecstore import cli, maintenance
+from ecstore import ECStore, ECStoreConfig, cli, maintenance
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.env import _SharedEnv
 
@@ -218,7 +217,7 @@ def test_list_json_every_entry_exact(template: Template, console: Console) -> No
         assert e["created_ns"] == rec.created_ns and e["last_access_ns"] == rec.last_access_ns
         created = dt.datetime.fromisoformat(e["created"])
         assert created.tzinfo is not None
-        assert created == dt.datetime.fromtimestamp(rec.created_ns // 10**9, dt.timezone.utc) + dt.timedelta(
+        assert created == dt.datetime.fromtimestamp(rec.created_ns // 10**9, dt.UTC) + dt.timedelta(
             microseconds=rec.created_ns % 10**9 // 1000)
         assert e["chunk_hash"] == e["key"].split("@")[-2]
     total = sum(r.blob_size for r in recs.values())

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ecstore import ECStore, ECStoreConfig, codec, cli
+from ecstore import ECStore, ECStoreConfig, cli, codec
 from ecstore.lmdb.env import _SharedEnv
 
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import ecstore.config as config_mod
 from ecstore.config import (
-    GiB,
     ConfigWarning,
     ECStoreConfig,
+    GiB,
     describe_config,
     load_config,
 )

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.engine_proc import engine_env
 from helpers.engine_proc import run_engine as run_engine_process
+
 from ecstore import ECStore, ECStoreConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import HEALTHY_REMOTE_TIMEOUT_S
 from helpers import vllm_objects as vo
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
 
 from ecstore import ECStore
 from ecstore.connector import ECStoreConnector, ECStoreConnectorMetadata, ECStoreWorkerMetadata
 from ecstore.testing.redis_server import RedisServer
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import ECConnectorOutput
 
 pytestmark = pytest.mark.vllm
 

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import vllm_objects as vo
 from helpers.connector_store import damage_blob, open_store
 from helpers.scheduler_engine import SHAPE, encoder_output
+from vllm.v1.engine import FinishReason
 
 from ecstore.connector import ECStoreConnector
-from vllm.v1.engine import FinishReason
 
 pytestmark = pytest.mark.vllm
 

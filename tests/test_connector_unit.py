@@ -19,10 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import gib
 from helpers import vllm_objects as vo
 from helpers.connector_store import damage_blob, open_store
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import RequestStatus
 
 from ecstore import ECStore
 from ecstore.connector import (
@@ -34,11 +38,6 @@ from ecstore.connector import (
     LoadSpec,
 )
 from ecstore.connector.connector import config_from_vllm
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import ECConnectorOutput
-from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.vllm
 

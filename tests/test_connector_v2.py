@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import vllm_objects as vo
 from helpers.connector_store import damage_blob, open_store
 from helpers.scheduler_engine import encoder_output
-
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import FinishReason
 

@@ -29,14 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import vllm_objects as vo
-
-from ecstore import ECStore
-from ecstore.connector import ECStoreConnector
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.outputs import make_empty_encoder_model_runner_output
+
+from ecstore import ECStore
+from ecstore.connector import ECStoreConnector
 
 pytestmark = pytest.mark.vllm
 

@@ -103,7 +103,7 @@ class Engine:
             try:
                 self._send({"op": "exit"})
                 self.proc.wait(timeout=120)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 self.kill()
         self._log_file.close()
 

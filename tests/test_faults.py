@@ -13,8 +13,8 @@ The crash and concurrency tests run the same code as the stress scripts
 from __future__ import annotations
 
 import contextlib
-import logging
 import dataclasses
+import logging
 import os
 import random
 import re
@@ -25,14 +25,13 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-
-from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError, codec
-from ecstore.testing import faults as fc
 from helpers import fault_fs
 from helpers import fault_workers as fw
 from helpers.fault_workers import blob_tensor, cfg, open_store
 from helpers.tensors import assert_same, make_tensor, stored_name
 
+from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError, codec
+from ecstore.testing import faults as fc
 from ecstore.testing import stress_concurrency, stress_crash  # noqa: E402
 
 MODEL = fc.MODEL
@@ -587,7 +586,7 @@ def test_store_used_across_fork_raises_in_child_and_parent_keeps_working(tmp_pat
                     assert_same(own.get("from-child"), make_tensor(2))
                 report.append("own-store:ok")
                 code = 0
-            except BaseException:
+            except BaseException:  # noqa: BLE001
                 import traceback
 
                 report.append(traceback.format_exc())

@@ -33,8 +33,8 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-
 from helpers.engine_proc import engine_env, run_engine
+
 from ecstore import ECStore, ECStoreConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -11,13 +11,13 @@ import safetensors
 import safetensors.torch
 import torch
 import xxhash
+from helpers.tensors import assert_same, make_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ecstore
 from ecstore import InvalidEntryError, blob_check, blob_read, codec, key
 from ecstore.codec import CorruptBlobError, Record
-from helpers.tensors import assert_same, make_tensor
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 

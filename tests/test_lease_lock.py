@@ -223,7 +223,6 @@ def test_a_metadata_only_request_is_deferred_not_failed_while_the_lease_file_is_
     from helpers import vllm_objects as vo
     from helpers.connector_store import open_store
     from helpers.scheduler_engine import encoder_output
-
     from vllm.v1.engine import FinishReason
 
     a = "a" * 64

@@ -16,21 +16,20 @@ hooks on the first handle's retry steps. No timing is involved.
 
 from __future__ import annotations
 
-import struct
-from pathlib import Path
-
 import contextlib
-from typing import Iterator
+import struct
+from collections.abc import Iterator
+from pathlib import Path
 
 import lmdb
 import pytest
+from helpers.fault_fs import find_all as fc_find_all
+from helpers.tensors import assert_same
 
 from ecstore import StoreFullError
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
-from helpers.fault_fs import find_all as fc_find_all
-from helpers.tensors import assert_same
 
 MiB = 1 << 20
 KiB = 1 << 10

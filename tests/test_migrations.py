@@ -9,11 +9,11 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from conftest import gib
+from helpers.tensors import assert_same, make_tensor
 
 import ecstore
 from ecstore import ECStore, ECStoreConfig, SchemaError, StoreOpenError, codec, schema
-from conftest import gib
-from helpers.tensors import assert_same, make_tensor
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mig-{i:03d}" for i in range(6)]

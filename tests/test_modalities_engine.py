@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers.engine_proc import engine_env
 from helpers.engine_proc import run_engine as run_engine_process
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import gc
 
 import torch
+from conftest import gib
+from helpers.tensors import assert_same, make_tensor
 
 from ecstore import ECStore, ECStoreConfig, codec
 from ecstore.config import load_config
 from ecstore.pool import POOL, BufferPool, size_class
-from conftest import gib
-from helpers.tensors import assert_same, make_tensor
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 ROWS, COLS = 64, 1024  # 128 KiB of bfloat16: above the pool's minimum, so hits come from the pool

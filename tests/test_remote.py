@@ -8,16 +8,15 @@ never errors; the circuit breaker is driven with a fake clock (no sleeps).
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import time
-import logging
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import HEALTHY_REMOTE_TIMEOUT_S, gib
-from ecstore.testing.redis_server import RedisServer
 from helpers.tensors import make_tensor, same_tensor
 
 from ecstore import ECStore
@@ -26,6 +25,7 @@ from ecstore.config import ECStoreConfig
 from ecstore.remote.backend import KEY_PREFIX
 from ecstore.remote.breaker import BreakerState
 from ecstore.remote.writer import WriteQueue
+from ecstore.testing.redis_server import RedisServer
 
 MODEL = "org/tiny-vlm"
 DTYPE = torch.bfloat16

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-
 from conftest import HEALTHY_REMOTE_TIMEOUT_S
 from helpers.engine_proc import engine_env, run_engine
+
 from ecstore import blob_read
 from ecstore.remote import frame
 

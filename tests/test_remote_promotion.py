@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from conftest import gib
-from ecstore.testing.redis_server import RedisServer
 from helpers.tensors import make_tensor, same_tensor
 
 from ecstore import ECStore
 from ecstore.config import ECStoreConfig
+from ecstore.testing.redis_server import RedisServer
 
 MODEL = "org/tiny-vlm"
 DTYPE = torch.bfloat16

@@ -35,13 +35,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from conftest import gib
+from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from conftest import gib
 from ecstore import ECStore, ECStoreConfig, codec
-from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 
 HANDLES = [("Qwen/Qwen2.5-VL-7B-Instruct", torch.bfloat16),
            ("Qwen/Qwen2.5-VL-7B-Instruct", torch.float16),

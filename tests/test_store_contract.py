@@ -11,11 +11,11 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-
-from ecstore import ECStore, ECStoreConfig, codec
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 from store_contract import BIG, MODEL, StoreContract
+
+from ecstore import ECStore, ECStoreConfig, codec
 
 
 def _open(cfg: ECStoreConfig, caps: dict[str, Any]) -> ECStore:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import hostile
+from helpers.fault_workers import open_store
+from helpers.tensors import assert_same, make_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,9 +29,6 @@ from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.env import _SharedEnv
 from ecstore.lmdb.txn import _SEQ, _U64
 from ecstore.testing import faults as fc
-from helpers import hostile
-from helpers.fault_workers import open_store
-from helpers.tensors import assert_same, make_tensor
 
 MiB = 1 << 20
 KiB = 1 << 10

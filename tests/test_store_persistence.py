@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-
-from ecstore import ECStore, ECStoreConfig, codec
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor, stored_name
+
+from ecstore import ECStore, ECStoreConfig, codec
 
 CHILD = str(Path(__file__).parent / "helpers" / "store_child.py")
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

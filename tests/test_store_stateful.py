@@ -26,14 +26,14 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from conftest import gib
+from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from ecstore import ECStore, ECStoreConfig, codec
-from conftest import gib
 from ecstore.testing import faults as fc
-from helpers.tensors import assert_same, make_tensor, same_tensor, stored_name
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mm-{c}" for c in "abcdefgh"]  # same length: blob size depends on rows only

@@ -6,7 +6,7 @@ exact point verify is most exposed (a subclass of the tier calls it there)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 

@@ -62,18 +62,17 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 import bench_core as core
 import bench_report as report
+import torch
 from bench_core import ALL_SECTIONS, DTYPE, HIDDEN, REPO, ROW_BYTES, Bench, check_device, freeze_gc, log
 from bench_io import sec_floor, sec_hit, sec_save, sec_write
 from bench_scale import sec_contains, sec_footprint, sec_mixed
 from bench_steady import sec_burst, sec_loadread, sec_producer, sec_sched
-
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "floor": sec_floor, "save": sec_save, "hit": sec_hit, "write": sec_write,
@@ -132,7 +131,7 @@ def versions() -> str:
         import vllm
 
         out.append(f"vllm {vllm.__version__}")
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
     return ", ".join(out)
 
@@ -154,7 +153,7 @@ def write_chart(res: dict, path: Path, errors: list[str]) -> bool:
         return False
     try:
         report.plot(res, str(path))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"section {s}")
             try:
                 SECTIONS[s](b)
-            except Exception as e:  # record and go on: one broken section must not hide the others
+            except Exception as e:  # record and go on: one broken section must not hide the others  # noqa: BLE001
                 import traceback
 
                 traceback.print_exc()

@@ -13,8 +13,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -22,9 +23,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 
-import torch  # noqa: E402
-
 import bench_report as report  # noqa: E402
+import torch  # noqa: E402
 
 HIDDEN = 3584
 DTYPE = torch.bfloat16
@@ -246,9 +246,10 @@ def tiny_vllm_config(model_dir: str | Path, role: str = "ec_both", extra: dict |
     """The real bf16 ``VllmConfig`` vLLM builds for the tiny BLIP-2 (built
     into ``model_dir`` once, then reused) with the ecstore connector in
     ``role``: what the connectors of the bench tools are made from."""
-    from ecstore.testing import tiny_model
     from vllm.config import ECTransferConfig
     from vllm.engine.arg_utils import EngineArgs
+
+    from ecstore.testing import tiny_model
 
     built = tiny_model.build_tiny_blip2(model_dir)
     kw = tiny_model.engine_kwargs(

@@ -9,13 +9,12 @@ import gc
 import math
 import os
 import time
-from typing import Callable
-
-import torch
+from collections.abc import Callable
 
 import bench_peers as peers
 import bench_report as report
-from bench_core import DTYPE, GiB, MiB, Bench, now_ns, sync_device, timed, ws_load
+import torch
+from bench_core import DTYPE, Bench, GiB, MiB, now_ns, sync_device, timed, ws_load
 
 
 def sec_floor(b: Bench) -> None:
@@ -295,7 +294,7 @@ def sec_write(b: Bench) -> None:
                 st.put(h, src, copy=copy)
             try:
                 st.flush()
-            except Exception as e:  # StoreFullError: no throughput for this repetition
+            except Exception as e:  # StoreFullError: no throughput for this repetition  # noqa: BLE001
                 b.notes.append(f"write/{name}/ecstore copy={copy}: flush raised {type(e).__name__}: {str(e)[:160]}")
                 st.close()
                 b.rm(d)

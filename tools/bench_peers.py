@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import threading
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

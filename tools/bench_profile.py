@@ -318,10 +318,10 @@ def cmd_writer(args) -> None:
 
 
 def cmd_churn(args) -> None:
+    import logging
+
     import ecstore.store as es
     from ecstore.errors import StoreFullError
-
-    import logging
 
     cap = int(args.cap_mib * MiB)
     logging.getLogger("ecstore").disabled = True  # failed writes are counted, not logged one by one

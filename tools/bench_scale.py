@@ -10,11 +10,11 @@ import random
 import time
 from typing import Any
 
-import torch
-
 import bench_peers as peers
 import bench_report as report
-from bench_core import DTYPE, GiB, MiB, ROW_BYTES, Bench, ids, log, now_ns, timed, ws_load
+import torch
+from bench_core import DTYPE, ROW_BYTES, Bench, GiB, MiB, ids, log, now_ns, timed, ws_load
+
 
 def build_small_store(b: Bench, st, start: int, stop: int, prefix: str) -> float:
     """Write entries [start, stop) straight through ``store.disk.write_batch``."""
@@ -303,7 +303,7 @@ def sec_mixed(b: Bench) -> None:
             sc.build_connector_meta(None)  # end of step: release pins
         try:
             ws.worker_side.store.flush()
-        except Exception as e:  # StoreFullError: failed writes are counted below
+        except Exception as e:  # StoreFullError: failed writes are counted below  # noqa: BLE001
             b.notes.append(f"mixed/ecstore: flush raised {type(e).__name__}: {str(e)[:160]}")
         dt = (now_ns() - t0) * 1e-9
         s = ws.worker_side.store.stats()

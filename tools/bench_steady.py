@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import gc
 
-import torch
-
 import bench_peers as peers
-from bench_core import GiB, MiB, Bench, now_ns, timed, ws_load
+import torch
+from bench_core import Bench, GiB, MiB, now_ns, timed, ws_load
 from bench_io import device_floor, fill_ratios
 
 BURST = 10  # saves in a row

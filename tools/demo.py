@@ -65,8 +65,18 @@ REPO = TOOLS.parent
 import demo_report  # noqa: E402
 import demo_results  # noqa: E402
 import demo_server  # noqa: E402
-from demo_run import (CONNECTORS, HOST, TITLES, Run, ec_transfer_config, ecstore_dump, run_with_ticker,  # noqa: E402
-                      say, store_summary, write_ecstore_config)
+from demo_run import (  # noqa: E402
+    CONNECTORS,
+    HOST,
+    TITLES,
+    Run,
+    ec_transfer_config,
+    ecstore_dump,
+    run_with_ticker,
+    say,
+    store_summary,
+    write_ecstore_config,
+)
 from demo_server import Server, ServerError  # noqa: E402
 from demo_workload import ImageSet, ModelInfo, make_sets  # noqa: E402
 
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     except DemoError as e:
         say(f"\nerror: {e}")
         status = 2
-    except Exception as e:  # e.g. a request the server refused: report, then clean up
+    except Exception as e:  # e.g. a request the server refused: report, then clean up  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
@@ -320,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             demo_report.write_chart(res, png_path)
             res["chart"] = str(png_path)
-        except Exception as e:  # matplotlib missing or broken: the table is the result
+        except Exception as e:  # matplotlib missing or broken: the table is the result  # noqa: BLE001
             say(f"(chart not written: {e})")
     json_path.write_text(json.dumps(res, indent=2, default=str))
     _cleanup_work(demo, keep=args.keep)

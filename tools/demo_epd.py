@@ -92,7 +92,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                         rec["pd_first_ms"] = (time.perf_counter() - t1) * 1e3
                     self.wfile.write(line)
                     self.wfile.flush()
-        except Exception as e:  # report to the client; the demo prints it
+        except Exception as e:  # report to the client; the demo prints it  # noqa: BLE001
             self.server.errors.append(repr(e))
             self.send_error(502, explain=str(e)[:200])
         finally:

@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def assemble(per: dict[str, Any], sets: list[ImageSet], news: list[ImageSet], el
     checks = run_checks(per, sets, news, outputs)
     return {
         "schema": 1,
-        "date": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).astimezone().isoformat(timespec="seconds"),
         "machine": machine_info(),
         "settings": {
             "model": model.path,

@@ -18,8 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import demo_server
 from demo_server import Server, ServerError
@@ -83,7 +84,7 @@ def run_with_ticker(label: str, fn: Callable[[], Any]) -> Any:
     def target() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001
             box["error"] = e
 
     ticker = Ticker(label)
@@ -190,7 +191,7 @@ def wait_until(cond: Callable[[], bool], timeout: float) -> bool:
         try:
             if cond():
                 return True
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
         if time.monotonic() > end:
             return False
@@ -249,7 +250,7 @@ def store_summary(connector: str, work: Path) -> dict[str, Any]:
 class Run:
     """One server lifetime for one connector: start, warm up, measure phases, stop."""
 
-    def __init__(self, demo: "Demo", connector: str, index: int, name: str) -> None:
+    def __init__(self, demo: Demo, connector: str, index: int, name: str) -> None:
         self.demo = demo
         self.connector = connector
         self.index = index
@@ -261,7 +262,7 @@ class Run:
         self.server: Server | None = None
         self.record: dict[str, Any] = {"name": name, "log": str(self.log_path)}
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         d = self.demo
         port = d.args.port or demo_server.free_port(HOST)  # fresh per start unless --port
         argv = server_argv(d.model, d.args, port, ec_transfer_config(self.connector, self.work))

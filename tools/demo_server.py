@@ -27,8 +27,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ecstore.testing.procs import group_members
 
@@ -50,7 +51,7 @@ class ServerError(RuntimeError):
 
 
 #: pid -> Server, for every server started and not yet stopped.
-LIVE: dict[int, "Server"] = {}
+LIVE: dict[int, Server] = {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,7 +74,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
 
 
@@ -197,7 +198,7 @@ def stop_all() -> list[int]:
     for pid, server in list(LIVE.items()):
         try:
             server.stop()
-        except Exception as e:  # keep going: stop the others
+        except Exception as e:  # keep going: stop the others  # noqa: BLE001
             print(f"warning: could not stop server pid {pid}: {e}", file=sys.stderr)
         stopped.append(pid)
     return stopped
@@ -280,7 +281,7 @@ def stream_chat_concurrent(base_url: str, model: str, contents: list[list[dict[s
             barrier.wait(timeout=30)
             results[i] = stream_chat(base_url, model, contents[i], max_tokens=max_tokens,
                                      timeout=timeout)
-        except BaseException as e:  # reported by the caller
+        except BaseException as e:  # reported by the caller  # noqa: BLE001
             results[i] = e
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(contents))]

@@ -44,7 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ class _Metrics(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             msg = record.getMessage()
-        except Exception:
+        except Exception:  # noqa: BLE001
             return
         if not msg.startswith("EC Transfer metrics"):
             return
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_qwen2_5_vl_heavy(ROOT / ".cache" / "tiny_qwen2_5_vl_heavy")
     print(f"demo_video: model {model} ({time.perf_counter() - t0:.1f} s); frames {frames}, "
           f"{a.repeats} video(s) each", flush=True)
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     print("demo_video: engine 1 (cold: encoder runs, ecstore stores) ...", flush=True)
     cold = _engine(a.python, model, store, frames, a.repeats, out / "cold.json")
     print("demo_video: engine 2, a new process on the same store (warm: ecstore loads) ...", flush=True)

@@ -65,11 +65,11 @@ import sys
 
 import lmdb
 
-from ..errors import ECStoreError
-from .exitcodes import PROG, CLIError, ExitCode, OutputError
-from .format import err, flush_out, human_age, human_size, iso
-from .maintain import parse_older_than
-from .parser import build_parser
+from ecstore.cli.exitcodes import PROG, CLIError, ExitCode, OutputError
+from ecstore.cli.format import err, flush_out, human_age, human_size, iso
+from ecstore.cli.maintain import parse_older_than
+from ecstore.cli.parser import build_parser
+from ecstore.errors import ECStoreError
 
 #: Exit codes under their old names (``ExitCode`` members; kept for callers).
 EXIT_OK = ExitCode.OK

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import describe_config
-from .exitcodes import ExitCode
-from .format import human_size, json_out, out, print_table
-from .target import load_effective_config
+from ecstore.cli.exitcodes import ExitCode
+from ecstore.cli.format import human_size, json_out, out, print_table
+from ecstore.cli.target import load_effective_config
+from ecstore.config import describe_config
 
 
 def _yaml_value(v: Any) -> str:

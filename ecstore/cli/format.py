@@ -11,10 +11,12 @@ import json
 import shlex
 import sys
 import time
-from typing import AbstractSet, Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
-from ..maintenance import key_bytes
-from .exitcodes import PROG, OutputError
+from ecstore.cli.exitcodes import PROG, OutputError
+from ecstore.maintenance import key_bytes
 
 
 def one_line(text: str) -> str:
@@ -161,7 +163,7 @@ def iso(ns: int | None) -> str | None:
     if ns is None:
         return None
     sec, rest = divmod(int(ns), 10**9)
-    t = _dt.datetime.fromtimestamp(sec, tz=_dt.timezone.utc) + _dt.timedelta(microseconds=rest // 1000)
+    t = _dt.datetime.fromtimestamp(sec, tz=_dt.UTC) + _dt.timedelta(microseconds=rest // 1000)
     return t.isoformat(timespec="microseconds")
 
 
@@ -209,7 +211,7 @@ class Progress:
         if self.enabled:
             self._draw()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: Any) -> None:

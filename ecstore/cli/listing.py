@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .. import namespaces
-from ..errors import ECStoreError
-from ..key import parse_key
-from ..maintenance import Row, key_bytes, scan
-from .exitcodes import ExitCode
-from .format import (Progress, human_age, human_size, is_utf8, iso, json_key, json_out, n_entries, out,
-                     print_table, printable)
-from .remote import is_remote_path, run_remote
-from .target import open_readonly, resolve_target
+from ecstore import namespaces
+from ecstore.cli.exitcodes import ExitCode
+from ecstore.cli.format import (
+    Progress,
+    human_age,
+    human_size,
+    is_utf8,
+    iso,
+    json_key,
+    json_out,
+    n_entries,
+    out,
+    print_table,
+    printable,
+)
+from ecstore.cli.remote import is_remote_path, run_remote
+from ecstore.cli.target import open_readonly, resolve_target
+from ecstore.errors import ECStoreError
+from ecstore.key import parse_key
+from ecstore.maintenance import Row, key_bytes, scan
 
 
 def row_json(row: Row) -> dict[str, Any]:

@@ -10,12 +10,11 @@ import re
 import sys
 import time
 
-from .. import maintenance, namespaces
-from ..errors import ECStoreError
-from .exitcodes import PROG, CLIError, ExitCode
-from .format import Progress, human_size, isatty, n_entries, out, printable
-from .target import need_entries, open_readonly, resolve_target
-
+from ecstore import maintenance, namespaces
+from ecstore.cli.exitcodes import PROG, CLIError, ExitCode
+from ecstore.cli.format import Progress, human_size, isatty, n_entries, out, printable
+from ecstore.cli.target import need_entries, open_readonly, resolve_target
+from ecstore.errors import ECStoreError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -42,9 +41,9 @@ def parse_older_than(text: str, now_ns: int) -> int:
         raise CLIError(f"--older-than '{shown}': expected an age like 30m, 12h, 7d, 2w "
                        f"(units s/m/h/d/w) or an ISO 8601 timestamp") from None
     if t.tzinfo is None:
-        t = t.replace(tzinfo=_dt.timezone.utc)
+        t = t.replace(tzinfo=_dt.UTC)
     try:
-        delta = t - _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+        delta = t - _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
     except OverflowError:
         delta = _dt.timedelta(days=-1)
     if delta < _dt.timedelta(0):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import stat
 
-from ..store_files import STORE_FILES
-from .exitcodes import CLIError
+from ecstore.cli.exitcodes import CLIError
+from ecstore.store_files import STORE_FILES
 
 #: OUT meaning standard output.
 STDOUT = "-"

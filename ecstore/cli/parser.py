@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .config_cmd import cmd_config
-from .exitcodes import PROG
-from .health import cmd_stats, cmd_verify
-from .listing import SORTS, cmd_list
-from .maintain import cmd_compact, cmd_purge
-from .show import cmd_export, cmd_show
+from ecstore.cli.config_cmd import cmd_config
+from ecstore.cli.exitcodes import PROG
+from ecstore.cli.health import cmd_stats, cmd_verify
+from ecstore.cli.listing import SORTS, cmd_list
+from ecstore.cli.maintain import cmd_compact, cmd_purge
+from ecstore.cli.show import cmd_export, cmd_show
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ecstore-dump`` argument parser; each sub-command sets ``func`` (its ``cmd_*``)."""
-    from .. import __version__
+    from ecstore import __version__
 
     p = argparse.ArgumentParser(
         prog=PROG,

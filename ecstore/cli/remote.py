@@ -19,12 +19,12 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .exitcodes import ExitCode
-from .format import human_size, json_out, out, print_table, warn
+from ecstore.cli.exitcodes import ExitCode
+from ecstore.cli.format import human_size, json_out, out, print_table, warn
 
 if TYPE_CHECKING:
-    from ..remote.backend import RedisBackend
-    from ..remote.inspect import TimeBound
+    from ecstore.remote.backend import RedisBackend
+    from ecstore.remote.inspect import TimeBound
 
 #: Seconds a whole ``list``/``stats``/``verify`` of a remote may take (``--timeout``).
 DEFAULT_TIMEOUT_S = 600.0
@@ -32,7 +32,7 @@ DEFAULT_TIMEOUT_S = 600.0
 
 def is_remote_path(args: argparse.Namespace) -> bool:
     """Does the command's PATH name a remote (redis://, unix://...)?"""
-    from ..remote.inspect import is_remote
+    from ecstore.remote.inspect import is_remote
 
     return is_remote(getattr(args, "path", None))
 
@@ -43,7 +43,7 @@ def run_remote(command: str, args: argparse.Namespace) -> int:
     The remote modules are imported here, not at the top: the ``redis``
     client is an optional extra.
     """
-    from ..remote.inspect import TimeBound, bounded, connect
+    from ecstore.remote.inspect import TimeBound, bounded, connect
 
     seconds = getattr(args, "timeout", None)
     bound = TimeBound.starting_now(DEFAULT_TIMEOUT_S if seconds is None else seconds)
@@ -66,7 +66,7 @@ def _stopped(why: str | None) -> dict[str, Any]:
 
 def _cmd_list(backend: RedisBackend, args: argparse.Namespace, bound: TimeBound) -> int:
     """``list redis://...``."""
-    from ..remote.inspect import RemoteEntryInfo, StoppedEarly, iter_entries
+    from ecstore.remote.inspect import RemoteEntryInfo, StoppedEarly, iter_entries
 
     rows: list[RemoteEntryInfo] = []
     why = None
@@ -101,7 +101,7 @@ def _finish(why: str | None) -> int:
 
 def _cmd_stats(backend: RedisBackend, args: argparse.Namespace, bound: TimeBound) -> int:
     """``stats redis://...``: per model/dtype and server memory."""
-    from ..remote.inspect import StoppedEarly, iter_entries, server_info
+    from ecstore.remote.inspect import StoppedEarly, iter_entries, server_info
 
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     unreadable = 0
@@ -137,7 +137,7 @@ def _cmd_stats(backend: RedisBackend, args: argparse.Namespace, bound: TimeBound
 
 def _cmd_verify(backend: RedisBackend, args: argparse.Namespace, bound: TimeBound) -> int:
     """``verify redis://... [--delete-bad]``."""
-    from ..remote.inspect import verify
+    from ecstore.remote.inspect import verify
 
     res = verify(backend, delete_bad=getattr(args, "delete_bad", False), bound=bound)
     bad = res.bad or []

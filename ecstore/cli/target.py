@@ -10,17 +10,18 @@ import argparse
 import contextlib
 import os
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from .. import maintenance
-from ..config import ECStoreConfig, load_config, normalize_local_disk
-from ..errors import ConfigError
-from ..files import PRIVATE_FILE_MODE
-from ..lmdb import LMDBTier
-from ..maintenance import Row, find_entries
-from .exitcodes import CLIError
-from .format import human_size, printable, warn
+from ecstore import maintenance
+from ecstore.cli.exitcodes import CLIError
+from ecstore.cli.format import human_size, printable, warn
+from ecstore.config import ECStoreConfig, load_config, normalize_local_disk
+from ecstore.errors import ConfigError
+from ecstore.files import PRIVATE_FILE_MODE
+from ecstore.lmdb import LMDBTier
+from ecstore.maintenance import Row, find_entries
 
 
 @dataclass

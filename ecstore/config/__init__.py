@@ -18,13 +18,35 @@ provenance), :mod:`.yaml_file` (bounded YAML reading with line numbers),
 
 from __future__ import annotations
 
-from .limits import MAX_LEASE_SECONDS, MAX_SIZE_GIB, NUMBER_KINDS, NUMBER_MAX, GiB, check_size, normalize_local_disk
-from .lmcache_keys import LMCACHE_KEY_PREFIXES, LMCACHE_KEYS
-from .settings import (CONFIG_FILE_ENV, CONFIG_FILE_KEY, EC_ENV_PREFIX, EC_KEY_PREFIX, EC_ONLY_KEYS, EC_SECTION,
-                       ENV_PREFIX, KEYS, SECRET_KEYS, ConfigWarning, ECStoreConfig, KeySpec, SettingInfo,
-                       describe_config, settings_table)
-from .sources import load_config
-from .yaml_file import MAX_CONFIG_BYTES
+from ecstore.config.limits import (
+    MAX_LEASE_SECONDS,
+    MAX_SIZE_GIB,
+    NUMBER_KINDS,
+    NUMBER_MAX,
+    GiB,
+    check_size,
+    normalize_local_disk,
+)
+from ecstore.config.lmcache_keys import LMCACHE_KEY_PREFIXES, LMCACHE_KEYS
+from ecstore.config.settings import (
+    CONFIG_FILE_ENV,
+    CONFIG_FILE_KEY,
+    EC_ENV_PREFIX,
+    EC_KEY_PREFIX,
+    EC_ONLY_KEYS,
+    EC_SECTION,
+    ENV_PREFIX,
+    KEYS,
+    SECRET_KEYS,
+    ConfigWarning,
+    ECStoreConfig,
+    KeySpec,
+    SettingInfo,
+    describe_config,
+    settings_table,
+)
+from ecstore.config.sources import load_config
+from ecstore.config.yaml_file import MAX_CONFIG_BYTES
 
 __all__ = [
     "CONFIG_FILE_ENV", "CONFIG_FILE_KEY", "EC_ENV_PREFIX", "EC_KEY_PREFIX", "EC_ONLY_KEYS", "EC_SECTION",

@@ -13,11 +13,10 @@ import math
 import os
 from typing import Any
 
-from ..errors import ConfigError
-from ..remote.url import parse_remote_url
-from ..store_files import check_file_mode
-from .limits import normalize_local_disk, too_big
-
+from ecstore.config.limits import normalize_local_disk, too_big
+from ecstore.errors import ConfigError
+from ecstore.remote.url import parse_remote_url
+from ecstore.store_files import check_file_mode
 
 TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "0", "no", "off"})

@@ -17,16 +17,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import ConfigError
-from ..identity import check_namespace_pin
-from ..redact import mask_value, short_repr
-from ..remote.url import mask_url, parse_remote_url
-from ..store_files import DEFAULT_FILE_MODE, check_file_mode
-from .limits import (MAX_LEASE_SECONDS, MAX_SIZE_GIB, MAX_TTL_SECONDS, NUMBER_MAX, GiB, check_size,
-                     normalize_local_disk)
-from .parsers import (parse_bool, parse_file_mode, parse_local_disk, parse_number, parse_remote_url_setting,
-                      parse_secret, parse_text)
-
+from ecstore.config.limits import (
+    MAX_LEASE_SECONDS,
+    MAX_SIZE_GIB,
+    MAX_TTL_SECONDS,
+    NUMBER_MAX,
+    GiB,
+    check_size,
+    normalize_local_disk,
+)
+from ecstore.config.parsers import (
+    parse_bool,
+    parse_file_mode,
+    parse_local_disk,
+    parse_number,
+    parse_remote_url_setting,
+    parse_secret,
+    parse_text,
+)
+from ecstore.errors import ConfigError
+from ecstore.identity import check_namespace_pin
+from ecstore.redact import mask_value, short_repr
+from ecstore.remote.url import mask_url, parse_remote_url
+from ecstore.store_files import DEFAULT_FILE_MODE, check_file_mode
 
 EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
                           "remote_ttl_seconds", "max_remote_queue_size"})

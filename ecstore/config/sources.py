@@ -15,13 +15,22 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
-from ..redact import short_repr
-from .lmcache_keys import LMCACHE_KEYS, is_lmcache_key
-from .settings import (CONFIG_FILE_ENV, CONFIG_FILE_KEY, EC_ENV_PREFIX, EC_KEY_PREFIX, EC_ONLY_KEYS, EC_SECTION,
-                       ENV_PREFIX, KEYS, ConfigWarning, ECStoreConfig)
-from .yaml_file import read_yaml
-
+from ecstore.config.lmcache_keys import LMCACHE_KEYS, is_lmcache_key
+from ecstore.config.settings import (
+    CONFIG_FILE_ENV,
+    CONFIG_FILE_KEY,
+    EC_ENV_PREFIX,
+    EC_KEY_PREFIX,
+    EC_ONLY_KEYS,
+    EC_SECTION,
+    ENV_PREFIX,
+    KEYS,
+    ConfigWarning,
+    ECStoreConfig,
+)
+from ecstore.config.yaml_file import read_yaml
+from ecstore.errors import ConfigError
+from ecstore.redact import short_repr
 
 #: Longest key or variable name quoted as written in a message; longer or
 #: unprintable ones are shown through :func:`short_repr`.
@@ -290,7 +299,7 @@ def _warn_base_remote_url(layers: Mapping[str, Mapping[str, _Setting]]) -> None:
     remote: never the encoder cache's) names a server ecstore could use
     (``redis://``...) and no ``ec_remote_url`` is set, naming the key that
     turns the shared tier on. LMCache's own schemes (``lm://``...) stay quiet."""
-    from ..remote.url import mask_url, supported_scheme
+    from ecstore.remote.url import mask_url, supported_scheme
 
     for level in reversed(_LEVELS):
         setting = layers[level].get("remote_url")

@@ -9,9 +9,9 @@ Enable it with::
 Importing this package imports vLLM; ``import ecstore`` alone does not.
 """
 
-from .connector import ECStoreConnector
-from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
-from .stats import ECStoreConnectorStats, ECStorePromMetrics
+from ecstore.connector.connector import ECStoreConnector
+from ecstore.connector.metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
+from ecstore.connector.stats import ECStoreConnectorStats, ECStorePromMetrics
 
 __all__ = [
     "ECStoreConnector",

@@ -19,8 +19,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from ..errors import ECStoreError
-from ..store import ECStore
+from ecstore.errors import ECStoreError
+from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
 

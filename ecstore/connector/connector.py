@@ -23,15 +23,15 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from ..config import ECStoreConfig, load_config
-from ..errors import ConfigError
-from ..remote.url import mask_url
-from .logs import ensure_console_logging
-from .metadata import ECStoreConnectorMetadata
-from .scheduler_side import SchedulerSide
-from .stats import ECStoreConnectorStats, ECStorePromMetrics
-from .vllm_identity import encoder_identity, per_process_naming, per_process_warning
-from .worker_side import WorkerSide
+from ecstore.config import ECStoreConfig, load_config
+from ecstore.connector.logs import ensure_console_logging
+from ecstore.connector.metadata import ECStoreConnectorMetadata
+from ecstore.connector.scheduler_side import SchedulerSide
+from ecstore.connector.stats import ECStoreConnectorStats, ECStorePromMetrics
+from ecstore.connector.vllm_identity import encoder_identity, per_process_naming, per_process_warning
+from ecstore.connector.worker_side import WorkerSide
+from ecstore.errors import ConfigError
+from ecstore.remote.url import mask_url
 
 if TYPE_CHECKING:
     from vllm.config import ECTransferConfig, VllmConfig
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ecstore")
 
 
-def _ec_transfer_config(vllm_config: "VllmConfig") -> "ECTransferConfig":
+def _ec_transfer_config(vllm_config: VllmConfig) -> ECTransferConfig:
     """The engine's ``ec_transfer_config``; ConfigError if it has none (vLLM
     builds an EC connector only from one, so only a hand-made config lacks it)."""
     ec = vllm_config.ec_transfer_config
@@ -51,14 +51,14 @@ def _ec_transfer_config(vllm_config: "VllmConfig") -> "ECTransferConfig":
     return ec
 
 
-def config_from_vllm(vllm_config: "VllmConfig") -> ECStoreConfig:
+def config_from_vllm(vllm_config: VllmConfig) -> ECStoreConfig:
     """The effective ecstore config for a vLLM engine."""
     extra = dict(_ec_transfer_config(vllm_config).ec_connector_extra_config or {})
     # config_file stays an override: source_of("config_file") is "override config_file".
     return load_config(overrides=extra)
 
 
-def model_dtype(vllm_config: "VllmConfig") -> torch.dtype:
+def model_dtype(vllm_config: VllmConfig) -> torch.dtype:
     dtype = vllm_config.model_config.dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -68,7 +68,7 @@ def model_dtype(vllm_config: "VllmConfig") -> torch.dtype:
 class ECStoreConnector(ECConnectorBase):
     """vLLM EC connector storing encoder outputs in an ecstore store."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         ensure_console_logging()
         self.config = config_from_vllm(vllm_config)
@@ -121,11 +121,11 @@ class ECStoreConnector(ECConnectorBase):
         assert self.scheduler_side is not None
         return self.scheduler_side.has_cache_item(identifier)
 
-    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self.scheduler_side is not None
         self.scheduler_side.update_state_after_alloc(request, index)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ECConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self.scheduler_side is not None
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
@@ -133,7 +133,7 @@ class ECStoreConnector(ECConnectorBase):
         if self.scheduler_side is not None:
             self.scheduler_side.update_connector_output(connector_output)
 
-    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if self.scheduler_side is None:
             return True
         return self.scheduler_side.ensure_cache_available(request, num_computed_tokens)
@@ -141,7 +141,7 @@ class ECStoreConnector(ECConnectorBase):
     def take_unavailable_requests(self) -> set[str]:
         return set() if self.scheduler_side is None else self.scheduler_side.take_unavailable_requests()
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler_side is None:
             return False, None
         return self.scheduler_side.request_finished(request)
@@ -157,7 +157,7 @@ class ECStoreConnector(ECConnectorBase):
         return ECStoreConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> ECStorePromMetrics:
         return ECStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

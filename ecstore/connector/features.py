@@ -68,7 +68,7 @@ class EncoderInputs:
         if parser is not None:
             try:
                 fields = frozenset(parser.placeholder_metadata_fields(modality))
-            except Exception as e:  # an unusual parser
+            except Exception as e:  # an unusual parser  # noqa: BLE001
                 log.warning("ecstore: placeholder metadata fields of %s unknown (%s): only known encoder "
                             "inputs (pixel values, audio features, embeddings) count", modality, e)
         self._fields[modality] = fields
@@ -97,7 +97,7 @@ class EncoderInputs:
 
                 info = MULTIMODAL_REGISTRY.create_processor(self._model_config).info
                 self._parser = type(info.data_parser)
-            except Exception as e:  # not multimodal, or a processor that does not build here
+            except Exception as e:  # not multimodal, or a processor that does not build here  # noqa: BLE001
                 log.warning("ecstore: could not read the model's multimodal fields (%s): only known "
                             "encoder inputs (pixel values, audio features, embeddings) count", e)
         return self._parser

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import namespaces
-from ..errors import ECStoreError
-from ..identity import qualify
-from ..key import make_key
+from ecstore import namespaces
+from ecstore.errors import ECStoreError
+from ecstore.identity import qualify
+from ecstore.key import make_key
 
 log = logging.getLogger("ecstore")
 

@@ -28,7 +28,7 @@ def ensure_console_logging() -> None:
         from vllm.logging_utils import NewLineFormatter
 
         handler.setFormatter(NewLineFormatter(_FORMAT, datefmt=_DATEFMT))
-    except Exception:  # formatter moved: plain format still works
+    except Exception:  # formatter moved: plain format still works  # noqa: BLE001
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATEFMT))
     logger.addHandler(handler)
     level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()

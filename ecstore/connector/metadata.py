@@ -85,7 +85,7 @@ class ECStoreWorkerMetadata(ECConnectorWorkerMetadata):
     cleared: list[str] = field(default_factory=list)  # stand-ins and loaded entries gone from vLLM's encoder cache
     stats: dict[str, float] = field(default_factory=dict)
 
-    def aggregate(self, other: ECConnectorWorkerMetadata) -> "ECStoreWorkerMetadata":
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECStoreWorkerMetadata:
         assert isinstance(other, ECStoreWorkerMetadata)
         stats = dict(self.stats)
         for k, v in other.stats.items():

@@ -66,18 +66,18 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-from ..config import ECStoreConfig
-from ..errors import ECStoreError
-from ..identity import EncoderIdentity
-from ..lmdb.leases import Pin
-from ..store import ECStore
-from .availability import Fetch, RemoteFetches, VerifiedEntries, placeholder_computed
-from .features import EncoderInputs
-from .foreign import ForeignNamespaces
-from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
-from .shared_stats import SharedCounters, record_path
-from .stats import ECStoreConnectorStats, remote_deltas
-from .vllm_identity import CLIENT_UUID_WARNING, kept_out
+from ecstore.config import ECStoreConfig
+from ecstore.connector.availability import Fetch, RemoteFetches, VerifiedEntries, placeholder_computed
+from ecstore.connector.features import EncoderInputs
+from ecstore.connector.foreign import ForeignNamespaces
+from ecstore.connector.metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
+from ecstore.connector.shared_stats import SharedCounters, record_path
+from ecstore.connector.stats import ECStoreConnectorStats, remote_deltas
+from ecstore.connector.vllm_identity import CLIENT_UUID_WARNING, kept_out
+from ecstore.errors import ECStoreError
+from ecstore.identity import EncoderIdentity
+from ecstore.lmdb.leases import Pin
+from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
 
@@ -341,7 +341,7 @@ class SchedulerSide:
         for i, feature in enumerate(features):
             try:
                 self._expected_rows[feature.identifier] = int(request.get_num_encoder_embeds(i))
-            except Exception:  # an older Request without it: rows are checked by the worker
+            except Exception:  # an older Request without it: rows are checked by the worker  # noqa: BLE001
                 pass
         if not self.is_consumer:
             return True

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats import COUNTERS
+from ecstore.connector.stats import COUNTERS
 
 log = logging.getLogger("ecstore")
 

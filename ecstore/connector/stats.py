@@ -66,7 +66,7 @@ class ECStoreConnectorStats(ECConnectorStats):
         for k, v in other.items():
             self.add(k, v)
 
-    def aggregate(self, other: ECConnectorStats) -> "ECStoreConnectorStats":
+    def aggregate(self, other: ECConnectorStats) -> ECStoreConnectorStats:
         merged = ECStoreConnectorStats(data=dict(self.data))
         merged.merge(other.data)
         return merged
@@ -107,7 +107,7 @@ class ECStoreConnectorStats(ECConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
-    def snapshot_and_reset(self) -> "ECStoreConnectorStats | None":
+    def snapshot_and_reset(self) -> ECStoreConnectorStats | None:
         if self.is_empty():
             return None
         out = ECStoreConnectorStats(data=dict(self.data))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..identity import EncoderIdentity, fingerprint_weights
+from ecstore.identity import EncoderIdentity, fingerprint_weights
 
 log = logging.getLogger("ecstore")
 

@@ -43,16 +43,16 @@ from typing import Any
 
 import torch
 
-from ..codec import tensor_nbytes
-from ..config import ECStoreConfig
-from ..errors import ECStoreError
-from ..identity import EncoderIdentity, split_stored
-from ..memory import MemoryItem
-from ..store import ECStore
-from .metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
-from .vllm_identity import kept_out
-from .shared_stats import SharedCounters, record_path
-from .stats import remote_deltas
+from ecstore.codec import tensor_nbytes
+from ecstore.config import ECStoreConfig
+from ecstore.connector.metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
+from ecstore.connector.shared_stats import SharedCounters, record_path
+from ecstore.connector.stats import remote_deltas
+from ecstore.connector.vllm_identity import kept_out
+from ecstore.errors import ECStoreError
+from ecstore.identity import EncoderIdentity, split_stored
+from ecstore.memory import MemoryItem
+from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
 
@@ -62,7 +62,7 @@ def _tp_rank() -> int:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
-    except Exception:  # distributed state not initialised (single process)
+    except Exception:  # distributed state not initialised (single process)  # noqa: BLE001
         return 0
 
 
@@ -341,5 +341,5 @@ class WorkerSide:
             self._shared = None
         try:
             self.store.close()
-        except Exception as e:  # never raise during interpreter/engine teardown
+        except Exception as e:  # never raise during interpreter/engine teardown  # noqa: BLE001
             log.warning("ecstore: error while closing the store: %s", e)

@@ -7,12 +7,11 @@ Plain data; no I/O; thread-safe as long as one batch is used by one thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
-from .. import codec
-from .blobfiles import FileRef
+from ecstore import codec
+from ecstore.lmdb.blobfiles import FileRef
 
 
 @dataclass
@@ -64,7 +63,7 @@ class TouchOp:
     last_ns: int
 
 
-BatchOp = Union[PutOp, TouchOp]
+BatchOp = PutOp | TouchOp
 
 
 def in_call_order(todo: list[PutRequest], touches: dict[str, tuple]) -> list[BatchOp]:

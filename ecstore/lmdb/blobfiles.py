@@ -52,12 +52,13 @@ import stat
 import struct
 import threading
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
-from ..codec import CorruptBlobError
-from ..errors import ECStoreError, InvalidEntryError, StoreFullError, StoreOpenError, check_same_process
-from ..store_files import DEFAULT_FILE_MODE, FilePolicy
+from ecstore.codec import CorruptBlobError
+from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError, StoreOpenError, check_same_process
+from ecstore.store_files import DEFAULT_FILE_MODE, FilePolicy
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -541,7 +542,7 @@ class BlobFiles:
 
 #: Every BlobFiles of this process: a forked child closes their inherited
 #: token descriptors (:meth:`BlobFiles._forget_inherited_token`).
-_LIVE: "weakref.WeakSet[BlobFiles]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[BlobFiles] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:

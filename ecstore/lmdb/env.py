@@ -31,11 +31,18 @@ import threading
 
 import lmdb
 
-from ..errors import StoreOpenError
-from ..store_files import (FilePolicy, check_file_types, check_writable_location, create_store_dir,
-                           fix_created_modes, missing_files, readonly_needs_nolock)
-from .leases import LeaseTable
-from .txngate import _Txn, _TxnGate
+from ecstore.errors import StoreOpenError
+from ecstore.lmdb.leases import LeaseTable
+from ecstore.lmdb.txngate import _Txn, _TxnGate
+from ecstore.store_files import (
+    FilePolicy,
+    check_file_types,
+    check_writable_location,
+    create_store_dir,
+    fix_created_modes,
+    missing_files,
+    readonly_needs_nolock,
+)
 
 log = logging.getLogger("ecstore")
 
@@ -68,7 +75,7 @@ class _SharedEnv:
     """One lmdb.Environment per directory per process, reference counted."""
 
     _lock = threading.Lock()
-    _open: dict[str, "_SharedEnv"] = {}
+    _open: dict[str, _SharedEnv] = {}
     #: Directories whose environment this process inherited across fork()
     #: (path -> pid of the process that opened it).
     _inherited: dict[str, int] = {}
@@ -87,7 +94,7 @@ class _SharedEnv:
         #: The lease table on ``leases`` (set with it; see :mod:`ecstore.lmdb.leases`).
         self.lease_table: LeaseTable | None = None if leases is None else LeaseTable(leases)
 
-    def txn(self, write: bool = False, buffers: bool = False) -> "_Txn":
+    def txn(self, write: bool = False, buffers: bool = False) -> _Txn:
         """A transaction of the data environment (``with shared.txn() as
         txn``): committed when the block ends normally, aborted on an
         exception. The one way ecstore begins one: when another process grew
@@ -98,7 +105,7 @@ class _SharedEnv:
 
     @classmethod
     def acquire(cls, path: str, map_size: int, readonly: bool, create: bool,
-                policy: FilePolicy | None = None, explicit_mode: bool = True) -> "_SharedEnv":
+                policy: FilePolicy | None = None, explicit_mode: bool = True) -> _SharedEnv:
         real = os.path.realpath(path)
         with cls._lock:
             shared = cls._open.get(real)

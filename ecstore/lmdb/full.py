@@ -19,11 +19,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import lmdb
 
-from .env import MiB, _reader_txnids
+from ecstore.lmdb.env import MiB, _reader_txnids
 
 #: How long a write whose map is full waits, at most, for read transactions
 #: of other processes to release old snapshots (seconds).

@@ -22,18 +22,19 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Literal, TypeVar, overload
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar, overload
 
 import lmdb
 
-from .. import codec, schema
-from ..errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
-from ..store_files import FilePolicy
-from .blobfiles import BlobFiles
-from .env import MiB, _SharedEnv, map_size_for
-from .full import MapFullRetry, space_hint
-from .leases import LeaseTable
-from .txn import Dbs, TierCounters, WriteTxn
+from ecstore import codec, schema
+from ecstore.errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
+from ecstore.lmdb.blobfiles import BlobFiles
+from ecstore.lmdb.env import MiB, _SharedEnv, map_size_for
+from ecstore.lmdb.full import MapFullRetry, space_hint
+from ecstore.lmdb.leases import LeaseTable
+from ecstore.lmdb.txn import Dbs, TierCounters, WriteTxn
+from ecstore.store_files import FilePolicy
 
 log = logging.getLogger("ecstore")
 
@@ -76,7 +77,7 @@ def _lmdb_errors_as_store_errors(method: Any) -> Any:
     connector) catch that family and treat it as a miss instead of meeting a
     foreign exception type."""
     @functools.wraps(method)
-    def wrapper(self: "StoreHandle", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: StoreHandle, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except lmdb.Error as e:

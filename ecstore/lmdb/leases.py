@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterator
 
 import lmdb
 
-from ..errors import StoreOpenError
+from ecstore.errors import StoreOpenError
 
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
 #: Lease-file keys under this prefix are eviction tombstones (see the module docstring).
@@ -396,7 +396,7 @@ class LeaseTable:
 
 #: Every LeaseTable of this process: a forked child closes their inherited
 #: lock descriptors (:meth:`LeaseTable._forget_inherited_lock`).
-_LIVE: "weakref.WeakSet[LeaseTable]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[LeaseTable] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:

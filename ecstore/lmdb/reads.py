@@ -14,17 +14,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import lmdb
 import torch
 
-from .. import blob_read, codec
-from ..codec import CorruptBlobError, Record
-from ..errors import StoreFullError
-from .blobfiles import BlobFileUnavailable, FileRef, unpack_ref
-from .handle import StoreHandle, _lmdb_errors_as_store_errors
-from .txn import _U64, file_ref
+from ecstore import blob_read, codec
+from ecstore.codec import CorruptBlobError, Record
+from ecstore.errors import StoreFullError
+from ecstore.lmdb.blobfiles import BlobFileUnavailable, FileRef, unpack_ref
+from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
+from ecstore.lmdb.txn import _U64, file_ref
 
 log = logging.getLogger("ecstore")
 

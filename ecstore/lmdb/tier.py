@@ -20,18 +20,18 @@ import time
 
 import lmdb
 
-from .. import codec
-from ..pool import POOL
-from ..codec import Record
-from ..config.limits import MAX_LEASE_SECONDS
-from ..errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
-from .batch import PutOp, PutRequest, in_call_order
-from .env import MiB
-from .full import MapFullRetry, space_hint
-from .handle import _lmdb_errors_as_store_errors, lmdb_store_error
-from .leases import Pin
-from .reads import TierReads
-from .txn import file_ref
+from ecstore import codec
+from ecstore.codec import Record
+from ecstore.config.limits import MAX_LEASE_SECONDS
+from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
+from ecstore.lmdb.batch import PutOp, PutRequest, in_call_order
+from ecstore.lmdb.env import MiB
+from ecstore.lmdb.full import MapFullRetry, space_hint
+from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
+from ecstore.lmdb.leases import Pin
+from ecstore.lmdb.reads import TierReads
+from ecstore.lmdb.txn import file_ref
+from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
 

@@ -21,16 +21,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generator, Iterator
+from typing import Any
 
 import lmdb
 
-from .. import codec
-from ..codec import CorruptBlobError, Record
-from ..errors import StoreOpenError
-from .blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
-from .leases import LeaseTable
+from ecstore import codec
+from ecstore.codec import CorruptBlobError, Record
+from ecstore.errors import StoreOpenError
+from ecstore.lmdb.blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
+from ecstore.lmdb.leases import LeaseTable
 
 log = logging.getLogger("ecstore")
 
@@ -131,7 +132,7 @@ class WriteTxn:
     def open(cls, begin: contextlib.AbstractContextManager[lmdb.Transaction], dbs: Dbs, *, path: str,
              leases: LeaseTable | None, pinned: Callable[[], set[bytes]], record_version: int,
              counters: TierCounters, files: BlobFiles | None = None,
-             durable: Callable[[], None] | None = None) -> Iterator["WriteTxn"]:
+             durable: Callable[[], None] | None = None) -> Iterator[WriteTxn]:
         """``with WriteTxn.open(tier._write_txn(), ...) as w``: enters the
         write transaction ``begin``; when the block ends normally writes the
         counters back (if anything changed) and commits, then deletes the

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from ..errors import StoreOpenError
+from ecstore.errors import StoreOpenError
 
 if TYPE_CHECKING:
-    from .env import _SharedEnv
+    from ecstore.lmdb.env import _SharedEnv
 
 
 #: How often a transaction is retried after adopting a map another process
@@ -95,7 +95,7 @@ class _Txn:
 
     __slots__ = ("shared", "write", "buffers", "txn")
 
-    def __init__(self, shared: "_SharedEnv", write: bool, buffers: bool) -> None:
+    def __init__(self, shared: _SharedEnv, write: bool, buffers: bool) -> None:
         self.shared = shared
         self.write = write
         self.buffers = buffers

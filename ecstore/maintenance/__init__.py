@@ -19,14 +19,35 @@ Errors are :class:`~ecstore.errors.ECStoreError` subclasses.
 
 from __future__ import annotations
 
-from .compact import COMPACT_PREFIX, CompactResult, StoreBusyError, compact, try_exclusive
-from .detail import EntryDetail, entry_detail
-from .entries import (LMDB_MAGIC, SCAN_BATCH, Row, entry_problem, find_entries, key_bytes, key_text,
-                      open_readonly, precheck_store, read_entry, scan)
-from .inspect import (BadEntry, ModelTotals, PageStats, ReaderSlot, StoreStats, VerifyResult, page_stats,
-                      reader_slots, store_stats, verify)
-from .progress import NO_PROGRESS, ProgressFactory, Ticker
-from .purge import PurgeCriteria, PurgeResult, purge, purge_capacity, select_victims
+from ecstore.maintenance.compact import COMPACT_PREFIX, CompactResult, StoreBusyError, compact, try_exclusive
+from ecstore.maintenance.detail import EntryDetail, entry_detail
+from ecstore.maintenance.entries import (
+    LMDB_MAGIC,
+    SCAN_BATCH,
+    Row,
+    entry_problem,
+    find_entries,
+    key_bytes,
+    key_text,
+    open_readonly,
+    precheck_store,
+    read_entry,
+    scan,
+)
+from ecstore.maintenance.inspect import (
+    BadEntry,
+    ModelTotals,
+    PageStats,
+    ReaderSlot,
+    StoreStats,
+    VerifyResult,
+    page_stats,
+    reader_slots,
+    store_stats,
+    verify,
+)
+from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory, Ticker
+from ecstore.maintenance.purge import PurgeCriteria, PurgeResult, purge, purge_capacity, select_victims
 
 __all__ = [
     "COMPACT_PREFIX", "CompactResult", "StoreBusyError", "compact", "try_exclusive",

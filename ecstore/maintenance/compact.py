@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..errors import ECStoreError, StoreOpenError
-from ..lmdb import LMDBTier
-from ..lmdb.env import _SharedEnv, try_exclusive
-from .entries import open_readonly
-from .inspect import page_stats
-from .progress import ProgressFactory
+from ecstore.errors import ECStoreError, StoreOpenError
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.env import _SharedEnv, try_exclusive
+from ecstore.maintenance.entries import open_readonly
+from ecstore.maintenance.inspect import page_stats
+from ecstore.maintenance.progress import ProgressFactory
 
 COMPACT_PREFIX = ".ecstore-compact-"
 
@@ -132,7 +132,7 @@ def _copy(tier: LMDBTier, tmp: str, new: str, progress: ProgressFactory | None) 
     def run() -> None:
         try:
             tier.env.copy(tmp, compact=True)
-        except BaseException as e:  # re-raised in the caller's thread
+        except BaseException as e:  # re-raised in the caller's thread  # noqa: BLE001
             failure.append(e)
 
     worker = threading.Thread(target=run, name="ecstore-compact")

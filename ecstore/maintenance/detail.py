@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import blob_check
-from ..codec import CorruptBlobError
-from ..lmdb import LMDBTier
-from .entries import Row, entry_problem, read_entry
+from ecstore import blob_check
+from ecstore.codec import CorruptBlobError
+from ecstore.lmdb import LMDBTier
+from ecstore.maintenance.entries import Row, entry_problem, read_entry
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,17 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
-from .. import blob_check, codec
-from ..codec import CorruptBlobError, Record
-from ..errors import ECStoreError, StoreOpenError
-from ..key import parse_key
-from ..lmdb import LMDBTier
-from ..lmdb.txn import file_ref
-from .progress import Ticker
+from ecstore import blob_check, codec
+from ecstore.codec import CorruptBlobError, Record
+from ecstore.errors import ECStoreError, StoreOpenError
+from ecstore.key import parse_key
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.txn import file_ref
+from ecstore.maintenance.progress import Ticker
 
 #: Records read per read transaction while scanning (short transactions).
 SCAN_BATCH = 2048

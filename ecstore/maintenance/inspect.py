@@ -14,12 +14,12 @@ from typing import Any
 
 import lmdb
 
-from .. import codec, namespaces
-from ..codec import CorruptBlobError, Record
-from ..lmdb import LMDBTier
-from ..lmdb.txn import file_ref
-from .entries import Row, entry_problem, key_bytes, scan
-from .progress import NO_PROGRESS, ProgressFactory
+from ecstore import codec, namespaces
+from ecstore.codec import CorruptBlobError, Record
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.txn import file_ref
+from ecstore.maintenance.entries import Row, entry_problem, key_bytes, scan
+from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory
 
 
 @dataclass

@@ -9,8 +9,9 @@ callers pass nothing (:data:`NO_PROGRESS`). Called from the calling thread only.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Iterator, Protocol
+from typing import Protocol
 
 
 class Ticker(Protocol):

@@ -8,13 +8,13 @@ blocked for long, and entries under a live lease are skipped, not removed.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from .. import namespaces
-from ..lmdb import LMDBTier
-from .entries import Row, key_bytes, scan
-from .progress import NO_PROGRESS, ProgressFactory
+from ecstore import namespaces
+from ecstore.lmdb import LMDBTier
+from ecstore.maintenance.entries import Row, key_bytes, scan
+from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .url import RemoteTarget, mask_url, parse_remote_url, redact, supported_scheme
+from ecstore.remote.url import RemoteTarget, mask_url, parse_remote_url, redact, supported_scheme
 
 if TYPE_CHECKING:
     import torch
 
-    from .tier import RemoteTier
+    from ecstore.remote.tier import RemoteTier
 
 __all__ = ["RemoteTarget", "mask_url", "open_remote", "parse_remote_url", "redact", "supported_scheme"]
 
@@ -26,9 +26,9 @@ def open_remote(config: Any, *, model: str, dtype: torch.dtype, readonly: bool =
     """The remote tier ``config.remote_url`` names (ConfigError if the URL is
     malformed or the ``redis`` package is missing). Connects lazily: an
     unreachable server is not an error here."""
-    from .backend import RedisBackend
-    from .breaker import CircuitBreaker
-    from .tier import RemoteTier
+    from ecstore.remote.backend import RedisBackend
+    from ecstore.remote.breaker import CircuitBreaker
+    from ecstore.remote.tier import RemoteTier
 
     target = parse_remote_url(config.remote_url, config.source_of("remote_url"),
                               password=config.remote_password)

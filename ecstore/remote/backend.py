@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from urllib.parse import parse_qs, urlsplit
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
 
-from ..errors import ConfigError, ECStoreError
-from .deadline import deadline, deadline_class
-from .url import RemoteTarget, redact
+from ecstore.errors import ConfigError, ECStoreError
+from ecstore.remote.deadline import deadline, deadline_class
+from ecstore.remote.url import RemoteTarget, redact
 
 log = logging.getLogger("ecstore")
 

@@ -46,7 +46,7 @@ _local = _Local()
 _monotonic = time.monotonic
 
 
-class deadline:  # noqa: N801  (used as a function: ``with deadline(s):``)
+class Deadline:
     """Bound the remote calls this thread makes inside the ``with`` block to
     ``seconds`` from entering it, together (an enclosing deadline that ends
     sooner wins). A class, not a generator: it is on every remote call."""
@@ -92,7 +92,7 @@ SLACK_S = 0.002
 
 
 def _expired() -> socket.timeout:
-    return socket.timeout("the remote call's deadline (remote_timeout_seconds) passed")
+    return TimeoutError("the remote call's deadline (remote_timeout_seconds) passed")
 
 
 class DeadlineSocket:
@@ -226,3 +226,7 @@ def _connect_of(base: Any) -> Callable[[Any], DeadlineSocket]:
         sock.settimeout(timeout_s)  # later operations: cut by _arm
         return sock
     return _connect
+
+
+#: ``with deadline(seconds):`` reads as the call it is.
+deadline = Deadline

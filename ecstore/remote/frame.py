@@ -27,15 +27,15 @@ import contextlib
 import struct
 import time
 import warnings
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import blob_check, blob_read, codec
-from ..codec import CorruptBlobError, Record
+from ecstore import blob_check, blob_read, codec
+from ecstore.codec import CorruptBlobError, Record
 
 MAGIC = b"ECRV"
 VERSION = 1

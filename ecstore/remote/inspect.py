@@ -29,13 +29,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..codec import CorruptBlobError
-from ..errors import ECStoreError
-from ..key import parse_key
-from . import frame
-from .backend import KEY_PREFIX, RedisBackend, RemoteBadReply, RemoteRefused
-from .deadline import deadline, time_left
-from .url import parse_remote_url, supported_scheme
+from ecstore.codec import CorruptBlobError
+from ecstore.errors import ECStoreError
+from ecstore.key import parse_key
+from ecstore.remote import frame
+from ecstore.remote.backend import KEY_PREFIX, RedisBackend, RemoteBadReply, RemoteRefused
+from ecstore.remote.deadline import deadline, time_left
+from ecstore.remote.url import parse_remote_url, supported_scheme
 
 #: Bytes of each value read by list/stats (frame head + record; more is fetched if needed).
 HEAD_BYTES = 4096

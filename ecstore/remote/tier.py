@@ -36,14 +36,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import codec
-from ..codec import CorruptBlobError
-from . import frame
-from .backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
-from .breaker import BreakerState, CircuitBreaker, Transition
-from .deadline import deadline
-from .url import redact
-from .writer import Batch, PendingWrite, WriteQueue
+from ecstore import codec
+from ecstore.codec import CorruptBlobError
+from ecstore.remote import frame
+from ecstore.remote.backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
+from ecstore.remote.breaker import BreakerState, CircuitBreaker, Transition
+from ecstore.remote.deadline import deadline
+from ecstore.remote.url import redact
+from ecstore.remote.writer import Batch, PendingWrite, WriteQueue
 
 log = logging.getLogger("ecstore")
 T = TypeVar("T")

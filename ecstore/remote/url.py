@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
-from ..errors import ConfigError
+from ecstore.errors import ConfigError
 
 DEFAULT_PORT = 6379
 

@@ -30,16 +30,17 @@ import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ecstore import blob_check, codec
+from ecstore.identity import library_identity, qualify
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _SEQ, _U64, file_ref
-from ecstore.identity import library_identity, qualify
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 COLS = 512  # bf16 columns: one row is 1 KiB
@@ -149,7 +150,7 @@ class Audit:
         """identifier -> blob size."""
         return {ident: size for ident, size in self.entries.values()}
 
-    def check(self) -> "Audit":
+    def check(self) -> Audit:
         assert not self.problems, "store audit failed:\n  " + "\n  ".join(self.problems[:20])
         return self
 
@@ -261,7 +262,7 @@ def _call(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     try:
         torch.set_num_threads(1)
         conn.send(("ok", fn(*args, **kwargs)))
-    except BaseException as e:  # report, never hang the parent
+    except BaseException as e:  # report, never hang the parent  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         conn.close()

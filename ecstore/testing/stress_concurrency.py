@@ -44,9 +44,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 import torch
 
@@ -92,7 +92,7 @@ def _config(spec: dict[str, Any], cap: int, cpu: int = 0) -> ECStoreConfig:
 def worker(conn: Any, barriers: tuple[Any, Any], spec: dict[str, Any], w: int) -> None:
     try:
         conn.send(("ok", _worker(barriers, spec, w)))
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001
         for b in barriers:
             b.abort()
         conn.send(("error", f"worker {w}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -256,7 +256,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
             checks += 1
         tier.close()
         conn.send(("ok", {"checks": checks, "reads": reads, "max_total": max_total}))
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001
         barrier.abort()
         conn.send(("error", f"reader: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:

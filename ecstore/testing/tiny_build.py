@@ -21,8 +21,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .tiny_spec import (BUILDER_VERSION, EOS_TOKEN, IMAGE_TOKEN, MARKER_NAME, PAD_TOKEN, SPECIAL_TOKENS,
-                        TARGET_VOCAB, UNK_TOKEN, _CHAT_TEMPLATE, _WORDS, model_spec, spec_hash)
+from ecstore.testing.tiny_spec import (
+    _CHAT_TEMPLATE,
+    _WORDS,
+    BUILDER_VERSION,
+    EOS_TOKEN,
+    IMAGE_TOKEN,
+    MARKER_NAME,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    TARGET_VOCAB,
+    UNK_TOKEN,
+    model_spec,
+    spec_hash,
+)
 
 
 def _corpus(seed: int) -> list[str]:
@@ -184,7 +196,7 @@ def _quiet_transformers():
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except Exception:  # pragma: no cover
+    except Exception:  # pragma: no cover  # noqa: BLE001
         pass
 
 

@@ -61,11 +61,30 @@ import json
 import sys
 import time
 
-from .tiny_build import _read_marker, build_tiny_blip2
-from .tiny_inputs import (engine_kwargs, greedy_sampling_kwargs, make_image, prompt, server_args,
-                          setup_single_process_env)
-from .tiny_spec import (BUILDER_VERSION, EOS_TOKEN, HEAVY_SPEC, IMAGE_TOKEN, LIGHT_SPEC, MARKER_NAME, NUM_QUERY_TOKENS,
-                        PAD_TOKEN, SPECIAL_TOKENS, TARGET_VOCAB, UNK_TOKEN, model_spec, spec_hash)
+from ecstore.testing.tiny_build import _read_marker, build_tiny_blip2
+from ecstore.testing.tiny_inputs import (
+    engine_kwargs,
+    greedy_sampling_kwargs,
+    make_image,
+    prompt,
+    server_args,
+    setup_single_process_env,
+)
+from ecstore.testing.tiny_spec import (
+    BUILDER_VERSION,
+    EOS_TOKEN,
+    HEAVY_SPEC,
+    IMAGE_TOKEN,
+    LIGHT_SPEC,
+    MARKER_NAME,
+    NUM_QUERY_TOKENS,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    TARGET_VOCAB,
+    UNK_TOKEN,
+    model_spec,
+    spec_hash,
+)
 
 __all__ = [
     "BUILDER_VERSION",

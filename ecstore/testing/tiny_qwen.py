@@ -55,12 +55,23 @@ import json
 import sys
 import time
 
-from .tiny_build import _read_marker
-from .tiny_inputs import greedy_sampling_kwargs, make_image, setup_single_process_env
-from .tiny_qwen_build import PLACEHOLDERS, build_tiny_qwen
-from .tiny_qwen_inputs import (AUDIO_SAMPLE_RATE, VIDEO_FPS, audio_item, engine_kwargs, make_audio, make_frames,
-                               make_mp4, make_video, mp4_data_url, prompt, video_metadata)
-from .tiny_qwen_spec import QWEN_MODELS, QWEN_SPECIAL_TOKENS, qwen_spec, qwen_spec_hash
+from ecstore.testing.tiny_build import _read_marker
+from ecstore.testing.tiny_inputs import greedy_sampling_kwargs, make_image, setup_single_process_env
+from ecstore.testing.tiny_qwen_build import PLACEHOLDERS, build_tiny_qwen
+from ecstore.testing.tiny_qwen_inputs import (
+    AUDIO_SAMPLE_RATE,
+    VIDEO_FPS,
+    audio_item,
+    engine_kwargs,
+    make_audio,
+    make_frames,
+    make_mp4,
+    make_video,
+    mp4_data_url,
+    prompt,
+    video_metadata,
+)
+from ecstore.testing.tiny_qwen_spec import QWEN_MODELS, QWEN_SPECIAL_TOKENS, qwen_spec, qwen_spec_hash
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",

@@ -14,11 +14,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .tiny_build import build_cached, saved_files, train_tokenizer
-from .tiny_qwen_spec import (AUDIO, AUDIO_BOS, AUDIO_EOS, ENDOFTEXT, IM_END, IM_START, IMAGE_PAD, OMNI_IMAGE,
-                             OMNI_VIDEO, QWEN_BUILDER_VERSION, QWEN_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS,
-                             QWEN_TARGET_VOCAB, VIDEO_PAD, VISION_BOS, VISION_END, VISION_EOS, VISION_START,
-                             qwen_corpus, qwen_spec, qwen_spec_hash)
+from ecstore.testing.tiny_build import build_cached, saved_files, train_tokenizer
+from ecstore.testing.tiny_qwen_spec import (
+    AUDIO,
+    AUDIO_BOS,
+    AUDIO_EOS,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    IMAGE_PAD,
+    OMNI_IMAGE,
+    OMNI_VIDEO,
+    QWEN_BUILDER_VERSION,
+    QWEN_CHAT_TEMPLATE,
+    QWEN_SPECIAL_TOKENS,
+    QWEN_TARGET_VOCAB,
+    VIDEO_PAD,
+    VISION_BOS,
+    VISION_END,
+    VISION_EOS,
+    VISION_START,
+    qwen_corpus,
+    qwen_spec,
+    qwen_spec_hash,
+)
 
 TOKEN_ID = {t: i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
 
@@ -58,9 +77,9 @@ class _Recipe:
 
 def _tokenizer(name: str, seed: int):
     ph = PLACEHOLDERS[name]
-    template = (QWEN_CHAT_TEMPLATE.replace("{{ image_placeholder }}", "{{ '%s' }}" % ph.get("image", ""))
-                .replace("{{ video_placeholder }}", "{{ '%s' }}" % ph.get("video", ""))
-                .replace("{{ audio_placeholder }}", "{{ '%s' }}" % ph.get("audio", "")))
+    template = (QWEN_CHAT_TEMPLATE.replace("{{ image_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("image", "")))
+                .replace("{{ video_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("video", "")))
+                .replace("{{ audio_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("audio", ""))))
     return train_tokenizer(special_tokens=QWEN_SPECIAL_TOKENS, corpus=qwen_corpus(seed), vocab_size=QWEN_TARGET_VOCAB,
                            pad_token=ENDOFTEXT, eos_token=IM_END, bos_token=None, unk_token=None,
                            extra_special_tokens=_EXTRA_TOKENS[name], chat_template=template)

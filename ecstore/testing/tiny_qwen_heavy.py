@@ -18,9 +18,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .tiny_build import build_cached, saved_files
-from .tiny_qwen_build import _RECIPES, _set_top_ids, _tokenizer
-from .tiny_qwen_spec import QWEN_BUILDER_VERSION, qwen_spec, qwen_spec_hash
+from ecstore.testing.tiny_build import build_cached, saved_files
+from ecstore.testing.tiny_qwen_build import _RECIPES, _set_top_ids, _tokenizer
+from ecstore.testing.tiny_qwen_spec import QWEN_BUILDER_VERSION, qwen_spec, qwen_spec_hash
 
 #: Bump when the heavy variant's recipe changes.
 HEAVY_VERSION = 1

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .tiny_inputs import make_image
-from .tiny_qwen_build import PLACEHOLDERS
+from ecstore.testing.tiny_inputs import make_image
+from ecstore.testing.tiny_qwen_build import PLACEHOLDERS
 
 #: Sampling rate the Whisper-style feature extractors of Qwen2-Audio and Omni expect (Hz).
 AUDIO_SAMPLE_RATE = 16000

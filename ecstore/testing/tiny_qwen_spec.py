@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any
 
-from .tiny_spec import _WORDS, _dist_version
+from ecstore.testing.tiny_spec import _WORDS, _dist_version
 
 # Bump when the build recipe changes in a way that changes the output files.
 QWEN_BUILDER_VERSION = 1

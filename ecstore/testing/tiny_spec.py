@@ -11,7 +11,6 @@ import hashlib
 import json
 from typing import Any
 
-
 # Bump when the build recipe changes in a way that changes the output files.
 BUILDER_VERSION = 3
 MARKER_NAME = ".tiny_model.json"

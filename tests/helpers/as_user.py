@@ -30,8 +30,9 @@ def _import_everything_lazy() -> None:
     import importlib
     import pkgutil
 
-    import ecstore
     import lmdb
+
+    import ecstore
 
     skips = {ecstore: ("ecstore.connector", "ecstore.testing"), lmdb: ("lmdb.tool", "lmdb.__main__", "lmdb.cffi")}
     for pkg, skip in skips.items():

@@ -37,7 +37,7 @@ class MetricsCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             msg = record.getMessage()
-        except Exception:  # never break the engine's logging
+        except Exception:  # never break the engine's logging  # noqa: BLE001
             return
         if not msg.startswith(METRICS_PREFIX):
             return

@@ -123,7 +123,7 @@ def main() -> None:
             _ENCODED[0] = 0
             try:
                 out = llm.generate(_prompt(a.name, parts), params, use_tqdm=False)
-            except Exception as e:  # the engine died: what the test must never see
+            except Exception as e:  # the engine died: what the test must never see  # noqa: BLE001
                 results.append({"raised": f"{type(e).__name__}: {e}"})
                 continue
             completion = out[0].outputs[0]
@@ -132,7 +132,7 @@ def main() -> None:
         print(json.dumps({"results": results}), file=proto)
     try:
         llm.llm_engine.engine_core.shutdown()
-    except Exception:  # an engine that died already
+    except Exception:  # an engine that died already  # noqa: BLE001
         pass
     print(json.dumps({"exited": True}), file=proto)
 

@@ -11,8 +11,8 @@ import os
 import shutil
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def find_all(data: bytes, needle: bytes) -> list[int]:

@@ -127,7 +127,7 @@ def ops_on_damaged_store(path: str, ident: str) -> list[str]:
             out.append(f"{name}: ok: {v if not isinstance(v, torch.Tensor) else 'tensor'}")
         except ECStoreError as e:
             out.append(f"{name}: {type(e).__name__}")
-        except Exception as e:  # the failure this test exists to catch
+        except Exception as e:  # the failure this test exists to catch  # noqa: BLE001
             out.append(f"{name}: FOREIGN {type(e).__module__}.{type(e).__name__}: {e}")
     try:
         s.close()

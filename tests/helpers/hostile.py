@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ def consistent_record(rec: codec.Record, blob: bytes) -> codec.Record:
         s = json.loads(meta["shape"])
         if isinstance(s, list) and all(type(d) is int and 0 <= d < 1 << 64 for d in s):
             shape = tuple(s)
-    except Exception:
+    except Exception:  # noqa: BLE001
         pass
     return replace(rec, dtype=dtype, shape=shape, nbytes=len(blob) - 8 - hlen, blob_size=len(blob),
                    checksum=codec.checksum(blob))
@@ -142,7 +143,7 @@ def get_hostile(path: str, case: str) -> dict[str, Any]:
         plant(s, IDENT, hostile_blob(edit, data_len))
         try:
             got = s.get(IDENT)
-        except BaseException as e:  # the outcome under test
+        except BaseException as e:  # the outcome under test  # noqa: BLE001
             out["get"] = f"raised {type(e).__name__}: {e}"
         else:
             out["get"] = "miss" if got is None else ("hit, exact" if same_tensor(got, good_tensor())

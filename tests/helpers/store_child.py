@@ -30,11 +30,10 @@ import threading
 import traceback
 
 import torch
-
-from ecstore.identity import EncoderIdentity
+from tensors import make_tensor, same_tensor
 
 from ecstore import ECStore, ECStoreConfig
-from tensors import make_tensor, same_tensor
+from ecstore.identity import EncoderIdentity
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -101,7 +100,7 @@ def main() -> None:
             else:
                 raise ValueError(f"unknown op {op!r}")
             answer = {"result": result}
-        except Exception as e:  # report, keep serving
+        except Exception as e:  # report, keep serving  # noqa: BLE001
             answer = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()

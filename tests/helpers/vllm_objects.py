@@ -45,8 +45,8 @@ from vllm.config import ECTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec  # noqa: E402
+from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
