@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ecstore.codec import Record
 from ecstore.errors import ECStoreError
+from ecstore.format.codec import Record
 
 #: The spelling of "written without an identity".
 LEGACY = "none"

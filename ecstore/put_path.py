@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from ecstore import codec
 from ecstore.errors import InvalidEntryError
+from ecstore.format import codec
 from ecstore.key import dtype_name
 from ecstore.pool import POOL
 from ecstore.read_path import ReadPath

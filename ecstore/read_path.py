@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ecstore import codec
 from ecstore.errors import CorruptEntryError
+from ecstore.format import codec
 from ecstore.stats import HitTier
 from ecstore.writer import PendingPut
 

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from ecstore import codec, split_read
 from ecstore.calls import CallGate
 from ecstore.config import ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError, check_same_process
+from ecstore.format import codec, split_read
 from ecstore.identity import EncoderIdentity, library_identity, qualify
 from ecstore.key import (
     ChunkHasher,

@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from ecstore import codec
 from ecstore.errors import ECStoreError, StoreFullError
+from ecstore.format import codec
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.pool import POOL
 

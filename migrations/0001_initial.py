@@ -2,7 +2,7 @@
 
 Sub-databases (keys are UTF-8 EC keys unless said otherwise):
   blobs    key -> safetensors blob
-  entries  key -> packed Record (see ecstore.codec)
+  entries  key -> packed Record (see ecstore.format.codec)
   meta     b"schema_version" -> ASCII int, b"total_bytes" -> u64 LE (sum of
            blob sizes), b"next_seq" -> u64 LE (next LRU sequence number)
 In schema 1 eviction order is only the ``lru_seq`` field of each record.

@@ -20,8 +20,8 @@ import torch
 from helpers import fault_fs
 from helpers.blobfiles_child import pattern
 
-from ecstore import blob_check, codec
 from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError
+from ecstore.format import blob_check, codec
 from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFiles, FileRef, pack_ref, unpack_ref
 
 CHILD = str(Path(__file__).parent / "helpers" / "blobfiles_child.py")

@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ecstore import ECStore, ECStoreConfig, cli, codec
+from ecstore import ECStore, ECStoreConfig, cli
+from ecstore.format import codec
 from ecstore.lmdb.env import _SharedEnv
 
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ecstore import blob_check, blob_read, codec
+from ecstore.format import blob_check, blob_read, codec
 from ecstore.pool import BufferPool
 
 MODEL = 'org/m "x" é'

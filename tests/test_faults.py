@@ -30,7 +30,8 @@ from helpers import fault_workers as fw
 from helpers.fault_workers import blob_tensor, cfg, open_store
 from helpers.tensors import assert_same, make_tensor, stored_name
 
-from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError, codec
+from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, StoreOpenError
+from ecstore.format import codec
 from ecstore.testing import faults as fc
 from ecstore.testing import stress_concurrency, stress_crash  # noqa: E402
 

@@ -15,7 +15,8 @@ import torch
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 
-from ecstore import ECStore, ECStoreConfig, codec, schema
+from ecstore import ECStore, ECStoreConfig, schema
+from ecstore.format import codec
 from ecstore.identity import (
     EncoderIdentity,
     WeightsFingerprint,

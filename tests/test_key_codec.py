@@ -1,4 +1,4 @@
-"""EC keys (ecstore.key) and the blob/record codec (ecstore.codec)."""
+"""EC keys (ecstore.key) and the blob/record codec (ecstore.format.codec)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ecstore
-from ecstore import InvalidEntryError, blob_check, blob_read, codec, key
-from ecstore.codec import CorruptBlobError, Record
+from ecstore import InvalidEntryError, key
+from ecstore.format import blob_check, blob_read, codec
+from ecstore.format.codec import CorruptBlobError, Record
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 

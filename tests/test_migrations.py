@@ -13,7 +13,8 @@ from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 
 import ecstore
-from ecstore import ECStore, ECStoreConfig, SchemaError, StoreOpenError, codec, schema
+from ecstore import ECStore, ECStoreConfig, SchemaError, StoreOpenError, schema
+from ecstore.format import codec
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mig-{i:03d}" for i in range(6)]

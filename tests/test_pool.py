@@ -11,8 +11,9 @@ import torch
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
 from ecstore.config import load_config
+from ecstore.format import codec
 from ecstore.pool import POOL, BufferPool, size_class
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

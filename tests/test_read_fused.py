@@ -11,10 +11,11 @@ import os
 import pytest
 import torch
 
-from ecstore import ECStore, ECStoreConfig, blob_read, codec
+from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import CorruptEntryError
+from ecstore.format import blob_read, codec
+from ecstore.format.record import Record
 from ecstore.lmdb.txn import file_ref
-from ecstore.record import Record
 
 ROWS = 3 * blob_read.FUSED_CHUNK // (512 * 2) + 7  # > 3 chunks of data, not a multiple of one
 COLS = 512
@@ -118,7 +119,7 @@ def test_read_entry_raises_on_a_checksum_mismatch():
 def test_an_entry_read_on_two_cores_round_trips_and_a_flipped_byte_is_a_miss(tmp_path, where, store_at):
     """Entries of ``split_read.SPLIT_READ_BYTES`` and more kept in files are
     read by the caller and a helper thread: the same guarantee holds."""
-    from ecstore import split_read
+    from ecstore.format import split_read
     g = torch.Generator().manual_seed(5)
     t = torch.randn(split_read.SPLIT_READ_BYTES // (COLS * 2) + 3, COLS, generator=g).to(torch.bfloat16)
     with store_at(tmp_path) as st:

@@ -298,7 +298,7 @@ def forged_value(name: str, tensor: torch.Tensor, *, model: str = MODEL) -> byte
     """A remote value with a valid frame, record and checksum for ``tensor``
     (of any shape, even one ``put`` refuses), as anyone able to write to the
     server could make it."""
-    from ecstore import codec
+    from ecstore.format import codec
     from ecstore.remote import frame
 
     blob = codec.encode(tensor, identifier=name, model=model)

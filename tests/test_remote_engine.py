@@ -20,7 +20,7 @@ import xxhash
 from conftest import HEALTHY_REMOTE_TIMEOUT_S
 from helpers.engine_proc import engine_env, run_engine
 
-from ecstore import blob_read
+from ecstore.format import blob_read
 from ecstore.remote import frame
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

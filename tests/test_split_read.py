@@ -1,5 +1,5 @@
 """``split_read.read_hashed``: a large blob file read by the caller and a
-helper thread (ecstore/split_read.py), against real files. The bytes and the
+helper thread (ecstore/format/split_read.py), against real files. The bytes and the
 hash must be exactly a one-core read's; a busy helper must not hold the
 read up; a failed read must leave the destination alone once it raised."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from ecstore import split_read
+from ecstore.format import split_read
 
 CHUNK = 1 << 20
 #: Safety bound (s) on every wait: reached only by a broken build.

@@ -41,7 +41,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import codec
 
 HANDLES = [("Qwen/Qwen2.5-VL-7B-Instruct", torch.bfloat16),
            ("Qwen/Qwen2.5-VL-7B-Instruct", torch.float16),

@@ -39,7 +39,7 @@ def _run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 _HELD_GET = """
     import sys, threading, torch, ecstore
-    from ecstore import blob_read
+    from ecstore.format import blob_read
     from ecstore.errors import ECStoreError
 
     BOUND_S = 60.0

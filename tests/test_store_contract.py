@@ -15,7 +15,8 @@ from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 from store_contract import BIG, MODEL, StoreContract
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import codec
 
 
 def _open(cfg: ECStoreConfig, caps: dict[str, Any]) -> ECStore:

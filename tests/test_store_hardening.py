@@ -22,7 +22,8 @@ from helpers.tensors import assert_same, make_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ecstore import StoreFullError, blob_check, blob_read, codec
+from ecstore import StoreFullError
+from ecstore.format import blob_check, blob_read, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.key import dtype_name
 from ecstore.lmdb import LMDBTier

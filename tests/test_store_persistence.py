@@ -21,7 +21,8 @@ import torch
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor, stored_name
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import codec
 
 CHILD = str(Path(__file__).parent / "helpers" / "store_child.py")
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

@@ -32,7 +32,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import codec
 from ecstore.testing import faults as fc
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

@@ -90,7 +90,7 @@ def cmd_alloc(args) -> None:
 
 
 def cmd_save(args) -> None:
-    from ecstore import codec
+    from ecstore.format import codec
 
     print("# fixed (size-independent) work of one save: ECStoreConnector.save_caches -> "
           "store.contains + store.put (µs, tiny [1, 16] entry, writer not woken)")
@@ -145,7 +145,7 @@ def cmd_save(args) -> None:
 def cmd_get(args) -> None:
     import numpy as np
 
-    from ecstore import blob_check, codec
+    from ecstore.format import blob_check, codec
 
     print("# LMDB-tier hit (page cache warm, no memory tier): where the time goes (ms)")
     d = tempfile.mkdtemp(prefix="ecstore-prof-")
@@ -236,7 +236,7 @@ def cmd_touch(args) -> None:
 
 def cmd_writer(args) -> None:
     import ecstore.lmdb.tier as lt
-    from ecstore import codec
+    from ecstore.format import codec
     from ecstore.lmdb import PutRequest
 
     print("# background writer, put(copy=False) x N + flush: time per stage (instrumented in-process)")

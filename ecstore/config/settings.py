@@ -86,7 +86,7 @@ class ECStoreConfig:
             memcpy on the benchmark VM. Default true; false only to compare
             (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
         split_reads: read a disk-tier entry of at least
-            :data:`ecstore.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
+            :data:`ecstore.format.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
             of its own on two cores: the caller and one helper thread per
             process (``docs/benchmarks.md``: ~1.2-1.4x instead of ~1.4-1.6x
             a memcpy on an idle benchmark VM, but ~20% slower than one core

@@ -27,8 +27,9 @@ from typing import Any, Literal, TypeVar, overload
 
 import lmdb
 
-from ecstore import codec, schema
+from ecstore import schema
 from ecstore.errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
+from ecstore.format import codec
 from ecstore.lmdb.blobfiles import BlobFiles
 from ecstore.lmdb.env import MiB, _SharedEnv, map_size_for
 from ecstore.lmdb.full import MapFullRetry, space_hint

@@ -27,9 +27,9 @@ from typing import Any
 
 import lmdb
 
-from ecstore import codec
-from ecstore.codec import CorruptBlobError, Record
 from ecstore.errors import StoreOpenError
+from ecstore.format import codec
+from ecstore.format.codec import CorruptBlobError, Record
 from ecstore.lmdb.blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from ecstore.lmdb.leases import LeaseTable
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import lmdb
 
-from ecstore import codec, namespaces
-from ecstore.codec import CorruptBlobError, Record
+from ecstore import namespaces
+from ecstore.format import codec
+from ecstore.format.codec import CorruptBlobError, Record
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
 from ecstore.maintenance.entries import Row, entry_problem, key_bytes, scan

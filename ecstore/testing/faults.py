@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ecstore import blob_check, codec
+from ecstore.format import blob_check, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _SEQ, _U64, file_ref

@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from ecstore import ECStore, ECStoreConfig, blob_read
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import blob_read
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _u64, file_ref
 from ecstore.testing import faults as fc

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import codec
 from ecstore.lmdb.txn import _U64
 
 MODEL = "hostile/model"

@@ -1,5 +1,5 @@
 """Copying a stored tensor out of its blob, checked: the read side of
-:mod:`ecstore.codec` (which checks headers and entries and builds blobs).
+:mod:`ecstore.format.codec` (which checks headers and entries and builds blobs).
 
 Every function returns a tensor in CPU memory nothing else references (never
 aliasing ``blob``, which may be a view of the LMDB map valid only inside its
@@ -21,11 +21,18 @@ import numpy as np
 import torch
 import xxhash
 
-from ecstore import split_read
-from ecstore.blob_check import MAX_HEADER_BYTES, BlobHeader, check_entry, check_shape, parse_header, storable_dtype
-from ecstore.codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
+from ecstore.format import split_read
+from ecstore.format.blob_check import (
+    MAX_HEADER_BYTES,
+    BlobHeader,
+    check_entry,
+    check_shape,
+    parse_header,
+    storable_dtype,
+)
+from ecstore.format.codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
+from ecstore.format.record import Record
 from ecstore.pool import POOL
-from ecstore.record import Record
 
 
 def _destination(blob: Any, hdr: BlobHeader, size: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
@@ -114,7 +121,7 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     destination (``os.preadv``, which releases the GIL) in
     :data:`FUSED_CHUNK` pieces, each fed to the checksum right after it was
     read (with ``split_from`` bytes of data or more, by the caller and a
-    helper thread: :mod:`ecstore.split_read`). Raises only :class:`CorruptBlobError` (a short file, an I/O
+    helper thread: :mod:`ecstore.format.split_read`). Raises only :class:`CorruptBlobError` (a short file, an I/O
     error, a checksum or header mismatch); never returns a tensor whose
     blob failed a check."""
     try:

@@ -1,5 +1,5 @@
 """Checking a stored blob before any byte of it is used: the read side of
-:mod:`ecstore.codec` (which builds blobs; the format is described there).
+:mod:`ecstore.format.codec` (which builds blobs; the format is described there).
 
 :func:`parse_header` parses and strictly checks a blob's safetensors header
 (no data read; accepted headers are kept in a small cache), and
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ecstore.codec import _ST_CODE, FORMAT, TENSOR_NAME, CorruptBlobError, checksum, tensor_nbytes_of
 from ecstore.errors import ECStoreError
+from ecstore.format.codec import _ST_CODE, FORMAT, TENSOR_NAME, CorruptBlobError, checksum, tensor_nbytes_of
+from ecstore.format.record import Record
 from ecstore.key import parse_key
-from ecstore.record import Record
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def check_shape(shape: tuple[Any, ...], what: str) -> tuple[int, ...]:
 
 def check_put_shape(hdr: BlobHeader) -> BlobHeader:
     """``hdr`` if its tensor has a shape ``ECStore.put`` stores (2-D with no
-    empty dimension, as :func:`ecstore.codec.check_storable` demands); else
+    empty dimension, as :func:`ecstore.format.codec.check_storable` demands); else
     CorruptBlobError. An entry of any other shape (a well-formed blob ecstore
     never writes) is unusable: a 1-D or empty "encoder output" must never
     reach the model. Used where entries come from outside this process's
@@ -211,7 +211,7 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
     :class:`CorruptBlobError` naming the first mismatch, never another
     exception. ``checksum_by_caller``: skip the checksum (the header is
     parsed unverified, which :func:`parse_header` allows): the caller
-    verifies it before using any byte (:func:`ecstore.blob_read.read_entry`).
+    verifies it before using any byte (:func:`ecstore.format.blob_read.read_entry`).
     ``size``: the blob's length (bytes) when ``blob`` is only its beginning
     (a blob kept in a file: see :func:`parse_header`); needs
     ``checksum_by_caller``. Pure function; thread-safe.

@@ -21,10 +21,10 @@ reads our output back bit-exact.
 Record format
 -------------
 The eviction/metadata record stored beside each blob lives in
-:mod:`ecstore.record` (re-exported here: ``codec.Record``, ``pack_record``...).
+:mod:`ecstore.format.record` (re-exported here: ``codec.Record``, ``pack_record``...).
 Checking a blob and its record before any byte is used (``parse_header``,
-``check_entry``) lives in :mod:`ecstore.blob_check`; copying a checked tensor
-out of a blob (``read_entry``, ``decode``) in :mod:`ecstore.blob_read`.
+``check_entry``) lives in :mod:`ecstore.format.blob_check`; copying a checked tensor
+out of a blob (``read_entry``, ``decode``) in :mod:`ecstore.format.blob_read`.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ import torch
 import xxhash
 
 from ecstore.errors import CorruptEntryError, InvalidEntryError
+from ecstore.format.record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
+from ecstore.format.record import RECORD_VERSION as RECORD_VERSION
+from ecstore.format.record import Record as Record
+from ecstore.format.record import pack_record as pack_record
+from ecstore.format.record import record_identifier as record_identifier
+from ecstore.format.record import record_readable as record_readable
+from ecstore.format.record import unpack_record as unpack_record
 from ecstore.pool import BufferPool
-from ecstore.record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
-from ecstore.record import RECORD_VERSION as RECORD_VERSION
-from ecstore.record import Record as Record
-from ecstore.record import pack_record as pack_record
-from ecstore.record import record_identifier as record_identifier
-from ecstore.record import record_readable as record_readable
-from ecstore.record import unpack_record as unpack_record
 
 FORMAT = "ecstore/1"
 TENSOR_NAME = "ec"

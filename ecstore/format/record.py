@@ -3,7 +3,7 @@
 A record is a little-endian struct (fixed part + shape + dtype +
 identifier) so reads on the hot path (``contains``) cost well under a
 microsecond to parse. Pure functions and frozen records: thread-safe.
-:mod:`ecstore.codec` re-exports every name here.
+:mod:`ecstore.format.codec` re-exports every name here.
 """
 
 from __future__ import annotations
