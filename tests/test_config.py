@@ -146,7 +146,7 @@ def test_min_file_blob_size_from_every_source(tmp_path: Path) -> None:
 
 
 def test_pooled_blobs_from_every_source(tmp_path: Path) -> None:
-    """The put path's pooling switch (ecstore.put_path) is an ordinary boolean
+    """The put path's pooling switch (ecstore.store.put_path) is an ordinary boolean
     setting: YAML base and ec_ keys, LMCACHE_(EC_)POOLED_BLOBS, overrides."""
     assert load_config(env={}).pooled_blobs is True
     path = write(tmp_path, "pooled_blobs: true\nec_pooled_blobs: off\n")

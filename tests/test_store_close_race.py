@@ -1,4 +1,4 @@
-"""``ECStore.close()`` against calls running in other threads (ecstore/calls.py).
+"""``ECStore.close()`` against calls running in other threads (ecstore/store/calls.py).
 
 Interleavings are forced with events and hooks around real code (real LMDB
 underneath), never with sleeps; BOUND_S only keeps a broken build from

@@ -200,7 +200,7 @@ def test_d3_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
     """Two puts of one key both reach the writer queue (two threads passed
     the presence check at once); the second replaces the first, and
     ``queued_bytes`` must count it once and return to zero."""
-    from ecstore.writer import PendingPut
+    from ecstore.store.writer import PendingPut
 
     with open_store(tmp_path / "s") as s:
         w = s._writer

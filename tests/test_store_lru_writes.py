@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import ecstore
-from ecstore import writer as writer_mod
+from ecstore.store import writer as writer_mod
 
 
 def _store(tmp_path):

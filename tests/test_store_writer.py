@@ -1,4 +1,4 @@
-"""The background writer against concurrent callers (ecstore/writer.py).
+"""The background writer against concurrent callers (ecstore/store/writer.py).
 
 Interleavings are forced with events and a hook around the real
 ``LMDBTier.write_batch`` (real LMDB underneath), never with sleeps; the
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import ecstore
-from ecstore import writer as writer_mod
 from ecstore.errors import ECStoreError
+from ecstore.store import writer as writer_mod
 
 #: Safety bound (s) on every wait: reached only by a broken build.
 BOUND_S = 60.0
@@ -144,7 +144,7 @@ def test_put_racing_close_is_written_or_refused(tmp_path):
     """A put that passed the closed check hands its entry to the writer only
     after close() began: the put must raise "store is closed", or return
     True and the entry be in the store afterwards (it was lost: True, never
-    written). Since close() waits for running calls (ecstore/calls.py), the
+    written). Since close() waits for running calls (ecstore/store/calls.py), the
     put is written."""
     path = tmp_path / "s"
     s = _open(path)

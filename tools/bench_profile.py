@@ -11,7 +11,7 @@
 
 Nothing here changes ecstore's code: the "proposed" variants are simulated
 in this process only (a different allocator for the copy, blobs built before
-``write_batch``, ``ecstore.store.MAX_BATCH_BYTES`` patched on the module).
+``write_batch``, ``ecstore.store.handle.MAX_BATCH_BYTES`` patched on the module).
 Timings are medians; on a shared machine run each a few times.
 """
 
@@ -320,7 +320,7 @@ def cmd_writer(args) -> None:
 def cmd_churn(args) -> None:
     import logging
 
-    import ecstore.store as es
+    import ecstore.store.handle as es
     from ecstore.errors import StoreFullError
 
     cap = int(args.cap_mib * MiB)

@@ -1,4 +1,4 @@
-"""Contract tests of :class:`ecstore.tiers.Tier`, shipped with the package.
+"""Contract tests of :class:`ecstore.store.tiers.Tier`, shipped with the package.
 
 In the style of zarr's ``StoreTests``: subclass :class:`TierTests` in a test
 module (name it ``Test...``) and implement the hooks:
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ecstore.key import make_key
-from ecstore.tiers import Tier
+from ecstore.store.tiers import Tier
 
 KEY_A = make_key("org/model", "0123456789abcdef", "bfloat16")
 KEY_B = make_key("org/model", "fedcba9876543210", "bfloat16")

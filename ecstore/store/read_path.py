@@ -19,14 +19,14 @@ import torch
 
 from ecstore.errors import CorruptEntryError
 from ecstore.format import codec
-from ecstore.stats import HitTier
-from ecstore.writer import PendingPut
+from ecstore.store.stats import HitTier
+from ecstore.store.writer import PendingPut
 
 if TYPE_CHECKING:
     from ecstore.lmdb import LMDBTier
     from ecstore.memory import MemoryTier
     from ecstore.remote.tier import RemoteTier
-    from ecstore.writer import Writer
+    from ecstore.store.writer import Writer
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
         ──► writer queue (the blob as is; back-pressure by bytes) ──► LMDB
         ──► remote tier's writer, if configured
 
-:class:`PutPath` works on the tiers of a :class:`~ecstore.read_path.ReadPath`
+:class:`PutPath` works on the tiers of a :class:`~ecstore.store.read_path.ReadPath`
 (the same objects the reads use; no reference to the handle). Thread-safe as
 far as the tiers are; ``put`` may block in the writer's back-pressure.
 """
@@ -20,9 +20,9 @@ from ecstore.errors import InvalidEntryError
 from ecstore.format import codec
 from ecstore.key import dtype_name
 from ecstore.pool import POOL
-from ecstore.read_path import ReadPath
-from ecstore.stats import Counters
-from ecstore.writer import PendingPut
+from ecstore.store.read_path import ReadPath
+from ecstore.store.stats import Counters
+from ecstore.store.writer import PendingPut
 
 log = logging.getLogger("ecstore")
 

@@ -2,14 +2,14 @@
 
     ECStore.put ──► memory tier (LRU, bytes)         (caller's thread)
                └──► writer queue ──► writer thread ──► LMDB tier (one txn per batch)
-                    (ecstore/writer.py)
+                    (ecstore/store/writer.py)
     ECStore.get ──► memory tier ─► pending map ─► LMDB tier (promote to memory)
                └──► remote tier, if configured (verified; promote to memory + LMDB)
     ECStore.put ──► ... and the remote tier's writer (background, pipelined)
 
 The handle checks arguments and composes; the read path lives in
-:mod:`ecstore.read_path`, the put path in :mod:`ecstore.put_path`, the
-counters and refusal log lines in :mod:`ecstore.stats`.
+:mod:`ecstore.store.read_path`, the put path in :mod:`ecstore.store.put_path`, the
+counters and refusal log lines in :mod:`ecstore.store.stats`.
 
 The remote tier (``remote_url``, :mod:`ecstore.remote`) is shared across
 machines; its failures are misses, never errors (see docs/remote.md).
@@ -21,7 +21,7 @@ Threading: every public method may be called from any thread, concurrently
 with the background writer, and with ``close``: a call that began before
 ``close`` runs to its end on open tiers (``close`` waits for it), a call
 after it raises ECStoreError("store is closed"), and concurrent ``close``
-calls tear down once (see :mod:`ecstore.calls`). Processes: each process has its own memory tier
+calls tear down once (see :mod:`ecstore.store.calls`). Processes: each process has its own memory tier
 and pending map; the LMDB tier is shared, so an entry committed by one
 process is visible to ``contains``/``get`` in every other. A handle must not
 be used in a child after ``fork()`` (ForkedStoreError), and a forked child
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from ecstore.calls import CallGate
 from ecstore.config import ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError, check_same_process
 from ecstore.format import codec, split_read
@@ -57,10 +56,11 @@ from ecstore.key import (
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.leases import Pin
 from ecstore.memory import MemoryTier
-from ecstore.put_path import PutPath
-from ecstore.read_path import ReadPath
-from ecstore.stats import Counters, StoreStats
-from ecstore.writer import Writer
+from ecstore.store.calls import CallGate
+from ecstore.store.put_path import PutPath
+from ecstore.store.read_path import ReadPath
+from ecstore.store.stats import Counters, StoreStats
+from ecstore.store.writer import Writer
 
 if TYPE_CHECKING:
     from ecstore.remote.tier import RemoteTier
@@ -78,7 +78,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def _gated(method: _F) -> _F:
     """A public method of :class:`ECStore` run inside the handle's
-    :class:`~ecstore.calls.CallGate` (``close`` waits for it; after ``close``
+    :class:`~ecstore.store.calls.CallGate` (``close`` waits for it; after ``close``
     it raises ECStoreError "store is closed"), in the process that opened
     the handle only (ForkedStoreError)."""
     @functools.wraps(method)
@@ -355,7 +355,7 @@ class ECStore:
         durability: the cost is the writer's commit of what is queued (each
         commit syncs LMDB's data pages; see ``ecstore.lmdb``); blob files are
         written whole before that commit and ``fdatasync``ed after it
-        (``ecstore.writer``), which only ``flush`` waits for.
+        (``ecstore.store.writer``), which only ``flush`` waits for.
 
         With a remote tier it also waits until those puts were sent to the
         remote (or dropped: the remote down, slow or its queue full; each
@@ -378,7 +378,7 @@ class ECStore:
         since the last :meth:`flush` (one line naming how many): call
         :meth:`flush` first to have such errors raised.
 
-        Thread-safe (see :mod:`ecstore.calls`): new calls raise "store is
+        Thread-safe (see :mod:`ecstore.store.calls`): new calls raise "store is
         closed" from the moment it begins; it waits for the calls already
         running in other threads, then flushes and releases the tiers. Of
         concurrent ``close`` calls exactly one does that; the others wait

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ecstore.lmdb import LMDBTier
     from ecstore.memory import MemoryTier
     from ecstore.remote.tier import RemoteTier
-    from ecstore.writer import Writer
+    from ecstore.store.writer import Writer
 
 log = logging.getLogger("ecstore")
 
