@@ -15,7 +15,7 @@ import torch
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 
-from ecstore import ECStore, ECStoreConfig, schema
+from ecstore import ECStore, ECStoreConfig
 from ecstore.format import codec
 from ecstore.identity import (
     EncoderIdentity,
@@ -25,6 +25,7 @@ from ecstore.identity import (
     qualify,
     split_stored,
 )
+from ecstore.lmdb import schema
 
 MODEL = "org/vlm"
 REPO = Path(__file__).resolve().parents[1]
@@ -112,8 +113,8 @@ def test_foreign_namespace_check_reads_the_table_once_not_per_miss(tmp_store_dir
     on vLLM's scheduler thread: now the table is read again only after
     REFRESH_SECONDS, parsed only when it changed, and a namespace already
     reported is not looked at again."""
-    from ecstore import namespaces
     from ecstore.connector import foreign
+    from ecstore.maintenance import namespaces
 
     with open_store(tmp_store_dir, ident("w1")) as other:
         assert other.put("img-1", make_tensor(1))

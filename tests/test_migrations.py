@@ -1,4 +1,4 @@
-"""Schema versions and migrations of the LMDB file (ecstore.schema, migrations/)."""
+"""Schema versions and migrations of the LMDB file (ecstore.lmdb.schema, ecstore.lmdb.migrations)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from conftest import gib
 from helpers.tensors import assert_same, make_tensor
 
 import ecstore
-from ecstore import ECStore, ECStoreConfig, SchemaError, StoreOpenError, schema
+from ecstore import ECStore, ECStoreConfig, SchemaError, StoreOpenError
 from ecstore.format import codec
+from ecstore.lmdb import schema
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mig-{i:03d}" for i in range(6)]

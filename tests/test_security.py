@@ -28,9 +28,9 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.config import load_config
+from ecstore.config.redact import is_secret_key, mask_secrets, short_repr
 from ecstore.errors import ConfigError, StoreOpenError
 from ecstore.lmdb.env import _SharedEnv
-from ecstore.redact import is_secret_key, mask_secrets, short_repr
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 NOBODY = 65534

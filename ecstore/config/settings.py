@@ -35,11 +35,11 @@ from ecstore.config.parsers import (
     parse_secret,
     parse_text,
 )
+from ecstore.config.redact import mask_value, short_repr
 from ecstore.errors import ConfigError
 from ecstore.identity import check_namespace_pin
-from ecstore.redact import mask_value, short_repr
+from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, check_file_mode
 from ecstore.remote.url import mask_url, parse_remote_url
-from ecstore.store_files import DEFAULT_FILE_MODE, check_file_mode
 
 EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
                           "remote_ttl_seconds", "max_remote_queue_size"})
@@ -347,7 +347,7 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
 
     The first row is ``("config_file", <abs path or None>, <where the path was
     named, or "default">)``; then one row per ECStoreConfig field. Secrets
-    are masked (:func:`ecstore.redact.mask_value`: URL passwords, secret
+    are masked (:func:`ecstore.config.redact.mask_value`: URL passwords, secret
     keys); ``file_mode`` is shown in octal (``"0600"``).
     """
     rows: list[tuple[str, Any, str]] = [

@@ -23,7 +23,7 @@ module:
   :mod:`~ecstore.lmdb.tier`: :class:`~ecstore.lmdb.tier.LMDBTier` (write
   batches, deletes, leases, eviction at open).
 
-Layout (see ``migrations/``): sub-databases ``blobs`` (key -> safetensors
+Layout (see :mod:`ecstore.lmdb.migrations`): sub-databases ``blobs`` (key -> safetensors
 blob, or a pointer to the file holding it), ``entries`` (key -> packed Record), ``lru`` (u64 BE seq -> key) and
 ``meta`` (schema version, total bytes, next LRU sequence number). A blob, its
 record and its LRU position are always written and removed in the same write

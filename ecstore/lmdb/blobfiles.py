@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 
 from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError, StoreOpenError, check_same_process
 from ecstore.format.codec import CorruptBlobError
-from ecstore.store_files import DEFAULT_FILE_MODE, FilePolicy
+from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, FilePolicy
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -71,7 +71,7 @@ class LMDBTier(TierReads):
 
         ``file_mode``: mode of the files a read-write open creates (default
         0600, directory 0700) and the mode an existing store is checked
-        against (see :mod:`ecstore.store_files`); None also means the caller
+        against (see :mod:`ecstore.lmdb.store_files`); None also means the caller
         does not know the configured mode: looser modes are then not warned
         about, only refused where unsafe.
 

@@ -1,4 +1,4 @@
-"""Schema versioning: find the store's version and apply ``migrations/``.
+"""Schema versioning: find the store's version and apply :mod:`ecstore.lmdb.migrations`.
 
 The schema version lives in the ``meta`` sub-database under
 ``b"schema_version"``. ``ensure_schema`` opens or upgrades a store:
@@ -14,19 +14,20 @@ The schema version lives in the ``meta`` sub-database under
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
+import pkgutil
 import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from functools import lru_cache
-from pathlib import Path
 from types import ModuleType
 
 import lmdb
 
 from ecstore.errors import SchemaError, StoreOpenError
+from ecstore.lmdb import migrations as migrations_pkg
 
-_NAME = re.compile(r"^(\d{4})_\w+\.py$")
+_NAME = re.compile(r"^v(\d{4})_\w+$")
 
 #: ``begin(write=...)``: a transaction as a context manager (committed at the
 #: end of the block). LMDBTier passes its own, which handles MDB_MAP_RESIZED.
@@ -41,33 +42,12 @@ def _plain_begin(env: lmdb.Environment) -> Begin:
     return begin
 
 
-def _migrations_dir() -> Path:
-    try:  # installed: migrations/ is shipped as the ecstore._migrations package
-        from importlib.resources import files
-
-        d = Path(str(files("ecstore._migrations")))
-        if d.is_dir():
-            return d
-    except (ModuleNotFoundError, TypeError):
-        pass
-    d = Path(__file__).resolve().parent.parent / "migrations"  # source checkout
-    if not d.is_dir():
-        raise SchemaError(f"migrations folder not found (looked in {d})")
-    return d
-
-
 @lru_cache(maxsize=1)
 def migrations() -> tuple[ModuleType, ...]:
-    """All migrations, ordered by version; versions must be 1..N without gaps."""
-    mods = []
-    for p in sorted(_migrations_dir().iterdir()):
-        if not _NAME.match(p.name):
-            continue
-        spec = importlib.util.spec_from_file_location(f"ecstore_migration_{p.stem}", p)
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        mods.append(mod)
+    """All migrations (the modules ``vNNNN_name`` of :mod:`ecstore.lmdb.migrations`),
+    ordered by version; versions must be 1..N without gaps."""
+    names = sorted(m.name for m in pkgutil.iter_modules(migrations_pkg.__path__) if _NAME.match(m.name))
+    mods = [importlib.import_module(f"{migrations_pkg.__name__}.{n}") for n in names]
     for i, m in enumerate(mods, 1):
         if m.VERSION != i:
             raise SchemaError(f"migration {m.__name__} has VERSION {m.VERSION}, expected {i}")
