@@ -1,7 +1,7 @@
 """The ECStore contract, written once and run against every tier layout.
 
 In the style of cachetools'/zarr's ``StoreTests``: :class:`StoreContract` is a
-mixin holding the tests; ``tests/test_store_contract.py`` subclasses it once per
+mixin holding the tests; ``tests/store/test_store_contract.py`` subclasses it once per
 configuration (memory only, LMDB only, both) and implements the hooks:
 
 * ``make_store(tmp_path, **caps)`` -> an open :class:`ecstore.ECStore`.

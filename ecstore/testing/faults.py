@@ -1,4 +1,4 @@
-"""Shared code of the fault tests (tests/test_faults.py) and the stress
+"""Shared code of the fault tests (tests/store/test_faults.py) and the stress
 scripts (tools/stress_crash.py, tools/stress_concurrency.py).
 
 * :func:`entry_tensor` -- an entry's content as a pure function of an integer

@@ -29,7 +29,7 @@ deletes of anything; entries may vanish, never be wrong. Both: no worker
 error, no write error, exact accounting at the end (``audit``), and
 ``ecstore-dump verify`` exits 0.
 
-``run(...)`` is what tests/test_faults.py calls; it raises AssertionError on
+``run(...)`` is what tests/store/test_faults.py calls; it raises AssertionError on
 the first violation and returns a summary dict.
 """
 

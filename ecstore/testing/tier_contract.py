@@ -10,7 +10,7 @@ module (name it ``Test...``) and implement the hooks:
   bases): ``damage(tier, key)`` -> damage the entry in place (the memory
   tier holds tensors by reference: nothing there can be damaged).
 
-``tests/test_tier_contract.py`` runs it against the memory and LMDB tiers.
+``tests/store/test_tier_contract.py`` runs it against the memory and LMDB tiers.
 The class name does not start with ``Test``: pytest collects it only through
 subclasses.
 """
