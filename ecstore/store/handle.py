@@ -60,6 +60,7 @@ from ecstore.store.calls import CallGate
 from ecstore.store.put_path import PutPath
 from ecstore.store.read_path import ReadPath
 from ecstore.store.stats import Counters, StoreStats
+from ecstore.store.tiers import Tiers
 from ecstore.store.writer import Writer
 
 if TYPE_CHECKING:
@@ -135,35 +136,56 @@ class ECStore:
         self.namespace = self.identity.namespace
         self._hash = chunk_hasher or chunk_hash
         self._counters = Counters()
-        self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
-        self.disk: LMDBTier | None = None
-        self._writer: Writer | None = None
+        #: The handle's tiers: the one place they are held (reads, puts,
+        #: stats, verify, delete and close all go through it).
+        self._tiers = tiers = Tiers(memory=MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None)
         self._legacy = False
         if config.local_disk:
-            self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
-                                 schema_target=_schema_target, map_size_bytes=_map_size_bytes,
-                                 file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
-                                 split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
-            self._legacy = self.disk.record_version == codec.LEGACY_RECORD_VERSION
+            tiers.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
+                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes,
+                                  file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
+                                  split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
+            self._legacy = tiers.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
-                self._writer = Writer(self.disk, self.model, config.write_queue_bytes,
+                tiers.writer = Writer(tiers.disk, self.model, config.write_queue_bytes,
                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
                                       namespace=(self.namespace, self.identity.canonical()))
-                self._writer.start()
-        self._reads = ReadPath(memory=self.memory, writer=self._writer, disk=self.disk,
-                               model=self.model, dtype=dtype)
-        self._puts = PutPath(self._reads, self._counters, pooled=config.pooled_blobs)
-        self.remote: RemoteTier | None = None
+                tiers.writer.start()
+        self._reads = ReadPath(tiers, model=self.model, dtype=dtype)
+        self._puts = PutPath(tiers, self._reads, self._counters, pooled=config.pooled_blobs)
         if config.remote_url:
             from ecstore.remote import open_remote
 
             try:
-                self.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
-                                          clock=_remote_clock or time.monotonic)
+                tiers.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
+                                           clock=_remote_clock or time.monotonic)
             except BaseException:
                 self.close()
                 raise
-            self._reads.remote = self.remote
+
+    # ------------------------------------------------------------------ tiers
+    # Read-only views of the tiers, for the handle's own methods and for tests
+    # and tools that test a tier; nothing outside ecstore.store uses them
+    # (the connector calls the handle's methods).
+    @property
+    def memory(self) -> MemoryTier | None:
+        """This process's memory tier (None: ``local_cpu`` off)."""
+        return self._tiers.memory
+
+    @property
+    def disk(self) -> LMDBTier | None:
+        """The LMDB tier (None: no ``local_disk``)."""
+        return self._tiers.disk
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier (None: no ``remote_url``, or the handle is closed)."""
+        return self._tiers.remote
+
+    @property
+    def _writer(self) -> Writer | None:
+        """The background writer (None: no disk tier, or read-only)."""
+        return self._tiers.writer
 
     # ----------------------------------------------------------------- basics
     def __enter__(self) -> ECStore:
@@ -265,10 +287,8 @@ class ECStore:
         failing a check is logged and dropped, as by :meth:`get`. False
         without a disk tier. The vLLM scheduler verifies before it promises
         an entry that vLLM could not compute instead."""
-        if self.disk is None:
-            return False
         name = self.stored_name(mm_hash)
-        return self.disk.get(self._key_of(name), name, model=self.model, dtype=self.dtype) is not None
+        return self._reads.verify(self._key_of(name), name)
 
     # ----------------------------------------------------------------- writes
     @_gated
@@ -314,18 +334,7 @@ class ECStore:
         if self.readonly:
             raise ECStoreError("store is open read-only")
         name = self.stored_name(mm_hash)
-        key = self._key_of(name)
-        found = False
-        if self._writer is not None:
-            found = self._writer.lookup(key, name) is not None
-            self._writer.cancel(key, name)
-        if self.memory is not None and self.memory.contains(key, name):
-            found = self.memory.delete(key) or found
-        if self.disk is not None and self.disk.contains(key, name):
-            found = self.disk.delete(key) or found
-        if self.remote is not None:
-            self.remote.delete(key)
-        return found
+        return self._tiers.delete(self._key_of(name), name)
 
     @_gated
     def flush(self) -> None:
@@ -366,10 +375,7 @@ class ECStore:
         self._wait_committed()
 
     def _wait_committed(self, durable: bool = False) -> None:
-        if self._writer is not None:
-            self._writer.drain(durable)
-        if self.remote is not None:
-            self.remote.drain()
+        self._tiers.wait_written(durable)
 
     def close(self) -> None:
         """Write pending puts and LRU updates, make them durable and release
@@ -393,21 +399,7 @@ class ECStore:
 
     def _teardown(self) -> None:
         """Flush and release the tiers: :meth:`close`, once, with no call running."""
-        try:
-            if self._writer is not None:
-                self._writer.drain(durable=True)
-                self._writer.stop()
-                if self.disk is not None:
-                    self.disk.sync()
-                self._writer.log_untaken_errors()  # logged, not raised: see close()
-        finally:
-            remote, self.remote = getattr(self, "remote", None), None
-            if getattr(self, "_reads", None) is not None:
-                self._reads.remote = None
-            if remote is not None:
-                remote.close()
-            if self.disk is not None:
-                self.disk.close()
+        self._tiers.close()
 
     # ----------------------------------------------------------------- leases
     @_gated
@@ -462,4 +454,4 @@ class ECStore:
     @_gated
     def stats(self) -> StoreStats:
         """A snapshot of this handle's counters and the tiers' occupancy."""
-        return self._counters.snapshot(memory=self.memory, disk=self.disk, writer=self._writer, remote=self.remote)
+        return self._counters.snapshot(self._tiers)
