@@ -42,7 +42,7 @@ import torch
 from ecstore.config import ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError, check_same_process
 from ecstore.format import codec, split_read
-from ecstore.identity import EncoderIdentity, library_identity, qualify
+from ecstore.identity import EncoderIdentity, library_identity, qualify, split_stored
 from ecstore.key import (
     ChunkHasher,
     check_device,
@@ -64,7 +64,7 @@ from ecstore.store.tiers import Tiers
 from ecstore.store.writer import Writer
 
 if TYPE_CHECKING:
-    from ecstore.remote.tier import RemoteTier
+    from ecstore.remote.tier import RemoteStats, RemoteTier
 
 #: Upper bound of a typical safetensors header (informational: put sizes each
 #: blob exactly with codec.blob_size).
@@ -449,6 +449,99 @@ class ECStore:
         if self.disk is not None and not self.readonly:
             return self.disk.release([self.key(h) for h in mm_hashes], wait=wait)
         return True
+
+    # ------------------------------------------------- what the connector asks
+    @property
+    def has_disk_tier(self) -> bool:
+        """Whether the handle has a disk tier (``local_disk``; fixed at open)."""
+        return self._tiers.disk is not None
+
+    @property
+    def has_remote_tier(self) -> bool:
+        """Whether the handle has a remote tier (``remote_url``): from open
+        until :meth:`close` begins releasing the tiers."""
+        return self._tiers.remote is not None
+
+    def on_memory_eviction(self, callback: Callable[[str, torch.Tensor], None] | None) -> bool:
+        """Have ``callback(mm_hash, tensor)`` called for each entry the memory
+        tier evicts to make room (LRU; not for :meth:`delete`), with the
+        identifier it was put under and the tensor it held; None: no more
+        calls. It runs in the thread whose put or promotion made room, under
+        the memory tier's lock: it must be quick and must not call this
+        handle. False (nothing registered) without a memory tier."""
+        memory = self._tiers.memory
+        if memory is None:
+            return False
+        memory.on_evict = None if callback is None else (
+            lambda key, item: callback(split_stored(item.identifier).identifier, item.tensor))
+        return True
+
+    @_gated
+    def forget_if_lost_from_disk(self, mm_hash: str) -> bool:
+        """Whether the disk tier, the file every process on ``local_disk``
+        shares, no longer holds ``mm_hash``'s entry (another process evicted
+        or deleted it). If so, this process's memory-tier copy is dropped, so
+        that a :meth:`put` stores the entry again instead of answering
+        "already present". False without a disk tier (nothing is shared) and
+        while it holds the entry. One short LMDB read."""
+        name = self.stored_name(mm_hash)
+        key = self._key_of(name)
+        disk, memory = self._tiers.disk, self._tiers.memory
+        if disk is None or disk.contains(key, name):
+            return False
+        if memory is not None:
+            memory.delete(key)  # stale copy: put would skip it
+        return True
+
+    def disk_evictions(self) -> int:
+        """How many entries this handle evicted from the disk tier since it
+        opened (to stay under the cap, or to make room in a full map; this
+        process only; 0 without a disk tier). A counter read: no I/O, never
+        blocks, any thread."""
+        disk = self._tiers.disk
+        return 0 if disk is None else disk.evictions
+
+    @_gated
+    def entry_tag(self, mm_hash: str) -> tuple[int, int] | None:
+        """(checksum, creation time in ns) of the disk tier's entry of
+        ``mm_hash`` from its record (no blob read), or None: no such entry
+        (or no disk tier). Entries are never rewritten in place, so an
+        unchanged tag means the same blob: what :meth:`verify` found good
+        stays good. CorruptEntryError for an unreadable record."""
+        disk = self._tiers.disk
+        if disk is None:
+            return None
+        name = self.stored_name(mm_hash)
+        rec = disk.record(self._key_of(name))
+        return None if rec is None or rec.identifier != name else (rec.checksum, rec.created_ns)
+
+    @_gated
+    def namespace_descriptions(self) -> dict[str, bytes]:
+        """namespace -> identity description (JSON bytes) of every encoder
+        identity registered in the disk tier (its ``namespaces`` table);
+        empty without a disk tier. One short LMDB read."""
+        disk = self._tiers.disk
+        return {} if disk is None else disk.namespace_descriptions()
+
+    @_gated
+    def holds_foreign(self, namespace: str, dtype: str, mm_hash: str) -> bool:
+        """Whether the disk tier holds ``mm_hash``'s entry as another encoder
+        identity of this model wrote it: namespace ``namespace``, dtype name
+        ``dtype`` (see :meth:`namespace_descriptions`). It stays a miss here
+        (reads see this handle's identity only). One short LMDB read; False
+        without a disk tier."""
+        disk = self._tiers.disk
+        if disk is None:
+            return False
+        name = qualify(namespace, mm_hash)
+        return disk.contains(make_key(self.model, self._hash(name), dtype), name)
+
+    def remote_stats(self) -> RemoteStats | None:
+        """The remote tier's counters now (this process; see
+        :class:`~ecstore.remote.tier.RemoteStats`), or None without a remote
+        tier. No I/O, any thread."""
+        remote = self._tiers.remote
+        return None if remote is None else remote.stats()
 
     # ------------------------------------------------------------------ stats
     @_gated

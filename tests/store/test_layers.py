@@ -133,3 +133,26 @@ def test_the_check_catches_an_upward_import(source: str, target: str, upward: bo
     """The check itself, on planted sources: it must see an upward import
     wherever it is written (module level, under TYPE_CHECKING, in a function)."""
     assert bool(violations(imports_in(target, PACKAGE.parent / source))) is upward
+
+
+#: A handle's tiers, as attributes of ECStore.
+TIER_ATTRIBUTES = {"memory", "disk", "remote", "_tiers", "_writer", "_reads", "_puts"}
+
+
+def test_nothing_outside_ecstore_store_reaches_into_a_handles_tiers() -> None:
+    """The connector, maintenance and the cli talk to the handle, never past
+    it: no ``<store>.memory`` / ``.disk`` / ``.remote`` (or the handle's
+    private parts) on anything named like a handle (``store``, ``_store``,
+    ``self.store``, ``self._store``)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if top(_module_name(path)) in ("store", TESTING):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not (isinstance(node, ast.Attribute) and node.attr in TIER_ATTRIBUTES):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("store", "_store"):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "reaches past the handle (add an ECStore method instead):\n" + "\n".join(bad)
