@@ -10,6 +10,8 @@
 * :mod:`ecstore.testing.stress_crash`, :mod:`ecstore.testing.stress_concurrency`
   -- the crash and concurrency stress runs; ``tools/stress_*.py`` are their
   command lines and ``tests/store/test_faults.py`` runs them with smaller settings.
+* :mod:`ecstore.testing.stores` -- store handles opened with test seams (an
+  older schema, a small LMDB map, a fake remote clock): not ECStore arguments.
 * :mod:`ecstore.testing.redis_server` -- a real redis-server (single, TLS,
   unix socket, or a three-master cluster) on 127.0.0.1 for the remote tier.
 

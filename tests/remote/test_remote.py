@@ -26,6 +26,7 @@ from ecstore.remote.backend import KEY_PREFIX
 from ecstore.remote.breaker import BreakerState
 from ecstore.remote.writer import WriteQueue
 from ecstore.testing.redis_server import RedisServer
+from ecstore.testing.stores import open_store_with_remote_clock
 
 MODEL = "org/tiny-vlm"
 DTYPE = torch.bfloat16
@@ -54,7 +55,7 @@ def cfg(tmp_path: Path, name: str, url: str | None, **kw) -> ECStoreConfig:
 
 def open_store(tmp_path: Path, name: str, url: str | None, *, model: str = MODEL,
                dtype: torch.dtype = DTYPE, clock=None, **kw) -> ECStore:
-    return ECStore(cfg(tmp_path, name, url, **kw), model=model, dtype=dtype, _remote_clock=clock)
+    return open_store_with_remote_clock(cfg(tmp_path, name, url, **kw), clock, model=model, dtype=dtype)
 
 
 def remote_keys(server: RedisServer) -> list[bytes]:
