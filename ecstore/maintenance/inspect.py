@@ -220,8 +220,10 @@ class ModelTotals:
 
 
 @dataclass
-class StoreStats:
-    """Everything ``ecstore-dump stats`` reports about a store."""
+class StoreReport:
+    """Everything ``ecstore-dump stats`` reports about a store's files (entries,
+    totals, pages, reader slots): a read of the store at rest, not the live
+    per-handle counters of :class:`ecstore.StoreStats`."""
 
     schema_version: int
     rows: list[Row]
@@ -243,8 +245,8 @@ class StoreStats:
         return sum(g.bytes for g in self.by_model)
 
 
-def store_stats(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> StoreStats:
-    """Scan every record once and gather :class:`StoreStats`."""
+def store_report(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> StoreReport:
+    """Scan every record once and gather :class:`StoreReport`."""
     with progress("reading entries", tier.entry_count()) as prog:
         rows = list(scan(tier, prog))
     pages = page_stats(tier)
@@ -260,4 +262,4 @@ def store_stats(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> Stor
         g.tensor_bytes += r.rec.nbytes
         g.hits += r.rec.hits
     by = sorted(groups.values(), key=lambda g: (g.model, g.dtype))
-    return StoreStats(tier.schema_version, rows, by, by_namespace, pages, readers)
+    return StoreReport(tier.schema_version, rows, by, by_namespace, pages, readers)
