@@ -21,8 +21,7 @@ import lmdb
 import torch
 
 from ecstore.errors import CorruptEntryError, StoreFullError
-from ecstore.format import blob_read, codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, blob_read, codec
 from ecstore.lmdb.blobfiles import BlobFileUnavailable, FileRef, unpack_ref
 from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
 from ecstore.lmdb.txn import _U64, file_ref

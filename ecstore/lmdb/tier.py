@@ -22,8 +22,7 @@ import lmdb
 
 from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
-from ecstore.format import codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, codec
 from ecstore.lmdb.batch import PutOp, PutRequest, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint

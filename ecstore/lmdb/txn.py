@@ -28,8 +28,7 @@ from typing import Any
 import lmdb
 
 from ecstore.errors import CorruptEntryError, StoreOpenError
-from ecstore.format import codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, codec
 from ecstore.lmdb.blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from ecstore.lmdb.leases import LeaseTable
 

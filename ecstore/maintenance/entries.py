@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecstore.errors import CorruptEntryError, ECStoreError, StoreOpenError
-from ecstore.format import blob_check, codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, blob_check, codec
 from ecstore.key import parse_key
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref

@@ -15,8 +15,7 @@ from typing import Any
 import lmdb
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, codec
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
 from ecstore.maintenance import namespaces

@@ -13,8 +13,7 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import CorruptEntryError
-from ecstore.format import blob_read, codec
-from ecstore.format.record import Record
+from ecstore.format import Record, blob_read, codec
 from ecstore.lmdb.txn import file_ref
 
 ROWS = 3 * blob_read.FUSED_CHUNK // (512 * 2) + 7  # > 3 chunks of data, not a multiple of one

@@ -106,7 +106,7 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         same size, another dtype) must fail that check, a miss and dropped."""
         import dataclasses
 
-        from ecstore.format.record import pack_record
+        from ecstore.format import pack_record
         from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 
         t = tensor(1, rows=64, cols=64)
