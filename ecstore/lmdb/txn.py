@@ -90,6 +90,21 @@ class Dbs:
     namespaces: Any | None
     files: Any | None = None
 
+    @classmethod
+    def open(cls, env: lmdb.Environment, txn: lmdb.Transaction | None, schema_version: int) -> Dbs:
+        """The existing sub-databases of ``env``, a store at ``schema_version``
+        (those a later schema adds are None), opened in ``txn`` (None: without
+        a transaction; see ``StoreHandle``'s note on the write lock)."""
+        def db(name: bytes, since: int = 1) -> Any:
+            return env.open_db(name, txn=txn, create=False) if schema_version >= since else None
+        return cls(blobs=db(b"blobs"), entries=db(b"entries"), meta=db(b"meta"), lru=db(b"lru", 2),
+                   namespaces=db(b"namespaces", 3), files=db(b"files", 4))
+
+    def present(self, *names: str) -> dict[str, Any]:
+        """name -> handle of those of ``names`` (sub-database names, in that
+        order) this schema has."""
+        return {n: db for n in names if (db := getattr(self, n)) is not None}
+
 
 @dataclass
 class TierCounters:

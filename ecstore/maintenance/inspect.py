@@ -60,11 +60,11 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
     sub-databases against each other. Reads every blob once; changes nothing."""
     result = VerifyResult()
     with tier.snapshot() as (txn, dbs):
-        counts = {name: txn.stat(db)["entries"] for name, db in dbs.items() if db is not None and name != "meta"}
-        if dbs.get("files") is not None:  # schema 4: the index of blob files matches the pointers
-            with txn.cursor(db=dbs["blobs"]) as cur:
+        counts = {name: txn.stat(db)["entries"] for name, db in dbs.present("blobs", "entries", "lru", "files").items()}
+        if dbs.files is not None:  # schema 4: the index of blob files matches the pointers
+            with txn.cursor(db=dbs.blobs) as cur:
                 pointers = {ref.name for v in cur.iternext(keys=False) if (ref := file_ref(v)) is not None}
-            with txn.cursor(db=dbs["files"]) as cur:  # the same snapshot: other writers may commit meanwhile
+            with txn.cursor(db=dbs.files) as cur:  # the same snapshot: other writers may commit meanwhile
                 indexed = {bytes(n).decode("ascii", "replace") for n in cur.iternext(keys=True, values=False)}
             if pointers != indexed:
                 result.problems.append(f"the files index ({counts['files']} rows) does not match the "
@@ -78,7 +78,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
         for key in keys:
             k = key_bytes(key)
             with tier.snapshot() as (txn, dbs):  # one short transaction per entry
-                raw = txn.get(k, db=dbs["entries"])
+                raw = txn.get(k, db=dbs.entries)
                 if raw is None:
                     result.vanished += 1  # evicted or deleted since the key list was read
                     prog.advance()
@@ -87,7 +87,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                     rec: Record | None = codec.unpack_record(raw)
                 except CorruptEntryError:
                     rec = None
-                value = txn.get(k, db=dbs["blobs"])
+                value = txn.get(k, db=dbs.blobs)
                 ref = None if value is None else file_ref(value)
                 problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
             if problem and ref is not None and not tier.points_to(k, ref):
@@ -151,10 +151,9 @@ def page_stats(tier: LMDBTier) -> PageStats:
     main_db = tier.env.open_db(None)
     with tier.snapshot() as (txn, dbs):
         stats = {"main": txn.stat(main_db)}
-        for name, db in dbs.items():
-            if db is not None:
-                stats[name] = txn.stat(db)
-        raw_total = txn.get(b"total_bytes", db=dbs["meta"])
+        for name, db in dbs.present("blobs", "entries", "meta", "lru", "files").items():
+            stats[name] = txn.stat(db)
+        raw_total = txn.get(b"total_bytes", db=dbs.meta)
         accounted = struct.unpack("<Q", raw_total)[0] if raw_total is not None else None
     info = tier.env_info()
     files = tier.files.sizes()
