@@ -104,7 +104,7 @@ def damage(store_dir: Path, model_dir: Path, name: str, uuid: str) -> None:
             blob = bytearray(st.disk.blob_bytes(key))
             blob[-1] ^= 0xFF
             with st.disk.env.begin(write=True) as txn:
-                txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+                txn.put(key.encode(), bytes(blob), db=st.disk._dbs.blobs)
 
 
 def assert_failed_before_any_token(result: dict) -> None:
