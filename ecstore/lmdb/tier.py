@@ -7,7 +7,7 @@ map is full (:mod:`ecstore.lmdb.full`), deletes, leases (pins against
 eviction, :mod:`ecstore.lmdb.leases`), namespace registration and the
 eviction down to the cap at open. Every change to entries and byte
 accounting goes through one :class:`~ecstore.lmdb.txn.WriteTxn`. See the
-design notes of :mod:`ecstore.lmdb`.
+design notes in docs/architecture.md ("The LMDB tier").
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class LMDBTier(TierReads):
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
         a process sets it. A map smaller than the cap is legal: a full map
-        makes puts evict (see the design notes), it never fails them while
+        makes puts evict (docs/architecture.md), it never fails them while
         anything is evictable. Tests use it to reach a full map without
         filling a disk.
 
