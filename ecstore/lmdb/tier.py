@@ -20,7 +20,6 @@ import time
 
 import lmdb
 
-from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
 from ecstore.format import Record, codec
 from ecstore.lmdb.batch import PutOp, PutRequest, in_call_order
@@ -33,6 +32,11 @@ from ecstore.lmdb.txn import file_ref
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
+
+#: Longest lease, in seconds (one day): a lease pins an entry against
+#: eviction until released; one that outlived its loader must expire. The
+#: bound of the ``lease_seconds`` setting (:mod:`ecstore.config.limits`).
+MAX_LEASE_SECONDS = 86400.0
 
 
 def _check_ttl(ttl_s: object) -> float:
