@@ -1,37 +1,13 @@
 """Worker side of the connector: loads into and saves from vLLM's encoder cache.
 
 Runs in each worker process, called from the model-runner thread.
-
-* ``start_load_caches`` puts every announced entry into ``encoder_cache`` on
-  the runner's device with the shape and dtype the model expects. An entry
-  that cannot be loaded (corrupt, wrong shape, gone) is added to this step's
-  ``scheduled_encoder_inputs`` (the runner encodes it right after this call,
-  before any token is computed) and reported ``recomputed``. Only where that
-  is impossible (tensor parallelism, or vLLM holds no processed inputs for the
-  item) does it get a zero stand-in so that the step does not crash the
-  engine; the scheduler then fails that request through vLLM's
-  unavailable-request path (one step later: vLLM reads unavailable requests
-  before worker reports), and any later one that would get the stand-in from
-  vLLM's encoder cache. When the stand-in has left that cache (vLLM freed or
-  reset it) the worker reports it ``cleared``.
-* ``save_caches`` copies the new encoder output off the device once (into
-  its safetensors blob) and hands it to the store, whose background writer
-  does the LMDB write. With tensor parallelism only rank 0 writes to disk;
-  every rank of a memory-only store keeps its own copy (no I/O).
-* Visibility on encode-only producers (``ec_producer``, which vLLM 0.32 runs
-  as an encoder-only engine): at the end of every step that saved,
-  ``build_worker_meta`` (the last connector call of the step, made before the
-  step's output leaves the model runner) waits until the writer has
-  committed those saves to LMDB. So when a request's output leaves the
-  engine, every entry it saved is visible to every process on the store,
-  and a PD instance that receives the request next finds it. vLLM 0.32 has
-  no way to hold back a finished request's output until the connector is
-  done (``request_finished`` only delays freeing blocks), hence the wait;
-  the commit itself started on the background writer when ``save_caches``
-  handed the entry over. ``ec_both`` instances do not wait (their step
-  goes on to the language model; entries appear when the writer commits).
-* Counters of encode-only producers go to a shared record read by the
-  scheduler side (``shared_stats``): vLLM drops their worker metadata.
+``start_load_caches`` puts every announced entry into ``encoder_cache``; one
+that cannot be loaded is encoded in the same step (``recomputed``), or, where
+that is impossible, gets a zero stand-in and its request is failed.
+``save_caches`` copies the output off the device once and hands it to the
+store. On encode-only producers ``build_worker_meta`` returns only once the
+step's saves are committed (visible to every process). The flows are in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -49,7 +25,7 @@ from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import remote_deltas
 from ecstore.connector.vllm_identity import kept_out
 from ecstore.errors import ECStoreError
-from ecstore.format.codec import tensor_nbytes
+from ecstore.format import tensor_nbytes
 from ecstore.identity import EncoderIdentity
 from ecstore.store import ECStore
 

@@ -1,32 +1,18 @@
 """ECStore: the public handle that composes the tiers.
 
-    ECStore.put ──► memory tier (LRU, bytes)         (caller's thread)
-               └──► writer queue ──► writer thread ──► LMDB tier (one txn per batch)
-                    (ecstore/store/writer.py)
-    ECStore.get ──► memory tier ─► pending map ─► LMDB tier (promote to memory)
-               └──► remote tier, if configured (verified; promote to memory + LMDB)
-    ECStore.put ──► ... and the remote tier's writer (background, pipelined)
-
 The handle checks arguments and composes; the read path lives in
-:mod:`ecstore.store.read_path`, the put path in :mod:`ecstore.store.put_path`, the
-counters and refusal log lines in :mod:`ecstore.store.stats`.
-
-The remote tier (``remote_url``, :mod:`ecstore.remote`) is shared across
-machines; its failures are misses, never errors (see docs/remote.md).
-
-A handle is bound to one (model, dtype). Several handles, threads and
-processes may use one ``local_disk`` directory at once.
+:mod:`ecstore.store.read_path`, the put path in :mod:`ecstore.store.put_path`,
+the background writer in :mod:`ecstore.store.writer`, the counters and
+refusal log lines in :mod:`ecstore.store.stats` (flows: docs/architecture.md).
+A handle is bound to one (model, dtype); the remote tier's failures are
+misses, never errors (docs/remote.md).
 
 Threading: every public method may be called from any thread, concurrently
-with the background writer, and with ``close``: a call that began before
-``close`` runs to its end on open tiers (``close`` waits for it), a call
-after it raises ECStoreError("store is closed"), and concurrent ``close``
-calls tear down once (see :mod:`ecstore.store.calls`). Processes: each process has its own memory tier
-and pending map; the LMDB tier is shared, so an entry committed by one
-process is visible to ``contains``/``get`` in every other. A handle must not
-be used in a child after ``fork()`` (ForkedStoreError), and a forked child
-cannot reopen a directory its parent had open (StoreOpenError): processes
-that need the store should be started with ``spawn``/``forkserver``.
+with the background writer and with ``close`` (see :mod:`ecstore.store.calls`).
+Processes: each has its own memory tier and pending map; the LMDB tier is
+shared, so an entry committed by one process is visible in every other. A
+handle must not be used after ``fork()`` (ForkedStoreError), and a forked
+child cannot reopen a directory its parent had open (StoreOpenError).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The put path of an :class:`~ecstore.store.ECStore` handle.
-
-    put ──► checks (storable, dtype, fits a tier, not held) ──► one copy into the blob
-        ──► memory tier (a view of the blob's data)
-        ──► writer queue (the blob as is; back-pressure by bytes) ──► LMDB
-        ──► remote tier's writer, if configured
+"""The put path of an :class:`~ecstore.store.ECStore` handle: checks
+(storable, dtype, fits a tier, not held), one copy into the blob, then the
+memory tier (a view of the blob's data), the writer queue (back-pressure by
+bytes) and the remote tier's writer, if configured.
 
 :class:`PutPath` works on the handle's :class:`~ecstore.store.tiers.Tiers` (the
 object the reads use; no reference to the handle). Thread-safe as
@@ -32,8 +30,8 @@ class PutPath:
 
     ``pooled``: build each blob in :data:`ecstore.pool.POOL` (memory faulted
     in before, reused once nothing references an earlier blob) instead of
-    fresh ``torch.empty`` memory, whose page faults cost ~3-6x memcpy on the
-    benchmark VM (the ``pooled_blobs`` setting, on by default).
+    fresh ``torch.empty`` memory, whose page faults cost more than the copy
+    (the ``pooled_blobs`` setting, on by default).
     """
 
     def __init__(self, tiers: Tiers, reads: ReadPath, counters: Counters, *, pooled: bool = True) -> None:

@@ -1,7 +1,6 @@
-"""The read path of an :class:`~ecstore.store.ECStore` handle.
-
-    find ──► memory tier ─► pending writes ─► LMDB tier ─(hit)─► promote to memory
-                                                        └(miss)─► remote tier ─► promote to memory + LMDB
+"""The read path of an :class:`~ecstore.store.ECStore` handle: memory tier,
+pending writes, LMDB tier (a hit promoted to memory), then the remote tier (a
+hit promoted to memory and LMDB).
 
 :class:`ReadPath` reads the tiers of one handle (its
 :class:`~ecstore.store.tiers.Tiers`, not the handle) and answers
