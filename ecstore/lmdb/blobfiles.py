@@ -56,9 +56,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ecstore.codec import CorruptBlobError
 from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError, StoreOpenError, check_same_process
-from ecstore.store_files import DEFAULT_FILE_MODE, FilePolicy
+from ecstore.format.codec import CorruptBlobError
+from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, FilePolicy
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

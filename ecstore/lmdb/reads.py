@@ -20,9 +20,9 @@ from typing import Any
 import lmdb
 import torch
 
-from ecstore import blob_read, codec
-from ecstore.codec import CorruptBlobError, Record
 from ecstore.errors import StoreFullError
+from ecstore.format import blob_read, codec
+from ecstore.format.codec import CorruptBlobError, Record
 from ecstore.lmdb.blobfiles import BlobFileUnavailable, FileRef, unpack_ref
 from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
 from ecstore.lmdb.txn import _U64, file_ref
@@ -104,7 +104,7 @@ class TierReads(StoreHandle):
 
     def _read_file(self, k: bytes, ref: FileRef, rec: Record, **expect: Any) -> torch.Tensor | None:
         """The tensor of an entry whose blob is the file ``ref`` (checked like
-        an inline blob: :func:`~ecstore.blob_read.read_file_entry`); None if
+        an inline blob: :func:`~ecstore.format.blob_read.read_file_entry`); None if
         the file is gone because the entry was removed after our read
         transaction (eviction by another process: a plain miss);
         CorruptBlobError if it is gone while the entry still points to it

@@ -27,9 +27,9 @@ from typing import Any
 
 import lmdb
 
-from ecstore import codec
-from ecstore.codec import CorruptBlobError, Record
 from ecstore.errors import StoreOpenError
+from ecstore.format import codec
+from ecstore.format.codec import CorruptBlobError, Record
 from ecstore.lmdb.blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from ecstore.lmdb.leases import LeaseTable
 
@@ -78,7 +78,7 @@ def _u64(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> int:
 
 @dataclass(frozen=True)
 class Dbs:
-    """The sub-database handles of one environment (see ``migrations/``):
+    """The sub-database handles of one environment (see :mod:`ecstore.lmdb.migrations`):
     ``blobs`` (key -> safetensors blob), ``entries`` (key -> packed Record),
     ``meta`` (schema version and counters), ``lru`` (u64 BE seq -> key; None
     in schema 1), ``namespaces`` (namespace -> identity; None before schema 3),

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore import blob_check
-from ecstore.codec import CorruptBlobError
+from ecstore.format import blob_check
+from ecstore.format.codec import CorruptBlobError
 from ecstore.lmdb import LMDBTier
 from ecstore.maintenance.entries import Row, entry_problem, read_entry
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore import blob_check, codec
-from ecstore.codec import CorruptBlobError, Record
 from ecstore.errors import ECStoreError, StoreOpenError
+from ecstore.format import blob_check, codec
+from ecstore.format.codec import CorruptBlobError, Record
 from ecstore.key import parse_key
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
@@ -135,7 +135,7 @@ def scan(tier: LMDBTier, progress: Ticker | None = None) -> Iterator[Row]:
 def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
     """None if the entry is sound, else a one-line reason.
 
-    A thin wrapper over :func:`ecstore.blob_check.check_entry` (the entry check
+    A thin wrapper over :func:`ecstore.format.blob_check.check_entry` (the entry check
     every ``get`` runs) with the entry's ``key``, adding what only tooling
     sees: an unreadable record, a record without blob, the two checksums of
     a mismatch, and ``bad safetensors header:`` before a header problem.

@@ -14,10 +14,11 @@ from typing import Any
 
 import lmdb
 
-from ecstore import codec, namespaces
-from ecstore.codec import CorruptBlobError, Record
+from ecstore.format import codec
+from ecstore.format.codec import CorruptBlobError, Record
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
+from ecstore.maintenance import namespaces
 from ecstore.maintenance.entries import Row, entry_problem, key_bytes, scan
 from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory
 

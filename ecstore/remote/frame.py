@@ -8,14 +8,14 @@ The padding makes the blob start at a multiple of ALIGN bytes into the value,
 so the tensor data (8-byte aligned inside the blob) is aligned in a reply
 buffer too and a read can hand out a view of it instead of a copy.
 
-``record`` is :func:`ecstore.codec.pack_record` (identifier, dtype, shape,
+``record`` is :func:`ecstore.format.codec.pack_record` (identifier, dtype, shape,
 sizes, blob checksum: the same record LMDB keeps beside the blob) and
 ``blob`` the same safetensors bytes LMDB stores. :func:`unpack` checks the
 framing and the record; :func:`check_value` checks a value on its own
 (checksum, strict header, record against header, a shape ``put`` stores);
 :func:`decode_entry` does that first, then compares the value with the
 identity the reader expects. Anything that does not check out is a miss:
-:class:`ecstore.codec.CorruptBlobError` (garbage, or a value whose record
+:class:`ecstore.format.codec.CorruptBlobError` (garbage, or a value whose record
 and blob disagree: delete it) or, only for a value that passed
 :func:`check_value`, :class:`ForeignValue` (a valid value of another entry:
 keep it).
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ecstore import blob_check, blob_read, codec
-from ecstore.codec import CorruptBlobError, Record
+from ecstore.format import blob_check, blob_read, codec
+from ecstore.format.codec import CorruptBlobError, Record
 
 MAGIC = b"ECRV"
 VERSION = 1

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore.codec import CorruptBlobError
 from ecstore.errors import ECStoreError
+from ecstore.format.codec import CorruptBlobError
 from ecstore.key import parse_key
 from ecstore.remote import frame
 from ecstore.remote.backend import KEY_PREFIX, RedisBackend, RemoteBadReply, RemoteRefused

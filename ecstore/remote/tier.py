@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ecstore import codec
-from ecstore.codec import CorruptBlobError
+from ecstore.format import codec
+from ecstore.format.codec import CorruptBlobError
 from ecstore.remote import frame
 from ecstore.remote.backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
 from ecstore.remote.breaker import BreakerState, CircuitBreaker, Transition

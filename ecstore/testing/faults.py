@@ -1,4 +1,4 @@
-"""Shared code of the fault tests (tests/test_faults.py) and the stress
+"""Shared code of the fault tests (tests/store/test_faults.py) and the stress
 scripts (tools/stress_crash.py, tools/stress_concurrency.py).
 
 * :func:`entry_tensor` -- an entry's content as a pure function of an integer
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ecstore import blob_check, codec
+from ecstore.format import blob_check, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _SEQ, _U64, file_ref
