@@ -6,7 +6,7 @@
 :func:`check_entry` checks one stored entry -- record, blob, and what the
 caller expects -- the one entry check ``get()``, the remote tier and
 ``ecstore-dump verify/show/export`` all use. Everything raises
-:class:`~ecstore.errors.CorruptEntryError` (``codec.CorruptBlobError``) and
+:class:`~ecstore.errors.CorruptEntryError` and
 nothing else. Pure functions; thread-safe.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ecstore.errors import ECStoreError
-from ecstore.format.codec import _ST_CODE, FORMAT, TENSOR_NAME, CorruptBlobError, checksum, tensor_nbytes_of
+from ecstore.errors import CorruptEntryError, ECStoreError
+from ecstore.format.codec import _ST_CODE, FORMAT, TENSOR_NAME, checksum, tensor_nbytes_of
 from ecstore.format.record import Record
 from ecstore.key import parse_key
 
@@ -67,7 +67,7 @@ def _is_int(x: Any) -> bool:
 
 def _shape_of(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise CorruptBlobError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
+        raise CorruptEntryError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
     return check_shape(tuple(value), what)
 
 
@@ -75,28 +75,28 @@ def check_shape(shape: tuple[Any, ...], what: str) -> tuple[int, ...]:
     """``shape`` if torch can make a tensor of it: at most MAX_NDIM integer
     dimensions in [0, MAX_DIM) whose product, zeros counted as ones, stays
     below 2**62 (torch's strides would overflow: ``(0, 2**47, 2**47)`` has
-    no element yet cannot be allocated); CorruptBlobError otherwise."""
+    no element yet cannot be allocated); CorruptEntryError otherwise."""
     if len(shape) > MAX_NDIM:
-        raise CorruptBlobError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
+        raise CorruptEntryError(f"{what} is not a list of at most {MAX_NDIM} dimensions")
     if not all(_is_int(d) and 0 <= d < MAX_DIM for d in shape):
-        raise CorruptBlobError(f"{what} {list(shape)!r} has a dimension that is not an integer in [0, 2**48)")
+        raise CorruptEntryError(f"{what} {list(shape)!r} has a dimension that is not an integer in [0, 2**48)")
     span = 1
     for d in shape:
         span *= max(d, 1)
     if span >= 1 << 62:
-        raise CorruptBlobError(f"{what} {list(shape)!r} spans more elements than a tensor can address")
+        raise CorruptEntryError(f"{what} {list(shape)!r} spans more elements than a tensor can address")
     return shape
 
 
 def check_put_shape(hdr: BlobHeader) -> BlobHeader:
     """``hdr`` if its tensor has a shape ``ECStore.put`` stores (2-D with no
     empty dimension, as :func:`ecstore.format.codec.check_storable` demands); else
-    CorruptBlobError. An entry of any other shape (a well-formed blob ecstore
+    CorruptEntryError. An entry of any other shape (a well-formed blob ecstore
     never writes) is unusable: a 1-D or empty "encoder output" must never
     reach the model. Used where entries come from outside this process's
     writes (the remote tier)."""
     if len(hdr.shape) != 2 or 0 in hdr.shape:
-        raise CorruptBlobError(f"tensor of shape {list(hdr.shape)}: ecstore stores only 2-D tensors "
+        raise CorruptEntryError(f"tensor of shape {list(hdr.shape)}: ecstore stores only 2-D tensors "
                                f"with no empty dimension")
     return hdr
 
@@ -114,18 +114,18 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
     itemsize) is the data length; ``data_offsets == [0, data length]`` with
     the data right after the header up to the end of the blob; a safetensors
     dtype code and shape that agree with the real dtype and shape. Anything
-    else raises :class:`CorruptBlobError` (never another exception).
+    else raises :class:`CorruptEntryError` (never another exception).
     """
     try:
         mv = memoryview(blob).cast("B")
     except (TypeError, ValueError) as e:
-        raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
+        raise CorruptEntryError(f"not a bytes-like blob: {e}") from None
     total = len(mv) if size is None else size
     if len(mv) < 8 or total < 8:
-        raise CorruptBlobError("blob shorter than its length prefix")
+        raise CorruptEntryError("blob shorter than its length prefix")
     (hlen,) = struct.unpack_from("<Q", mv, 0)
     if hlen > len(mv) - 8 or hlen > total - 8 or hlen > MAX_HEADER_BYTES:
-        raise CorruptBlobError(f"header length {hlen} out of range")
+        raise CorruptEntryError(f"header length {hlen} out of range")
     raw = bytes(mv[8 : 8 + hlen])
     if hlen > _PARSED_MAX_HEADER:
         return _parse_header(raw, hlen, total)
@@ -159,39 +159,39 @@ def _parse_header(raw: bytes, hlen: int, total: int) -> BlobHeader:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CorruptBlobError(f"malformed header: {e}") from None
+        raise CorruptEntryError(f"malformed header: {e}") from None
     if not isinstance(header, dict) or set(header) != {TENSOR_NAME, "__metadata__"}:
-        raise CorruptBlobError("header must hold exactly the tensor 'ec' and '__metadata__'")
+        raise CorruptEntryError("header must hold exactly the tensor 'ec' and '__metadata__'")
     meta, info = header["__metadata__"], header[TENSOR_NAME]
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise CorruptBlobError("__metadata__ must map names to strings")
+        raise CorruptEntryError("__metadata__ must map names to strings")
     if meta.get("format") != FORMAT:
-        raise CorruptBlobError(f"unknown blob format {meta.get('format')!r}")
+        raise CorruptEntryError(f"unknown blob format {meta.get('format')!r}")
     for name in ("identifier", "model", "dtype", "shape"):
         if name not in meta:
-            raise CorruptBlobError(f"__metadata__ has no {name!r}")
+            raise CorruptEntryError(f"__metadata__ has no {name!r}")
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        raise CorruptBlobError("tensor 'ec' must have exactly dtype, shape and data_offsets")
+        raise CorruptEntryError("tensor 'ec' must have exactly dtype, shape and data_offsets")
     dt = storable_dtype(meta["dtype"])
     if dt is None:
-        raise CorruptBlobError(f"dtype {meta['dtype']!r} is not a storable torch dtype")
+        raise CorruptEntryError(f"dtype {meta['dtype']!r} is not a storable torch dtype")
     try:
         shape = _shape_of(json.loads(meta["shape"]), "__metadata__ shape")
     except (ValueError, RecursionError) as e:
-        raise CorruptBlobError(f"malformed __metadata__ shape: {e}") from None
+        raise CorruptEntryError(f"malformed __metadata__ shape: {e}") from None
     offsets = info["data_offsets"]
     data_offset = 8 + hlen
     nbytes = total - data_offset
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
-        raise CorruptBlobError("data_offsets must be two integers")
+        raise CorruptEntryError("data_offsets must be two integers")
     if offsets != [0, nbytes]:
-        raise CorruptBlobError(f"data_offsets {offsets} do not span the {nbytes} data bytes after the header")
+        raise CorruptEntryError(f"data_offsets {offsets} do not span the {nbytes} data bytes after the header")
     if tensor_nbytes_of(dt, shape) != nbytes:
-        raise CorruptBlobError("shape and dtype do not match the data length")
+        raise CorruptEntryError("shape and dtype do not match the data length")
     code = _ST_CODE.get(dt)
     st_shape = _shape_of(info["shape"], "tensor shape")
     if info["dtype"] != (code or "U8") or st_shape != (shape if code else (nbytes,)):
-        raise CorruptBlobError("safetensors dtype/shape do not match the real dtype/shape")
+        raise CorruptEntryError("safetensors dtype/shape do not match the real dtype/shape")
     return BlobHeader(meta["identifier"], meta["model"], meta["dtype"], shape, data_offset, nbytes, header)
 
 
@@ -208,7 +208,7 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
     each only if given: the ``identifier``, the ``model``, the ``dtype``
     (exactly, by name), and the EC ``key`` the entry is stored under (its
     model and dtype parts must be the header's). Raises
-    :class:`CorruptBlobError` naming the first mismatch, never another
+    :class:`CorruptEntryError` naming the first mismatch, never another
     exception. ``checksum_by_caller``: skip the checksum (the header is
     parsed unverified, which :func:`parse_header` allows): the caller
     verifies it before using any byte (:func:`ecstore.format.blob_read.read_entry`).
@@ -220,31 +220,31 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
     try:
         held = len(memoryview(blob).cast("B"))
     except (TypeError, ValueError) as e:
-        raise CorruptBlobError(f"not a bytes-like blob: {e}") from None
+        raise CorruptEntryError(f"not a bytes-like blob: {e}") from None
     size = held if size is None else size
     if size != rec.blob_size:
-        raise CorruptBlobError(f"blob is {size} bytes, its record says {rec.blob_size}")
+        raise CorruptEntryError(f"blob is {size} bytes, its record says {rec.blob_size}")
     if not checksum_by_caller and checksum(blob) != rec.checksum:
-        raise CorruptBlobError("checksum mismatch")
+        raise CorruptEntryError("checksum mismatch")
     hdr = parse_header(blob, size)
     if hdr.identifier != rec.identifier:
-        raise CorruptBlobError("identifier in blob does not match the record")
+        raise CorruptEntryError("identifier in blob does not match the record")
     if (hdr.dtype, hdr.shape, hdr.data_nbytes) != (rec.dtype, rec.shape, rec.nbytes):
-        raise CorruptBlobError(f"blob header ({hdr.dtype} {list(hdr.shape)}, {hdr.data_nbytes} bytes) does not "
+        raise CorruptEntryError(f"blob header ({hdr.dtype} {list(hdr.shape)}, {hdr.data_nbytes} bytes) does not "
                                f"match its record ({rec.dtype} {list(rec.shape)}, {rec.nbytes} bytes)")
     if identifier is not None and hdr.identifier != identifier:
-        raise CorruptBlobError("identifier in blob does not match the requested one")
+        raise CorruptEntryError("identifier in blob does not match the requested one")
     if model is not None and hdr.model != model:
-        raise CorruptBlobError(f"entry of model {hdr.model!r}, expected {model!r}")
+        raise CorruptEntryError(f"entry of model {hdr.model!r}, expected {model!r}")
     if dtype is not None:
         want = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         if hdr.dtype != want:
-            raise CorruptBlobError(f"entry of dtype {hdr.dtype}, expected {want}")
+            raise CorruptEntryError(f"entry of dtype {hdr.dtype}, expected {want}")
     if key is not None:
         try:
             k = parse_key(key)
         except ECStoreError as e:
-            raise CorruptBlobError(f"stored under a malformed key: {e}") from None
+            raise CorruptEntryError(f"stored under a malformed key: {e}") from None
         if (k.model, k.dtype) != (hdr.model, hdr.dtype):
-            raise CorruptBlobError(f"entry of model {hdr.model!r} dtype {hdr.dtype} stored under key {key!r}")
+            raise CorruptEntryError(f"entry of model {hdr.model!r} dtype {hdr.dtype} stored under key {key!r}")
     return hdr

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ecstore.errors import CorruptEntryError
 from ecstore.format import split_read
 from ecstore.format.blob_check import (
     MAX_HEADER_BYTES,
@@ -30,7 +31,7 @@ from ecstore.format.blob_check import (
     parse_header,
     storable_dtype,
 )
-from ecstore.format.codec import CorruptBlobError, _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
+from ecstore.format.codec import _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
 from ecstore.format.record import Record
 from ecstore.pool import POOL
 
@@ -42,12 +43,12 @@ def _destination(blob: Any, hdr: BlobHeader, size: int | None = None) -> tuple[t
     given: ``blob`` is then only its beginning)."""
     dt = storable_dtype(hdr.dtype)
     if dt is None:
-        raise CorruptBlobError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
+        raise CorruptEntryError(f"dtype {hdr.dtype!r} is not a storable torch dtype")
     if hdr.data_offset + hdr.data_nbytes != (len(memoryview(blob).cast("B")) if size is None else size):
-        raise CorruptBlobError("header sizes do not match the blob")  # parse_header prevents this
+        raise CorruptEntryError("header sizes do not match the blob")  # parse_header prevents this
     out = POOL.empty(hdr.shape, dt)
     if tensor_nbytes(out) != hdr.data_nbytes:
-        raise CorruptBlobError("header sizes do not match the blob")
+        raise CorruptEntryError("header sizes do not match the blob")
     return out, _raw_bytes_view(out)
 
 
@@ -74,7 +75,7 @@ FUSED_CHUNK = 1 << 20
 def read_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: str | None = None,
                dtype: torch.dtype | str | None = None, key: str | None = None) -> torch.Tensor:
     """:func:`check_entry`, then the tensor copied out of ``blob`` (fresh CPU
-    memory). Raises only :class:`CorruptBlobError`; never returns a tensor
+    memory). Raises only :class:`CorruptEntryError`; never returns a tensor
     whose blob failed a check.
 
     An entry larger than ``2 * FUSED_CHUNK`` is checked without its checksum
@@ -87,7 +88,7 @@ def read_entry(rec: Record, blob: Any, *, identifier: str | None = None, model: 
                       checksum_by_caller=True)
     out = _copy_out_hashed(blob, hdr, rec.checksum)
     if out is None:
-        raise CorruptBlobError("checksum mismatch")
+        raise CorruptEntryError("checksum mismatch")
     return out
 
 
@@ -121,25 +122,25 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     destination (``os.preadv``, which releases the GIL) in
     :data:`FUSED_CHUNK` pieces, each fed to the checksum right after it was
     read (with ``split_from`` bytes of data or more, by the caller and a
-    helper thread: :mod:`ecstore.format.split_read`). Raises only :class:`CorruptBlobError` (a short file, an I/O
+    helper thread: :mod:`ecstore.format.split_read`). Raises only :class:`CorruptEntryError` (a short file, an I/O
     error, a checksum or header mismatch); never returns a tensor whose
     blob failed a check."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptBlobError("blob file is not a regular file")
+            raise CorruptEntryError("blob file is not a regular file")
         size = st.st_size
         if size != rec.blob_size:
-            raise CorruptBlobError(f"blob file is {size} bytes, its record says {rec.blob_size}")
+            raise CorruptEntryError(f"blob file is {size} bytes, its record says {rec.blob_size}")
         if size < 8:
-            raise CorruptBlobError("blob file shorter than its length prefix")
+            raise CorruptEntryError("blob file shorter than its length prefix")
         head_len = size - rec.nbytes  # where the record says the data starts
         if rec.nbytes <= 2 * FUSED_CHUNK and 8 <= head_len <= 8 + MAX_HEADER_BYTES:
             return _read_whole_file(rec, fd, size, head_len, identifier=identifier, model=model,
                                     dtype=dtype, key=key)
         (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8))
         if hlen > min(size - 8, MAX_HEADER_BYTES):
-            raise CorruptBlobError(f"header length {hlen} out of range")
+            raise CorruptEntryError(f"header length {hlen} out of range")
         head = _pread_exact(fd, 8 + hlen)
         hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
                           checksum_by_caller=True, size=size)
@@ -156,11 +157,11 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
                     split_read.read_exactly(fd, mv[i:i + c], hdr.data_offset + i)
                 update(mv[i:i + c])
     except EOFError as e:
-        raise CorruptBlobError(str(e)) from None
+        raise CorruptEntryError(str(e)) from None
     except OSError as e:
-        raise CorruptBlobError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
+        raise CorruptEntryError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
     if h.intdigest() != rec.checksum:
-        raise CorruptBlobError("checksum mismatch")
+        raise CorruptEntryError("checksum mismatch")
     return out
 
 
@@ -174,27 +175,27 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
     the header check; the destination is dropped with any failure."""
     dt = storable_dtype(rec.dtype)
     if dt is None or tensor_nbytes_of(dt, check_shape(rec.shape, "record shape")) != rec.nbytes:
-        raise CorruptBlobError("record's dtype and shape do not match its data bytes")
+        raise CorruptEntryError("record's dtype and shape do not match its data bytes")
     head = bytearray(head_len)
     out = POOL.empty(rec.shape, dt)
     mv = memoryview(_raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
-    if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptBlobError
+    if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptEntryError
         split_read.read_exactly(fd, memoryview(head), 0)
         split_read.read_exactly(fd, mv, head_len)
     hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
                       checksum_by_caller=True, size=size)
     if hdr.data_offset != head_len:  # implied by the checks above; kept explicit
-        raise CorruptBlobError("header sizes do not match the record")
+        raise CorruptEntryError("header sizes do not match the record")
     h = xxhash.xxh3_64(head)
     h.update(mv)
     if h.intdigest() != rec.checksum:
-        raise CorruptBlobError("checksum mismatch")
+        raise CorruptEntryError("checksum mismatch")
     return out
 
 
 def _pread_exact(fd: int, n: int) -> bytearray:
     """The first ``n`` bytes of ``fd``; EOFError if the file is shorter
-    (read_file_entry reports it as CorruptBlobError)."""
+    (read_file_entry reports it as CorruptEntryError)."""
     data = bytearray(n)
     split_read.read_exactly(fd, memoryview(data), 0)
     return data
@@ -205,13 +206,13 @@ def decode(blob: Any, *, expected_checksum: int | None, identifier: str | None =
 
     ``blob`` may be a memoryview into the LMDB map (only valid inside its read
     transaction): the returned tensor never aliases it. Raises
-    :class:`CorruptBlobError` on a checksum, header or identifier mismatch.
+    :class:`CorruptEntryError` on a checksum, header or identifier mismatch.
     Stored entries are read with :func:`read_entry`, which also checks the
     record and what the caller expects.
     """
     if expected_checksum is not None and checksum(blob) != expected_checksum:
-        raise CorruptBlobError("checksum mismatch")
+        raise CorruptEntryError("checksum mismatch")
     hdr = parse_header(blob)
     if identifier is not None and hdr.identifier != identifier:
-        raise CorruptBlobError("identifier in blob does not match the record")
+        raise CorruptEntryError("identifier in blob does not match the record")
     return copy_out(blob, hdr)

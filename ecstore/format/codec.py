@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ecstore.errors import CorruptEntryError, InvalidEntryError
+from ecstore.errors import InvalidEntryError
 from ecstore.format.record import LEGACY_RECORD_VERSION as LEGACY_RECORD_VERSION
 from ecstore.format.record import RECORD_VERSION as RECORD_VERSION
 from ecstore.format.record import Record as Record
@@ -228,10 +228,6 @@ def tensor_nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n * dtype.itemsize
-
-
-#: The former name of :class:`~ecstore.errors.CorruptEntryError` (kept for callers).
-CorruptBlobError = CorruptEntryError
 
 
 #: Dtypes :func:`check_storable` admits on its fast path (none is quantized or

@@ -14,8 +14,9 @@ from typing import Any
 
 import lmdb
 
+from ecstore.errors import CorruptEntryError
 from ecstore.format import codec
-from ecstore.format.codec import CorruptBlobError, Record
+from ecstore.format.codec import Record
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
 from ecstore.maintenance import namespaces
@@ -85,7 +86,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                     continue
                 try:
                     rec: Record | None = codec.unpack_record(raw)
-                except CorruptBlobError:
+                except CorruptEntryError:
                     rec = None
                 value = txn.get(k, db=dbs["blobs"])
                 ref = None if value is None else file_ref(value)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ecstore.errors import CorruptEntryError
 from ecstore.format import blob_check, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.lmdb import LMDBTier
@@ -183,7 +184,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                     key = bytes(k).decode("utf-8", "replace")
                     try:
                         rec = codec.unpack_record(raw)
-                    except codec.CorruptBlobError as e:
+                    except CorruptEntryError as e:
                         a.problems.append(f"{key}: unreadable record ({e})")
                         continue
                     blob = txn.get(k, db=dbs["blobs"])
@@ -209,7 +210,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                             hdr = blob_check.parse_header(blob)
                             if hdr.identifier != rec.identifier:
                                 a.problems.append(f"{key}: blob identifier differs from record")
-                        except codec.CorruptBlobError as e:
+                        except CorruptEntryError as e:
                             a.problems.append(f"{key}: bad header ({e})")
                     if dbs["lru"] is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs["lru"]) != bytes(k):
                         a.problems.append(f"{key}: LRU row {rec.lru_seq} missing or pointing elsewhere")

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ecstore.errors import CorruptEntryError
 from ecstore.format import blob_check, blob_read, codec
 from ecstore.pool import BufferPool
 
@@ -92,7 +93,7 @@ def test_parsed_header_cache_answers_as_a_fresh_parse() -> None:
         for _ in range(2):
             try:
                 blob_check.parse_header(bad)
-            except codec.CorruptBlobError:
+            except CorruptEntryError:
                 pass
             else:
                 raise AssertionError("a header whose sizes do not match the blob was accepted")
@@ -107,13 +108,13 @@ def test_parsed_header_cache_answers_as_a_fresh_parse() -> None:
 def test_a_header_with_no_element_but_huge_dimensions_is_refused() -> None:
     """``[0, 2**47, 2**47]`` holds no element and every dimension is below
     MAX_DIM, but torch cannot allocate it (its strides overflow): accepted,
-    copy_out then raised RuntimeError instead of CorruptBlobError."""
+    copy_out then raised RuntimeError instead of CorruptEntryError."""
     shape = [0, 1 << 47, 1 << 47]
     h = {"ec": {"dtype": "U8", "shape": shape, "data_offsets": [0, 0]},
          "__metadata__": {"format": codec.FORMAT, "identifier": "i", "model": "m", "dtype": "uint8",
                           "shape": json.dumps(shape)}}
     raw = json.dumps(h, separators=(",", ":")).encode()
-    with pytest.raises(codec.CorruptBlobError, match="spans more elements"):
+    with pytest.raises(CorruptEntryError, match="spans more elements"):
         blob_check.parse_header(struct.pack("<Q", len(raw)) + raw)
 
 

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import ecstore
 from ecstore import InvalidEntryError, key
+from ecstore.errors import CorruptEntryError
 from ecstore.format import blob_check, blob_read, codec
-from ecstore.format.codec import CorruptBlobError, Record
+from ecstore.format.codec import Record
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -216,17 +217,17 @@ def test_corrupted_blob_raises_corrupt_blob_error(dtype):
     good = codec.checksum(blob)
     seen = 0
     for _name, bad, header_ok in _corruptions(bytearray(blob)):
-        with pytest.raises(CorruptBlobError):
+        with pytest.raises(CorruptEntryError):
             blob_read.decode(bad, expected_checksum=good)
         if not header_ok:  # caught by the header checks alone
-            with pytest.raises(CorruptBlobError):
+            with pytest.raises(CorruptEntryError):
                 blob_read.decode(bad, expected_checksum=None)
         seen += 1
     assert seen == 13
-    with pytest.raises(CorruptBlobError):  # identifier mismatch
+    with pytest.raises(CorruptEntryError):  # identifier mismatch
         blob_read.decode(blob, expected_checksum=good, identifier="other")
     assert_same(blob_read.decode(blob, expected_checksum=good, identifier="img"), t)
-    assert issubclass(CorruptBlobError, ecstore.ECStoreError)  # every error ecstore raises is one
+    assert issubclass(CorruptEntryError, ecstore.ECStoreError)  # every error ecstore raises is one
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
@@ -283,7 +284,7 @@ def test_record_examples_and_corruption():
     assert (t.last_access_ns, t.hits, t.lru_seq) == (10, 4, 99)
     assert rec.touched(0, 5, hits=0).last_access_ns == 2  # never goes back in time
     for bad in [raw[:-1], raw + b"x", raw[:10], b"", bytes([3]) + raw[1:]]:
-        with pytest.raises(CorruptBlobError):
+        with pytest.raises(CorruptEntryError):
             codec.unpack_record(bad)
     assert codec.record_identifier(b"") is None
 

@@ -20,7 +20,7 @@ import torch
 from helpers import fault_fs
 from helpers.blobfiles_child import pattern
 
-from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError
+from ecstore.errors import CorruptEntryError, ECStoreError, InvalidEntryError, StoreFullError
 from ecstore.format import blob_check, codec
 from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFiles, FileRef, pack_ref, unpack_ref
 
@@ -110,7 +110,7 @@ def test_an_inline_blob_is_no_pointer():
     b"x" * 8 + b"0123456789abcdef.lock", b"x" * 8 + b"0123456789abcdef-1.ecb\n", b"x" * 8 + b"..",
 ])
 def test_malformed_pointer_is_corrupt(tail):
-    with pytest.raises(codec.CorruptBlobError):
+    with pytest.raises(CorruptEntryError):
         unpack_ref(POINTER_MAGIC + tail)
 
 

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ecstore import StoreFullError
+from ecstore.errors import CorruptEntryError
 from ecstore.format import blob_check, blob_read, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.key import dtype_name
@@ -374,11 +375,11 @@ def test_d9_d10_entry_check_is_public_and_names_the_mismatch():
     for kw, msg in [({"identifier": "other"}, "identifier"), ({"model": "m/y"}, "model"),
                     ({"dtype": torch.bfloat16}, "dtype"), ({"key": key.replace("float32", "float16")}, "key"),
                     ({"key": "not a key"}, "key")]:
-        with pytest.raises(codec.CorruptBlobError, match=msg):
+        with pytest.raises(CorruptEntryError, match=msg):
             blob_check.check_entry(rec, blob, **kw)
-    with pytest.raises(codec.CorruptBlobError, match="record says"):
+    with pytest.raises(CorruptEntryError, match="record says"):
         blob_check.check_entry(replace(rec, blob_size=rec.blob_size + 1), blob)
-    with pytest.raises(codec.CorruptBlobError, match="does not match its record"):
+    with pytest.raises(CorruptEntryError, match="does not match its record"):
         blob_check.check_entry(replace(rec, shape=(16, 4)), blob)
 
 
@@ -399,7 +400,7 @@ _FIELDS = [("__metadata__", f) for f in ("format", "identifier", "model", "dtype
 def test_d9_d10_any_hostile_header_is_refused_or_read_exactly(edits, data_len):
     """Random values in any header field (the record made consistent with the
     hostile header, checksum recomputed): reading the entry for a float32
-    handle either refuses it with CorruptBlobError or returns exactly the
+    handle either refuses it with CorruptEntryError or returns exactly the
     stored float32 [4, 16] tensor; nothing else is raised."""
     def edit(h: dict) -> None:
         for (top, name), value in edits:
@@ -412,7 +413,7 @@ def test_d9_d10_any_hostile_header_is_refused_or_read_exactly(edits, data_len):
     rec = hostile.consistent_record(codec.Record(hostile.IDENT, "float32", (4, 16), 256, 0, 0, 1, 1, 0, 0), blob)
     try:
         got = blob_read.read_entry(rec, blob, identifier=hostile.IDENT, model=hostile.MODEL, dtype=torch.float32)
-    except codec.CorruptBlobError:
+    except CorruptEntryError:
         return
     assert_same(got, hostile.good_tensor())
 
