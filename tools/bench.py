@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="where encoder outputs live: cpu (default) or cuda[:N]. With cuda, saves copy D2H "
                          "and loads land on the GPU; floors are pinned D2H/H2D copies; sections "
-                         f"{','.join(GPU_SECTIONS)} only (the default; under five minutes), fewer "
-                         "repetitions; peers without a GPU path are skipped. Fails at once where CUDA "
-                         "is not available")
+                         f"{','.join(GPU_SECTIONS)} only (the default), fewer repetitions (aimed at five "
+                         "minutes; not measured yet); peers without a GPU path are skipped. Fails at once "
+                         "where CUDA is not available")
     args = ap.parse_args(argv)
     try:
         core.DEVICE = check_device(args.device)

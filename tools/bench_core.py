@@ -167,7 +167,7 @@ class Bench:
             return self.args.reps
         if self.quick:
             return 2
-        if self.on_gpu:  # fewer: a GPU run stays within five minutes (docs/benchmarks.md)
+        if self.on_gpu:  # fewer: a GPU run aims at five minutes (docs/benchmarks.md; not measured yet)
             return 5 if nbytes >= 100e6 else 7 if nbytes >= 20e6 else 11
         if nbytes >= 100e6:
             return 7
