@@ -24,7 +24,7 @@ from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
 from ecstore.format import codec
 from ecstore.format.codec import Record
-from ecstore.lmdb.batch import PutOp, PutRequest, in_call_order
+from ecstore.lmdb.batch import PutOp, PutRequest, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
@@ -190,10 +190,10 @@ class LMDBTier(TierReads):
             return w.evict_to(target_bytes, extra)
 
     @_lmdb_errors_as_store_errors
-    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None, *,
+    def write_batch(self, puts: list[PutRequest], touches: dict[str, Touch] | None = None, *,
                     sync_files: bool = True) -> None:
-        """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
-        last_access_ns[, orders])) in one transaction, evicting LRU entries to
+        """Store ``puts`` and apply ``touches`` (key -> :class:`~ecstore.lmdb.batch.Touch`)
+        in one transaction, evicting LRU entries to
         stay within the cap. Sets each request's ``result``; never raises for a
         single bad entry. Raises StoreFullError only if the whole batch could
         not be committed (disk full, or the map full with nothing more to
@@ -202,11 +202,10 @@ class LMDBTier(TierReads):
         StoreOpenError (every pending put failed with it) for any other LMDB
         error, e.g. a damaged page met by the eviction a full map makes.
 
-        Order: when every put has an ``order`` and every touch a tuple of
-        ``orders`` (the positions at which the key was read), puts and touches
-        are applied in that order, so an entry read before a put is already
-        most recently used when that put evicts. Otherwise puts are applied
-        in list order, then touches (:func:`~ecstore.lmdb.batch.in_call_order`).
+        Order: puts and touches are applied in the order of each put's
+        ``order`` and each touch's ``orders`` (the positions at which the key
+        was read), so an entry read before a put is already most recently
+        used when that put evicts (:func:`~ecstore.lmdb.batch.in_call_order`).
 
         ``sync_files=False``: blob files are written completely (into the
         page cache: a killed process loses nothing of them) but not
@@ -265,7 +264,7 @@ class LMDBTier(TierReads):
                 p.result, p.error = "failed", e
             raise
 
-    def _write_batch(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
+    def _write_batch(self, todo: list[PutRequest], touches: dict[str, Touch]) -> None:
         """:meth:`write_batch` once the blob files are written: the
         transaction, retried while the map is full."""
         extra = 0
@@ -313,7 +312,7 @@ class LMDBTier(TierReads):
         pages and some B-tree pages)."""
         return self.env.info()["map_size"] - 64 * self.env.stat()["psize"]
 
-    def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
+    def _write_once(self, todo: list[PutRequest], touches: dict[str, Touch]) -> None:
         """One attempt at a batch: one :class:`~ecstore.lmdb.txn.WriteTxn`;
         sets the results only once it committed."""
         now = time.time_ns()

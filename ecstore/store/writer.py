@@ -3,9 +3,9 @@
     ECStore.put --> Writer.submit --> queue ----> writer thread --> LMDBTier.write_batch
     ECStore.get --> Writer.touch  --> touches --/   (one transaction per batch)
 
-Typed operations: a :class:`PendingPut` per queued put, a :class:`Touch` per
-key read since the last commit; typed results: a :class:`WriteResult` with a
-:class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
+Typed operations: a :class:`PendingPut` per queued put, a
+:class:`~ecstore.lmdb.batch.Touch` per key read since the last commit; typed
+results: a :class:`WriteResult` with a :class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
 the store reads the writer's counters (``write_errors``, queue sizes) and
 takes its errors at ``flush``.
 
@@ -35,14 +35,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 import torch
 
 from ecstore.errors import ECStoreError, StoreFullError
 from ecstore.format import codec
 from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.lmdb.batch import Touch
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
@@ -78,24 +78,6 @@ class PendingPut:
     mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
     since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
     prefault: bool = False
-
-
-class Touch(NamedTuple):
-    """The LRU update of one key made by reads not yet written: the
-    identifier read, the hits to add, the newest read time (ns since the
-    epoch), and ``orders``: the tickets of the reads between two puts, so the
-    LMDB tier replays reads and puts in the order they were made (see
-    :meth:`LMDBTier.write_batch`). ``since``: a ticket no later than the
-    oldest read counted in ``hits`` (what :meth:`Writer.drain` waits for).
-    ``counts``: the reads behind each of ``orders`` (reads with no put
-    between them share one order), so that a split keeps each part's hits."""
-
-    identifier: str
-    hits: int
-    last_access_ns: int
-    orders: tuple[int, ...]
-    since: int = 0
-    counts: tuple[int, ...] = ()
 
 
 class PutOutcome(enum.Enum):
@@ -153,9 +135,9 @@ class Writer(threading.Thread):
         self.cv = threading.Condition()
         self.queue: OrderedDict[str, PendingPut] = OrderedDict()  # key -> not yet written
         self.inflight: dict[str, PendingPut] = {}  # key -> being written now
-        # key -> (identifier, hits, last_access_ns, orders): ``orders`` holds the
+        # key -> the reads of it not yet written (see Touch: ``orders`` holds the
         # ticket of the last read of the key between two consecutive puts, so
-        # the LMDB tier can replay reads and puts in the order they were made.
+        # the LMDB tier can replay reads and puts in the order they were made)
         self.touches: dict[str, Touch] = {}
         self.ticket = 0  # orders puts and touches as they were made
         self.last_put_ticket = 0
@@ -276,10 +258,10 @@ class Writer(threading.Thread):
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
             self.ticket += 1
-            held, hits, _, orders, since, counts = self.touches.get(
-                key, Touch(identifier, 0, 0, (), self.ticket, ()))
-            if held != identifier:  # the key changed hands (delete + put of another identifier)
-                hits, orders, since, counts = 0, (), self.ticket, ()
+            held = self.touches.get(key)
+            if held is None or held.identifier != identifier:  # none, or the key changed hands
+                held = Touch(identifier, 0, 0, (), self.ticket, ())  # (delete + put of another identifier)
+            hits, orders, since, counts = held.hits, held.orders, held.since, held.counts
             if orders and orders[-1] > self.last_put_ticket:
                 # No put since: only the latest read's position matters.
                 orders = orders[:-1] + (self.ticket,)
@@ -336,7 +318,7 @@ class Writer(threading.Thread):
                 del self.queue[key]
                 self.queued_bytes -= item.nbytes
             touch = self.touches.get(key)
-            if touch is not None and touch[0] == identifier:
+            if touch is not None and touch.identifier == identifier:
                 del self.touches[key]
             while key in self.inflight:
                 self.cv.wait()
@@ -390,22 +372,22 @@ class Writer(threading.Thread):
         cutoff = next(iter(self.queue.values())).order
         now: dict[str, Touch] = {}
         later: dict[str, Touch] = {}
-        for key, (identifier, hits, last_ns, orders, since, counts) in self.touches.items():
-            early = tuple(o for o in orders if o < cutoff)
-            late = orders[len(early):]
+        for key, t in self.touches.items():
+            early = tuple(o for o in t.orders if o < cutoff)
+            late = t.orders[len(early):]
             if not late:
-                now[key] = Touch(identifier, hits, last_ns, orders, since, counts)
+                now[key] = t
                 continue
             # Each part with its own reads' hits (reads sharing an order have no
             # put between them, so none straddles the cutoff). The reads kept
             # for later were all made after the put at ``cutoff``: that ticket
             # bounds them from below, so a drain that began before that put
             # does not wait for them, and one after it does.
-            late_hits = sum(counts[len(early):])
+            late_hits = sum(t.counts[len(early):])
             if early:
-                now[key] = Touch(identifier, hits - late_hits, last_ns, early, since, counts[:len(early)])
-            later[key] = Touch(identifier, late_hits, last_ns, late, cutoff if early else since,
-                               counts[len(early):])
+                now[key] = replace(t, hits=t.hits - late_hits, orders=early, counts=t.counts[:len(early)])
+            later[key] = replace(t, hits=late_hits, orders=late, since=cutoff if early else t.since,
+                                 counts=t.counts[len(early):])
         return now, later
 
     def stop(self) -> None:
