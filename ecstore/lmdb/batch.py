@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ecstore.format import codec
+from ecstore.format.put import PutOutcome
 from ecstore.lmdb.blobfiles import FileRef
 
 
@@ -24,7 +25,7 @@ class PutRequest:
     model: str
     tensor: torch.Tensor  # contiguous, CPU
     blob: codec.Blob | None = None
-    result: str = "pending"  # "stored" | "present" | "collision" | "failed"
+    outcome: PutOutcome = PutOutcome.PENDING  # set by write_batch (never PENDING once it returned or raised)
     error: BaseException | None = None
     #: Position of this put among the puts and touches of a batch (see
     #: :meth:`LMDBTier.write_batch`; the writer's ticket); equal orders keep
@@ -33,7 +34,7 @@ class PutRequest:
     #: The file holding the blob, once written (blobs of at least the tier's
     #: ``file_blobs_from`` bytes); None: the blob goes into LMDB itself.
     ref: FileRef | None = None
-    #: Result "present": the blob file of the entry already stored (None: an
+    #: Outcome PRESENT: the blob file of the entry already stored (None: an
     #: inline blob). Another handle may have committed it with
     #: ``sync_files=False`` and not synced it yet: a caller that vouches for
     #: this put's durability syncs that file too (``LMDBTier.sync_files``).

@@ -24,6 +24,7 @@ from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
 from ecstore.format import codec
 from ecstore.format.codec import Record
+from ecstore.format.put import PutOutcome
 from ecstore.lmdb.batch import PutOp, PutRequest, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
@@ -223,18 +224,18 @@ class LMDBTier(TierReads):
             if p.blob is None:
                 p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model, pool=POOL)
             if len(p.blob) > self.capacity_bytes:
-                p.result, p.error = "failed", StoreFullError(
+                p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
                     f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
             elif not self._in_file(p) and len(p.blob) > self._map_room():  # would evict everything, then fail
-                p.result, p.error = "failed", StoreFullError(
+                p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
                     f"entry of {len(p.blob)} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
-        todo = [p for p in puts if p.result == "pending"]
+        todo = [p for p in puts if p.outcome is PutOutcome.PENDING]
         try:
             self._write_files(todo, sync=sync_files)
             self._write_batch(todo, touches)
         finally:  # files of puts that were not stored (present, full, failed) are nobody's
-            self.files.discard([p.ref.name for p in todo if p.ref is not None and p.result != "stored"])
+            self.files.discard([p.ref.name for p in todo if p.ref is not None and p.outcome is not PutOutcome.STORED])
 
     def _in_file(self, p: PutRequest) -> bool:
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
@@ -261,7 +262,7 @@ class LMDBTier(TierReads):
                 self.files.sync_store_dir()
         except ECStoreError as e:
             for p in todo:
-                p.result, p.error = "failed", e
+                p.outcome, p.error = PutOutcome.FAILED, e
             raise
 
     def _write_batch(self, todo: list[PutRequest], touches: dict[str, Touch]) -> None:
@@ -282,7 +283,7 @@ class LMDBTier(TierReads):
                 return
             except SchemaError as e:
                 for p in todo:
-                    p.result, p.error = "failed", e
+                    p.outcome, p.error = PutOutcome.FAILED, e
                 raise
             except lmdb.MapFullError:
                 try:
@@ -291,7 +292,7 @@ class LMDBTier(TierReads):
                 except lmdb.Error as e:  # the eviction or empty commit: a damaged page, EIO...
                     err_open = lmdb_store_error(self.path, e)
                     for p in todo:
-                        p.result, p.error = "failed", err_open
+                        p.outcome, p.error = PutOutcome.FAILED, err_open
                     raise err_open from e
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
@@ -300,11 +301,11 @@ class LMDBTier(TierReads):
                 if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
                     err = StoreFullError(f"disk full while writing to {self.path}: {e}{hint}")
                 for p in todo:
-                    p.result, p.error = "failed", err
+                    p.outcome, p.error = PutOutcome.FAILED, err
                 raise err from None
         err = StoreFullError(f"LMDB map of {self.path} is full and nothing more can be evicted")
         for p in todo:
-            p.result, p.error = "failed", err
+            p.outcome, p.error = PutOutcome.FAILED, err
         raise err
 
     def _map_room(self) -> int:
@@ -316,8 +317,9 @@ class LMDBTier(TierReads):
         """One attempt at a batch: one :class:`~ecstore.lmdb.txn.WriteTxn`;
         sets the results only once it committed."""
         now = time.time_ns()
-        results: list[str] = ["pending"] * len(todo)
+        results: list[PutOutcome] = [PutOutcome.PENDING] * len(todo)
         present_files: list[str | None] = [None] * len(todo)
+        no_room: set[int] = set()  # puts with no room left: every other entry is pinned
         with self._writing() as w:
             for op in in_call_order(todo, touches):
                 if not isinstance(op, PutOp):
@@ -327,25 +329,25 @@ class LMDBTier(TierReads):
                 k = self._k(p.key)
                 held = w.identifier_of(k)  # a damaged entry under this key is dropped: replaced
                 if held is not None:
-                    results[op.index] = "present" if held == p.identifier else "collision"
+                    results[op.index] = PutOutcome.PRESENT if held == p.identifier else PutOutcome.COLLISION
                     if held == p.identifier:
                         present_files[op.index] = w.file_of(k)
                     continue
                 blob = p.encoded
                 if not w.make_room(len(blob), self.capacity_bytes):
-                    results[op.index] = "full"
+                    results[op.index] = PutOutcome.FAILED
+                    no_room.add(op.index)
                     continue
                 w.insert(k, blob, Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."),
                                          tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
                                          codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
-                results[op.index] = "stored"
-        for p, r, present in zip(todo, results, present_files):
+                results[op.index] = PutOutcome.STORED
+        for i, (p, r, present) in enumerate(zip(todo, results, present_files)):
             p.present_file = present
-            if r == "full":
-                p.result, p.error = "failed", StoreFullError(
+            p.outcome = r
+            if i in no_room:
+                p.error = StoreFullError(
                     f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
-            else:
-                p.result = r
 
     @_lmdb_errors_as_store_errors
     def register_namespace(self, namespace: str, description: bytes) -> None:

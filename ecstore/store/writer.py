@@ -5,9 +5,10 @@
 
 Typed operations: a :class:`PendingPut` per queued put, a
 :class:`~ecstore.lmdb.batch.Touch` per key read since the last commit; typed
-results: a :class:`WriteResult` with a :class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
-the store reads the writer's counters (``write_errors``, queue sizes) and
-takes its errors at ``flush``.
+results: a :class:`WriteResult` with a :class:`~ecstore.format.put.PutOutcome`
+per put. The writer holds the LMDB tier, never the store: the store reads the
+writer's counters (``write_errors``, queue sizes) and takes its errors at
+``flush``.
 
 Tickets: every put and every read (touch) takes the next number of one
 counter (``ticket``). :meth:`Writer.drain` (``wait_committed``) waits until
@@ -30,7 +31,6 @@ before the thread exits.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -41,6 +41,7 @@ import torch
 
 from ecstore.errors import ECStoreError, StoreFullError
 from ecstore.format import codec
+from ecstore.format.put import PutOutcome
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.lmdb.batch import Touch
 from ecstore.pool import POOL
@@ -78,15 +79,6 @@ class PendingPut:
     mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
     since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
     prefault: bool = False
-
-
-class PutOutcome(enum.Enum):
-    """What became of one put (:class:`WriteResult`)."""
-
-    STORED = "stored"
-    PRESENT = "present"  # the same identifier was already stored
-    COLLISION = "collision"  # the key holds another identifier (64-bit hash collision)
-    FAILED = "failed"  # not stored: see the error (disk or map full, pinned store...)
 
 
 @dataclass(frozen=True)
@@ -532,10 +524,10 @@ class Writer(threading.Thread):
         except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
         for (key, it), r in zip(batch, reqs):
-            outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
+            outcome = PutOutcome.FAILED if r.outcome is PutOutcome.PENDING else r.outcome
             self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
-        names = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
-        names += [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
+        names = [r.ref.name for r in reqs if r.ref is not None and r.outcome is PutOutcome.STORED]
+        names += [r.present_file for r in reqs if r.outcome is PutOutcome.PRESENT and r.present_file is not None]
         for key, (identifier, _) in (vouches or {}).items():
             try:
                 name = self.disk.file_of(key, identifier)

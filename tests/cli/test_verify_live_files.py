@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from ecstore.format.put import PutOutcome
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.maintenance import inspect
 from ecstore.maintenance.entries import read_entry
@@ -41,7 +42,7 @@ class Interleaved(LMDBTier):
 def _put(tier: LMDBTier, key: str, name: str, seed: int) -> None:
     p = PutRequest(key, name, "org/model", tensor(seed, rows=64, cols=64))
     tier.write_batch([p])
-    assert p.result == "stored", p.error
+    assert p.outcome is PutOutcome.STORED, p.error
 
 
 @pytest.fixture

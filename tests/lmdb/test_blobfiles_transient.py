@@ -9,6 +9,7 @@ import resource
 
 import torch
 
+from ecstore.format.put import PutOutcome
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing.tier_contract import KEY_A, NAME_A, tensor
 
@@ -21,7 +22,7 @@ def test_too_many_open_files_is_a_miss_that_keeps_the_entry(tmp_path):
         t = tensor(1, rows=64, cols=64)
         p = PutRequest(KEY_A, NAME_A, "org/model", t)
         tier.write_batch([p])
-        assert p.result == "stored"
+        assert p.outcome is PutOutcome.STORED
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         lowest = os.open(os.devnull, os.O_RDONLY)
         os.close(lowest)

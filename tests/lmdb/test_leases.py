@@ -18,6 +18,7 @@ import lmdb
 import pytest
 import torch
 
+from ecstore.format.put import PutOutcome
 from ecstore.key import make_key
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.testing import faults as fc
@@ -68,7 +69,7 @@ def test_aborted_eviction_never_clears_another_processes_tombstone(tmp_path: Pat
         for i in range(2):
             req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
             a.write_batch([req])
-            assert req.result == "stored"
+            assert req.outcome is PutOutcome.STORED
         evictor = subprocess.Popen([sys.executable, str(HELPERS / "paused_evictor.py"), path, str(CAP)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         _expect(evictor, "ready")
@@ -121,7 +122,7 @@ def test_lease_taken_while_expired_rows_are_collected_survives(tmp_path: Path,
         for i in range(2):
             req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
             a.write_batch([req])
-            assert req.result == "stored"
+            assert req.outcome is PutOutcome.STORED
         a.lease([key(0)], 0)  # expired at once: its row is collected by the next leased_keys
         a.lease([key(1)], 60)  # a live lease (read after key(0)'s row: keys in byte order)
         assert key(0).encode() < key(1).encode()
@@ -224,7 +225,7 @@ def _two_entries_first_pinned(path: str) -> LMDBTier:
     for i in range(2):
         req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
         a.write_batch([req])
-        assert req.result == "stored"
+        assert req.outcome is PutOutcome.STORED
     assert a.pin_if_present(key(0), name(0), 600)
     return a
 
@@ -335,7 +336,7 @@ def test_a_lease_file_error_clearing_tombstones_never_undoes_a_committed_put(tmp
         for i in range(3):  # ~4 MiB each: the third put fills the cap
             req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4096))
             a.write_batch([req])
-            assert req.result == "stored"
+            assert req.outcome is PutOutcome.STORED
         table = a._leases
         assert table is not None
         real_clear = table.clear_tombstones
@@ -351,7 +352,7 @@ def test_a_lease_file_error_clearing_tombstones_never_undoes_a_committed_put(tmp
         req = PutRequest(key(3), name(3), fc.MODEL, fc.entry_tensor(3, 4096))
         a.write_batch([req])  # evicts key(0): tombstone written, data committed, clearing fails
         assert failed, "the put evicted nothing: the test's sizes no longer reach the cap"
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
         got = a.get(key(3), name(3))
         assert got is not None and torch.equal(got.view(torch.int16), fc.entry_tensor(3, 4096).view(torch.int16))
         assert not a.contains(key(0), name(0))

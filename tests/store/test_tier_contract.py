@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ecstore.format.put import PutOutcome
 from ecstore.lmdb import LMDBTier, PutRequest
 from ecstore.memory import MemoryTier
 from ecstore.testing.faults import corrupt_entry
@@ -35,7 +36,7 @@ class TestLMDBTier(DamageTests):
     def insert(self, tier: LMDBTier, key: str, identifier: str, t: torch.Tensor) -> None:
         req = PutRequest(key, identifier, "org/model", t)
         tier.write_batch([req])
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
 
     @pytest.mark.parametrize("part", ["record", "blob"])
     def test_damaged_record_or_blob_is_a_miss_and_dropped(self, tier: LMDBTier, part: str) -> None:
