@@ -1,5 +1,5 @@
 """The records of a write batch (:meth:`ecstore.lmdb.tier.LMDBTier.write_batch`):
-:class:`PutRequest` (one entry to store, and its result), :class:`Touch` (the
+:class:`BatchPut` (one put to store, and its result), :class:`Touch` (the
 LRU update of one key) and the order in which a batch's puts and touches are
 applied (:func:`in_call_order`).
 Plain data; no I/O; thread-safe as long as one batch is used by one thread.
@@ -9,28 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ecstore.format import codec
-from ecstore.format.put import PutOutcome
+from ecstore.format.put import PendingPut, PutOutcome
 from ecstore.lmdb.blobfiles import FileRef
 
 
 @dataclass
-class PutRequest:
-    """One entry for :meth:`LMDBTier.write_batch <ecstore.lmdb.tier.LMDBTier.write_batch>`."""
+class BatchPut:
+    """One put of a :meth:`LMDBTier.write_batch <ecstore.lmdb.tier.LMDBTier.write_batch>`:
+    the queued ``put`` (its ``ticket`` is its position among the batch's puts
+    and touches, see :func:`in_call_order`), the ``model`` its blob header
+    names when the tier encodes it, and what became of it, set by the tier."""
 
-    key: str
-    identifier: str
+    put: PendingPut
     model: str
-    tensor: torch.Tensor  # contiguous, CPU
-    blob: codec.Blob | None = None
     outcome: PutOutcome = PutOutcome.PENDING  # set by write_batch (never PENDING once it returned or raised)
     error: BaseException | None = None
-    #: Position of this put among the puts and touches of a batch (see
-    #: :meth:`LMDBTier.write_batch`; the writer's ticket); equal orders keep
-    #: their list order.
-    order: int = 0
     #: The file holding the blob, once written (blobs of at least the tier's
     #: ``file_blobs_from`` bytes); None: the blob goes into LMDB itself.
     ref: FileRef | None = None
@@ -42,10 +36,10 @@ class PutRequest:
 
     @property
     def encoded(self) -> codec.Blob:
-        """``blob``, once :meth:`LMDBTier.write_batch` has set it (it encodes
-        every request without one before anything else)."""
-        assert self.blob is not None, "PutRequest.blob is set by write_batch before it is used"
-        return self.blob
+        """``put.blob``, once :meth:`LMDBTier.write_batch` has set it (it
+        encodes every put without one before anything else)."""
+        assert self.put.blob is not None, "BatchPut.put.blob is set by write_batch before it is used"
+        return self.put.blob
 
 
 @dataclass(frozen=True)
@@ -88,15 +82,15 @@ class TouchOp:
 BatchOp = PutOp | TouchOp
 
 
-def in_call_order(todo: list[PutRequest], touches: dict[str, Touch]) -> list[BatchOp]:
+def in_call_order(todo: list[BatchPut], touches: dict[str, Touch]) -> list[BatchOp]:
     """The batch's operations in the order they were made: puts and touches
-    interleaved by their positions (each put's ``order``, each touch's
+    interleaved by their positions (each put's ticket, each touch's
     ``orders``: the positions at which the key was read), so an entry read
     before a put is already most recently used when that put evicts; a key
     read at several positions gets one touch per position, its hits counted
     on the last. Operations at one position keep their list order (puts
     first)."""
-    ops: list[tuple[int, BatchOp]] = [(p.order, PutOp(i)) for i, p in enumerate(todo)]
+    ops: list[tuple[int, BatchOp]] = [(p.put.ticket, PutOp(i)) for i, p in enumerate(todo)]
     for key, t in touches.items():
         assert t.orders, f"touch of {key} without the position of its reads"
         orders = sorted(t.orders)

@@ -25,7 +25,7 @@ from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFu
 from ecstore.format import codec
 from ecstore.format.codec import Record
 from ecstore.format.put import PutOutcome
-from ecstore.lmdb.batch import PutOp, PutRequest, Touch, in_call_order
+from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
@@ -191,7 +191,7 @@ class LMDBTier(TierReads):
             return w.evict_to(target_bytes, extra)
 
     @_lmdb_errors_as_store_errors
-    def write_batch(self, puts: list[PutRequest], touches: dict[str, Touch] | None = None, *,
+    def write_batch(self, puts: list[BatchPut], touches: dict[str, Touch] | None = None, *,
                     sync_files: bool = True) -> None:
         """Store ``puts`` and apply ``touches`` (key -> :class:`~ecstore.lmdb.batch.Touch`)
         in one transaction, evicting LRU entries to
@@ -204,7 +204,7 @@ class LMDBTier(TierReads):
         error, e.g. a damaged page met by the eviction a full map makes.
 
         Order: puts and touches are applied in the order of each put's
-        ``order`` and each touch's ``orders`` (the positions at which the key
+        ticket and each touch's ``orders`` (the positions at which the key
         was read), so an entry read before a put is already most recently
         used when that put evicts (:func:`~ecstore.lmdb.batch.in_call_order`).
 
@@ -221,14 +221,14 @@ class LMDBTier(TierReads):
         self._check()
         touches = touches or {}
         for p in puts:
-            if p.blob is None:
-                p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model, pool=POOL)
-            if len(p.blob) > self.capacity_bytes:
+            if p.put.blob is None:
+                p.put.blob = codec.encode(p.put.tensor, identifier=p.put.identifier, model=p.model, pool=POOL)
+            if len(p.put.blob) > self.capacity_bytes:
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
-                    f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
-            elif not self._in_file(p) and len(p.blob) > self._map_room():  # would evict everything, then fail
+                    f"entry of {len(p.put.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
+            elif not self._in_file(p) and len(p.put.blob) > self._map_room():  # would evict everything, then fail
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
-                    f"entry of {len(p.blob)} bytes can never fit in the LMDB map of {self.path} "
+                    f"entry of {len(p.put.blob)} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.outcome is PutOutcome.PENDING]
         try:
@@ -237,11 +237,11 @@ class LMDBTier(TierReads):
         finally:  # files of puts that were not stored (present, full, failed) are nobody's
             self.files.discard([p.ref.name for p in todo if p.ref is not None and p.outcome is not PutOutcome.STORED])
 
-    def _in_file(self, p: PutRequest) -> bool:
+    def _in_file(self, p: BatchPut) -> bool:
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
         return self.file_blobs_from is not None and len(p.encoded) >= self.file_blobs_from
 
-    def _write_files(self, todo: list[PutRequest], sync: bool = True) -> None:
+    def _write_files(self, todo: list[BatchPut], sync: bool = True) -> None:
         """Write the blobs that go to files, then (``sync``) make them durable
         together (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
         before the transaction that references them: a committed entry's
@@ -265,7 +265,7 @@ class LMDBTier(TierReads):
                 p.outcome, p.error = PutOutcome.FAILED, e
             raise
 
-    def _write_batch(self, todo: list[PutRequest], touches: dict[str, Touch]) -> None:
+    def _write_batch(self, todo: list[BatchPut], touches: dict[str, Touch]) -> None:
         """:meth:`write_batch` once the blob files are written: the
         transaction, retried while the map is full."""
         extra = 0
@@ -313,7 +313,7 @@ class LMDBTier(TierReads):
         pages and some B-tree pages)."""
         return self.env.info()["map_size"] - 64 * self.env.stat()["psize"]
 
-    def _write_once(self, todo: list[PutRequest], touches: dict[str, Touch]) -> None:
+    def _write_once(self, todo: list[BatchPut], touches: dict[str, Touch]) -> None:
         """One attempt at a batch: one :class:`~ecstore.lmdb.txn.WriteTxn`;
         sets the results only once it committed."""
         now = time.time_ns()
@@ -326,11 +326,11 @@ class LMDBTier(TierReads):
                     w.touch(self._k(op.key), op.identifier, op.hits, op.last_ns)
                     continue
                 p = todo[op.index]
-                k = self._k(p.key)
+                k = self._k(p.put.key)
                 held = w.identifier_of(k)  # a damaged entry under this key is dropped: replaced
                 if held is not None:
-                    results[op.index] = PutOutcome.PRESENT if held == p.identifier else PutOutcome.COLLISION
-                    if held == p.identifier:
+                    results[op.index] = PutOutcome.PRESENT if held == p.put.identifier else PutOutcome.COLLISION
+                    if held == p.put.identifier:
                         present_files[op.index] = w.file_of(k)
                     continue
                 blob = p.encoded
@@ -338,8 +338,8 @@ class LMDBTier(TierReads):
                     results[op.index] = PutOutcome.FAILED
                     no_room.add(op.index)
                     continue
-                w.insert(k, blob, Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."),
-                                         tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
+                w.insert(k, blob, Record(p.put.identifier, str(p.put.tensor.dtype).removeprefix("torch."),
+                                         tuple(p.put.tensor.shape), codec.tensor_nbytes(p.put.tensor), len(blob),
                                          codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
                 results[op.index] = PutOutcome.STORED
         for i, (p, r, present) in enumerate(zip(todo, results, present_files)):

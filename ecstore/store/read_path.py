@@ -19,8 +19,8 @@ import torch
 
 from ecstore.errors import CorruptEntryError
 from ecstore.format import codec
+from ecstore.format.put import PendingPut
 from ecstore.store.stats import HitTier
-from ecstore.store.writer import PendingPut
 
 if TYPE_CHECKING:
     from ecstore.lmdb import LMDBTier
@@ -127,12 +127,12 @@ class ReadPath:
             held = self.memory.put(key, name, t, nbytes)
         if self.writer is not None and self.disk is not None and len(blob) <= self.disk.capacity_bytes \
                 and self.identifier_at(key) in (None, name):
-            item = PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
+            item = PendingPut(key, name, t, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
             if wait_for_room:
-                self.writer.submit(key, item)
+                self.writer.submit(item)
                 held = True
             else:
-                held = self.writer.offer(key, item) or held
+                held = self.writer.offer(item) or held
         return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:

@@ -3,10 +3,11 @@
     ECStore.put --> Writer.submit --> queue ----> writer thread --> LMDBTier.write_batch
     ECStore.get --> Writer.touch  --> touches --/   (one transaction per batch)
 
-Typed operations: a :class:`PendingPut` per queued put, a
-:class:`~ecstore.lmdb.batch.Touch` per key read since the last commit; typed
-results: a :class:`WriteResult` with a :class:`~ecstore.format.put.PutOutcome`
-per put. The writer holds the LMDB tier, never the store: the store reads the
+Typed operations: a :class:`~ecstore.format.put.PendingPut` per queued put
+(the record every write queue uses), a :class:`~ecstore.lmdb.batch.Touch` per
+key read since the last commit; typed results: the LMDB tier's
+:class:`~ecstore.lmdb.batch.BatchPut` with a
+:class:`~ecstore.format.put.PutOutcome` per put. The writer holds the LMDB tier, never the store: the store reads the
 writer's counters (``write_errors``, queue sizes) and takes its errors at
 ``flush``.
 
@@ -35,14 +36,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from ecstore.errors import ECStoreError, StoreFullError
-from ecstore.format import codec
-from ecstore.format.put import PutOutcome
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.lmdb.batch import Touch
 from ecstore.pool import POOL
 
@@ -59,38 +59,6 @@ TOUCH_DELAY_S = 1.0
 #: load does not run beside the commit the previous step asked for (measured:
 #: 1 MB connector loads back to back 190 -> 90 µs).
 TOUCH_SOON_GAP_S = 0.2
-
-
-@dataclass
-class PendingPut:
-    """A put waiting for (or in) an LMDB commit. ``nbytes``: the tensor's data
-    bytes (what back-pressure counts); ``blob``: the safetensors blob when
-    ``put`` already encoded it (None: the writer encodes ``tensor``);
-    ``prefault``: the blob is a slab of :data:`~ecstore.pool.POOL`, and the
-    writer thread asks the pool for a spare slab of its size (for the next
-    save of that size) when it takes the put, instead of the caller's
-    thread paying for that hand-off."""
-
-    identifier: str
-    tensor: torch.Tensor
-    nbytes: int
-    blob: codec.Blob | None = None
-    order: int = 0  # position among this handle's puts and touches (writer ticket)
-    mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
-    since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
-    prefault: bool = False
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    """The outcome of one put the writer committed (or failed to)."""
-
-    key: str
-    identifier: str
-    nbytes: int
-    outcome: PutOutcome
-    error: BaseException | None = None
-    mm_hash: str = ""  # the caller's identifier (``identifier``: the stored name)
 
 
 class Writer(threading.Thread):
@@ -154,8 +122,8 @@ class Writer(threading.Thread):
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
         self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
-    def submit(self, key: str, item: PendingPut) -> None:
-        """Queue ``item`` under ``key``; blocks while the bytes not yet
+    def submit(self, item: PendingPut) -> None:
+        """Queue ``item`` (under ``item.key``); blocks while the bytes not yet
         written (queued, and the batch being written) plus ``item.nbytes``
         would exceed ``max_bytes`` (back-pressure; an item larger than
         ``max_bytes`` waits until nothing else is pending), and while an
@@ -163,6 +131,7 @@ class Writer(threading.Thread):
         ECStoreError "store is closed" once :meth:`stop` began (the thread
         might not write it any more): a put that returns was queued before,
         and the thread writes it."""
+        key = item.key
         with self.cv:
             # First come, first admitted: a put waiting for room holds back
             # every later one, even one that would fit (else a steady stream
@@ -182,7 +151,7 @@ class Writer(threading.Thread):
             if self.stopping:
                 raise ECStoreError("store is closed")
             self.ticket += 1
-            item.order = item.since = self.last_put_ticket = self.ticket
+            item.ticket = item.since = self.last_put_ticket = self.ticket
             replaced = self.queue.pop(key, None)  # re-queued at the end: queue order is ``order``
             if replaced is not None:  # two puts of one key passed the presence check at once
                 self.queued_bytes -= replaced.nbytes
@@ -191,21 +160,22 @@ class Writer(threading.Thread):
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
 
-    def offer(self, key: str, item: PendingPut) -> bool:
-        """Queue ``item`` under ``key`` if that needs no wait: nothing is in
+    def offer(self, item: PendingPut) -> bool:
+        """Queue ``item`` (under ``item.key``) if that needs no wait: nothing is in
         line in :meth:`submit` and the bytes not yet written leave room for
         it (as :meth:`submit` would admit it at once); else, or once
         :meth:`stop` began, refuse it (False; counted in :attr:`offers_refused`).
         Never blocks beyond ``cv``: for writes a caller may skip (a remote
         hit's promotion into LMDB), which must not wait for another
         process's write lock behind a full queue."""
+        key = item.key
         with self.cv:
             if self.stopping or self.in_line or key in self.queue or (
                     self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes):
                 self.offers_refused += 1
                 return False
             self.ticket += 1
-            item.order = item.since = self.last_put_ticket = self.ticket
+            item.ticket = item.since = self.last_put_ticket = self.ticket
             self.queue[key] = item
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
@@ -361,7 +331,7 @@ class Writer(threading.Thread):
         later batch, reads made after them wait for that batch too."""
         if not self.queue:
             return self.touches, {}
-        cutoff = next(iter(self.queue.values())).order
+        cutoff = next(iter(self.queue.values())).ticket
         now: dict[str, Touch] = {}
         later: dict[str, Touch] = {}
         for key, t in self.touches.items():
@@ -436,11 +406,11 @@ class Writer(threading.Thread):
                 if self.stopping and not (self.queue or self.touches or self.vouches):
                     self.cv.notify_all()
                     return
-                batch: list[tuple[str, PendingPut]] = []
+                batch: list[PendingPut] = []
                 size = 0
                 while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
                     key, item = self.queue.popitem(last=False)
-                    batch.append((key, item))
+                    batch.append(item)
                     size += item.nbytes
                     self.inflight[key] = item
                 touches, self.touches = self._split_touches()
@@ -452,7 +422,7 @@ class Writer(threading.Thread):
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             try:
-                for _, item in batch:
+                for item in batch:
                     if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
                         t = item.tensor
                         POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
@@ -466,12 +436,12 @@ class Writer(threading.Thread):
                 self.add_error(e)
             finally:
                 with self.cv:  # committed: visible to every process (wait_committed returns)
-                    for key, item in batch:
-                        self.inflight.pop(key, None)
+                    for item in batch:
+                        self.inflight.pop(item.key, None)
                         self.queued_bytes -= item.nbytes
                     self.busy = False
                     self.busy_since = None
-                    self.syncing_since = min([item.since for _, item in batch]
+                    self.syncing_since = min([item.since for item in batch]
                                              + ([] if vouched_since is None else [vouched_since])) if to_sync else None
                     self.progress += 1
                     self.cv.notify_all()
@@ -500,7 +470,7 @@ class Writer(threading.Thread):
                 self.progress += 1
                 self.cv.notify_all()
 
-    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch],
+    def _write(self, batch: list[PendingPut], touches: dict[str, Touch],
                vouches: dict[str, tuple[str, int]] | None = None) -> list[str]:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
         returns the blob files still to be synced: those of the stored puts,
@@ -516,16 +486,14 @@ class Writer(threading.Thread):
             except ECStoreError as e:
                 log.warning("ecstore: could not record the encoder identity of namespace %s: %s",
                             namespace[0], e)
-        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
-                for key, it in batch]
+        reqs = [BatchPut(it, self.model) for it in batch]
         try:
             if reqs or touches:  # not for vouches alone: a commit of nothing still costs an fsync
                 self.disk.write_batch(reqs, dict(touches), sync_files=False)
         except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
-        for (key, it), r in zip(batch, reqs):
-            outcome = PutOutcome.FAILED if r.outcome is PutOutcome.PENDING else r.outcome
-            self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
+        for r in reqs:
+            self._report(r)
         names = [r.ref.name for r in reqs if r.ref is not None and r.outcome is PutOutcome.STORED]
         names += [r.present_file for r in reqs if r.outcome is PutOutcome.PRESENT and r.present_file is not None]
         for key, (identifier, _) in (vouches or {}).items():
@@ -541,14 +509,19 @@ class Writer(threading.Thread):
                 names.append(name)
         return list(dict.fromkeys(names))
 
-    def _report(self, res: WriteResult) -> None:
-        if res.outcome is PutOutcome.STORED:
-            log.info("EC put: stored %d bytes for mm_hash=%s", res.nbytes, res.mm_hash)
-        elif res.outcome is PutOutcome.COLLISION:
+    def _report(self, res: BatchPut) -> None:
+        """Log what became of one put of a batch (``EC put:`` lines) and
+        record a failure; a put the batch left PENDING (it raised before
+        reaching it) failed."""
+        put, mm_hash = res.put, res.put.mm_hash or res.put.identifier
+        outcome = PutOutcome.FAILED if res.outcome is PutOutcome.PENDING else res.outcome
+        if outcome is PutOutcome.STORED:
+            log.info("EC put: stored %d bytes for mm_hash=%s", put.nbytes, mm_hash)
+        elif outcome is PutOutcome.COLLISION:
             log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
-                        "(64-bit hash collision)", res.mm_hash, res.key)
-        elif res.outcome is PutOutcome.FAILED:
-            log.error("ecstore: could not store mm_hash=%s: %s", res.mm_hash, res.error)
+                        "(64-bit hash collision)", mm_hash, put.key)
+        elif outcome is PutOutcome.FAILED:
+            log.error("ecstore: could not store mm_hash=%s: %s", mm_hash, res.error)
             with self.cv:
                 self.write_errors += 1
                 self.errors.append(res.error or StoreFullError("write failed"))

@@ -27,9 +27,9 @@ from helpers.fault_fs import find_all as fc_find_all
 from helpers.tensors import assert_same
 
 from ecstore import StoreFullError
-from ecstore.format.put import PutOutcome
+from ecstore.format.put import PendingPut, PutOutcome
 from ecstore.key import make_key
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc
 
 MiB = 1 << 20
@@ -51,10 +51,10 @@ def name(idx: int) -> str:
     return f"{0:032x}/img-{idx}"
 
 
-def _put(tier: LMDBTier, idx: int, rows: int = ROWS) -> PutRequest:
+def _put(tier: LMDBTier, idx: int, rows: int = ROWS) -> BatchPut:
     """Put entry ``idx`` (``rows`` KiB: by default a ~2.5 MiB blob) through
     ``tier.write_batch``."""
-    req = PutRequest(key(idx), name(idx), fc.MODEL, fc.entry_tensor(idx, rows))
+    req = BatchPut(PendingPut(key(idx), name(idx), fc.entry_tensor(idx, rows)), fc.MODEL)
     tier.write_batch([req])
     return req
 
@@ -306,7 +306,7 @@ def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path:
         fh.write(b"\xff\x7f")
     a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
-        req = PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, ROWS))
+        req = BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, ROWS)), fc.MODEL)
         with pytest.raises(ECStoreError) as info:
             a.write_batch([req])  # the map holds one such blob: full, so it evicts
         assert isinstance(info.value, StoreOpenError) and "damaged" in str(info.value), info.value

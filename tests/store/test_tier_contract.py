@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ecstore.format.put import PutOutcome
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.memory import MemoryTier
 from ecstore.testing.faults import corrupt_entry
 from ecstore.testing.tier_contract import DamageTests, TierTests
@@ -34,7 +34,7 @@ class TestLMDBTier(DamageTests):
         tier.close()
 
     def insert(self, tier: LMDBTier, key: str, identifier: str, t: torch.Tensor) -> None:
-        req = PutRequest(key, identifier, "org/model", t)
+        req = BatchPut(PendingPut(key, identifier, t), "org/model")
         tier.write_batch([req])
         assert req.outcome is PutOutcome.STORED, req.error
 
