@@ -39,7 +39,7 @@ from ecstore.config.redact import mask_value, short_repr
 from ecstore.errors import ConfigError
 from ecstore.identity import check_namespace_pin
 from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, check_file_mode
-from ecstore.remote.url import mask_url, parse_remote_url
+from ecstore.remote.url import parse_remote_url
 
 EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
                           "remote_ttl_seconds", "max_remote_queue_size"})
@@ -357,14 +357,5 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
         value = getattr(cfg, key)
         if key == "file_mode":
             value = f"{value:04o}"
-        rows.append((key, _shown(key, value), cfg.source_of(key)))
+        rows.append((key, mask_value(key, value), cfg.source_of(key)))
     return rows
-
-
-def _shown(key: str, value: Any) -> Any:
-    """A value as it may be printed: passwords masked."""
-    if key == "remote_password" and value:
-        return "***"
-    if key == "remote_url" and value:
-        return mask_url(value)
-    return mask_value(key, value)

@@ -99,11 +99,11 @@ class SchedulerSide:
         # Remote-only entries of such items: fetched into the local store
         # (verified, then pinned like any local entry) off this thread.
         self._fetches = RemoteFetches(self.store, self._verified) if (
-            self.store is not None and self._verified is not None and self.store.remote is not None
-            and self.store.disk is not None) else None
+            self.store is not None and self._verified is not None and self.store.has_remote_tier
+            and self.store.has_disk_tier) else None
         self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
         self._foreign = ForeignNamespaces(self.store) if (
-            is_consumer and self.store is not None and self.store.disk is not None) else None
+            is_consumer and self.store is not None and self.store.has_disk_tier) else None
         # vLLM 0.33 with Model Runner V2: (req_id -> mm_feature indices) whose
         # processed inputs the worker released (encoder_input_updates), and
         # this step's loads of items with inputs (see _restore_inputs).
@@ -161,7 +161,7 @@ class SchedulerSide:
                     local = False
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
-        if not local and not busy and self.store is not None and self.store.remote is not None:
+        if not local and not busy and self.store is not None and self.store.has_remote_tier:
             try:
                 found = self.store.remote_contains(identifier)  # bounded; no remote failure raises
             except ECStoreError as e:  # an identifier no key can be made of (share_client_uuids)

@@ -25,9 +25,8 @@ from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import remote_deltas
 from ecstore.connector.vllm_identity import kept_out
 from ecstore.errors import ECStoreError
-from ecstore.format.codec import tensor_nbytes
-from ecstore.identity import EncoderIdentity, split_stored
-from ecstore.memory import MemoryItem
+from ecstore.format import tensor_nbytes
+from ecstore.identity import EncoderIdentity
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -61,8 +60,8 @@ class WorkerSide:
         self._lm_width = int(vllm_config.model_config.get_inputs_embeds_size())
         self.memory_only = cfg.local_disk is None
         self._limbo: dict[str, torch.Tensor] = {}  # memory-only: evicted, not yet acked
-        if self.memory_only and self.store.memory is not None:
-            self.store.memory.on_evict = self._on_evict
+        if self.memory_only:
+            self.store.on_memory_eviction(self._on_evict)
         self._saved: dict[str, int] = {}
         self._evicted: list[str] = []
         self._loaded: list[tuple[str, str]] = []  # (req_id, identifier)
@@ -88,14 +87,13 @@ class WorkerSide:
     def _count(self, key: str, value: float = 1) -> None:
         self._stats[key] = self._stats.get(key, 0) + value
 
-    def _on_evict(self, key: str, item: MemoryItem) -> None:
+    def _on_evict(self, identifier: str, tensor: torch.Tensor) -> None:
         # Called under the memory tier's lock: just park it. Only a consumer
         # can have a load of it announced; a producer's scheduler side never
         # acks (nor does vLLM deliver an encode-only instance's reports), so
         # parking there would keep every evicted tensor forever.
-        identifier = split_stored(item.identifier).identifier  # the tier holds stored names
         if self.is_consumer:
-            self._limbo[identifier] = item.tensor
+            self._limbo[identifier] = tensor
         self._evicted.append(identifier)
         self._count("evictions")
 
@@ -219,12 +217,7 @@ class WorkerSide:
         copy is dropped, so that a put stores it again instead of answering
         "already held". False without a disk tier (memory only). What counts
         for other processes is the shared file."""
-        key = self.store.key(identifier)
-        if self.store.disk is None or self.store.disk.contains(key, self.store.stored_name(identifier)):
-            return False
-        if self.store.memory is not None:
-            self.store.memory.delete(key)  # stale copy: put would skip it
-        return True
+        return self.store.forget_if_lost_from_disk(identifier)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self.is_producer:
@@ -294,8 +287,8 @@ class WorkerSide:
     def build_worker_meta(self) -> ECStoreWorkerMetadata | None:
         if self._uncommitted:
             self._commit_step_saves()
-        if self.store.disk is not None:
-            evictions = self.store.disk.evictions
+        if self.store.has_disk_tier:
+            evictions = self.store.disk_evictions()
             if evictions > self._disk_evictions_seen:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions

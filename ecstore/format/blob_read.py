@@ -31,7 +31,7 @@ from ecstore.format.blob_check import (
     parse_header,
     storable_dtype,
 )
-from ecstore.format.codec import _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
+from ecstore.format.codec import checksum, raw_bytes_view, tensor_nbytes, tensor_nbytes_of
 from ecstore.format.record import Record
 from ecstore.pool import POOL
 
@@ -49,7 +49,7 @@ def _destination(blob: Any, hdr: BlobHeader, size: int | None = None) -> tuple[t
     out = POOL.empty(hdr.shape, dt)
     if tensor_nbytes(out) != hdr.data_nbytes:
         raise CorruptEntryError("header sizes do not match the blob")
-    return out, _raw_bytes_view(out)
+    return out, raw_bytes_view(out)
 
 
 def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
@@ -177,7 +177,7 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
         raise CorruptEntryError("record's dtype and shape do not match its data bytes")
     head = bytearray(head_len)
     out = POOL.empty(rec.shape, dt)
-    mv = memoryview(_raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+    mv = memoryview(raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
     if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptEntryError
         split_read.read_exactly(fd, memoryview(head), 0)
         split_read.read_exactly(fd, mv, head_len)

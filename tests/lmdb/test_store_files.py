@@ -289,10 +289,10 @@ def test_schema_version_damaged_while_open_is_an_ecstore_error(tmp_path: Path, v
         tier = s.disk
         assert tier is not None
         with tier._write_txn() as txn:  # the damage, by a raw write
-            txn.put(b"schema_version", value, db=tier._meta)
+            txn.put(b"schema_version", value, db=tier._dbs.meta)
         def meta() -> dict[bytes, bytes]:
             with tier.snapshot() as (txn, dbs):
-                return {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs["meta"])}
+                return {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs.meta)}
 
         before = meta()
         with pytest.raises(ECStoreError, match="schema_version"):
@@ -300,7 +300,7 @@ def test_schema_version_damaged_while_open_is_an_ecstore_error(tmp_path: Path, v
         assert s.contains("img-0")
         assert meta() == before
         with tier._shared.write_lock, tier._begin(write=True) as txn:  # repaired: the handle works again
-            txn.put(b"schema_version", str(tier.schema_version).encode(), db=tier._meta)
+            txn.put(b"schema_version", str(tier.schema_version).encode(), db=tier._dbs.meta)
         assert s.delete("img-0")
 
 

@@ -37,26 +37,26 @@ def corrupt_record(tier: LMDBTier, key: str) -> None:
     """Make ``key``'s packed record unreadable: an unknown record version
     (the identifier stays readable, as after a flipped first byte)."""
     with tier._write_txn() as txn:
-        raw = txn.get(key.encode(), db=tier._entries)
+        raw = txn.get(key.encode(), db=tier._dbs.entries)
         assert raw is not None
-        txn.put(key.encode(), b"\x09" + bytes(raw)[1:], db=tier._entries)
+        txn.put(key.encode(), b"\x09" + bytes(raw)[1:], db=tier._dbs.entries)
 
 
 def delete_record_only(tier: LMDBTier, key: str) -> None:
     """Remove ``key``'s record and blob but leave its LRU row (and total_bytes
     as it was): the dangling state the old ``_remove`` left behind."""
     with tier._write_txn() as txn:
-        rec = codec.unpack_record(txn.get(key.encode(), db=tier._entries))
-        txn.delete(key.encode(), db=tier._entries)
-        txn.delete(key.encode(), db=tier._blobs)
-        total = _U64.unpack(txn.get(b"total_bytes", db=tier._meta))[0]
-        txn.put(b"total_bytes", _U64.pack(total - rec.blob_size), db=tier._meta)
-        assert txn.get(_SEQ.pack(rec.lru_seq), db=tier._lru) == key.encode()
+        rec = codec.unpack_record(txn.get(key.encode(), db=tier._dbs.entries))
+        txn.delete(key.encode(), db=tier._dbs.entries)
+        txn.delete(key.encode(), db=tier._dbs.blobs)
+        total = _U64.unpack(txn.get(b"total_bytes", db=tier._dbs.meta))[0]
+        txn.put(b"total_bytes", _U64.pack(total - rec.blob_size), db=tier._dbs.meta)
+        assert txn.get(_SEQ.pack(rec.lru_seq), db=tier._dbs.lru) == key.encode()
 
 
 def lru_rows(tier: LMDBTier) -> list[bytes]:
     with tier.snapshot() as (txn, dbs):
-        return [bytes(v) for _, v in txn.cursor(db=dbs["lru"])]
+        return [bytes(v) for _, v in txn.cursor(db=dbs.lru)]
 
 
 # ===========================================================================

@@ -121,7 +121,7 @@ class TestLMDBOnly(StoreContract):
             blob = bytearray(store.disk.blob_bytes(key))
             blob[-1] ^= 0xFF
             with store.disk.env.begin(write=True) as txn:
-                txn.put(key.encode(), bytes(blob), db=store.disk._blobs)
+                txn.put(key.encode(), bytes(blob), db=store.disk._dbs.blobs)
             assert store.get("c") is None
             assert not store.contains("c")
             st = store.stats()
