@@ -30,9 +30,9 @@ used across ``fork()`` (ForkedStoreError). The layout and the design notes
 (map size, readers, durability) are in docs/architecture.md.
 """
 
-from ecstore.lmdb.batch import PutRequest
+from ecstore.lmdb.batch import BatchPut
 from ecstore.lmdb.env import MiB, map_size_for
 from ecstore.lmdb.full import MAPFULL_PATIENCE_S, MAPFULL_STUCK_RETRIES
 from ecstore.lmdb.tier import LMDBTier
 
-__all__ = ["LMDBTier", "PutRequest", "map_size_for", "MiB", "MAPFULL_PATIENCE_S", "MAPFULL_STUCK_RETRIES"]
+__all__ = ["LMDBTier", "BatchPut", "map_size_for", "MiB", "MAPFULL_PATIENCE_S", "MAPFULL_STUCK_RETRIES"]

@@ -16,12 +16,12 @@ import torch
 
 from ecstore.errors import InvalidEntryError
 from ecstore.format import codec
+from ecstore.format.put import PendingPut
 from ecstore.key import dtype_name
 from ecstore.pool import POOL
 from ecstore.store.read_path import ReadPath
 from ecstore.store.stats import Counters
 from ecstore.store.tiers import Tiers
-from ecstore.store.writer import PendingPut
 
 log = logging.getLogger("ecstore")
 
@@ -91,7 +91,7 @@ class PutPath:
         # writer thread when it takes the put (off this thread), else here.
         prefault = blob is not None and self.pooled
         if writer is not None and fits_disk:
-            writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash, prefault=prefault))
+            writer.submit(PendingPut(key, name, cpu, blob=blob, mm_hash=mm_hash, prefault=prefault))
             prefault = False
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)

@@ -19,8 +19,8 @@ import torch
 
 from ecstore.errors import CorruptEntryError
 from ecstore.format import codec
+from ecstore.format.put import PendingPut
 from ecstore.store.stats import HitTier
-from ecstore.store.writer import PendingPut
 
 if TYPE_CHECKING:
     from ecstore.store.tiers import Tiers
@@ -119,12 +119,12 @@ class ReadPath:
             held = memory.put(key, name, t, nbytes)
         if writer is not None and disk is not None and len(blob) <= disk.capacity_bytes \
                 and self.identifier_at(key) in (None, name):
-            item = PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
+            item = PendingPut(key, name, t, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
             if wait_for_room:
-                writer.submit(key, item)
+                writer.submit(item)
                 held = True
             else:
-                held = writer.offer(key, item) or held
+                held = writer.offer(item) or held
         return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:

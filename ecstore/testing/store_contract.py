@@ -82,6 +82,19 @@ class StoreContract:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- helpers
+    @pytest.fixture(autouse=True)
+    def _ecstore_info_logs_to_caplog(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+        """Let INFO records of the ``ecstore`` logger reach ``caplog`` (the
+        ``EC put:`` line tests read them), whatever the caller's logging set-up."""
+        logger = logging.getLogger("ecstore")
+        old_level, old_propagate = logger.level, logger.propagate
+        logger.setLevel(logging.INFO)
+        logger.propagate = True
+        caplog.set_level(logging.INFO, logger="ecstore")
+        yield
+        logger.setLevel(old_level)
+        logger.propagate = old_propagate
+
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[ECStore]:
         s = self.make_store(tmp_path)

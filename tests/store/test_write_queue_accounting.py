@@ -18,7 +18,7 @@ def test_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
     """Two puts of one key both reach the writer queue (two threads passed
     the presence check at once); the second replaces the first, and
     ``queued_bytes`` must count it once and return to zero."""
-    from ecstore.store.writer import PendingPut
+    from ecstore.format.put import PendingPut
 
     with open_store(tmp_path / "s") as s:
         w = s._writer
@@ -31,8 +31,8 @@ def test_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
                 while "first" not in [it.mm_hash for it in w.inflight.values()]:
                     w.cv.wait(0.05)  # the writer takes it without notifying
             name = s.stored_name("dup")
-            w.submit(key, PendingPut(name, t, nbytes))
-            w.submit(key, PendingPut(name, t.clone(), nbytes))
+            w.submit(PendingPut(key, name, t))
+            w.submit(PendingPut(key, name, t.clone()))
             assert s.stats().pending_bytes == 2 * nbytes  # "first" in flight + one "dup"
         s.flush()
         assert s.stats().pending_bytes == 0
