@@ -101,8 +101,7 @@ def cmd_save(args) -> None:
 
     def submit_quietly(item):  # queue without waking the writer (no GIL contention)
         with w.cv:
-            w.queue[item.key] = item
-            w.queued_bytes += item.nbytes
+            w.puts.add(item)
 
     tiny = torch.randn(1, 16).to(torch.bfloat16)
     ctr = [0]

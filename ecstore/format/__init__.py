@@ -4,5 +4,6 @@ blob (``codec``) whose header carries the encoder's record (``record``);
 and verifies it into a tensor (``split_read`` on two threads for large
 entries). Pure functions over bytes and buffers: no I/O of their own, safe
 from any thread. ``put`` holds the record of an entry on its way to a tier
-(the writer, the LMDB batch and the remote queue share it) and its outcome.
+(the writer, the LMDB batch and the remote queue share it), its outcome, and
+the bookkeeping of a queue of them.
 """

@@ -211,7 +211,7 @@ def test_d3_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
         with s.disk._shared.write_lock:  # the writer cannot commit meanwhile
             s.put("first", make_tensor(0))  # occupies the writer (waits for the lock)
             with w.cv:
-                while "first" not in [it.mm_hash for it in w.inflight.values()]:
+                while "first" not in [it.mm_hash for it in w.puts.taken.values()]:
                     w.cv.wait(0.05)  # the writer takes it without notifying
             name = s.stored_name("dup")
             w.submit(PendingPut(key, name, t))
