@@ -169,14 +169,14 @@ def cmd_get(args) -> None:
 
             def fresh():
                 out = torch.empty(hdr.shape, dtype=torch.bfloat16)
-                codec._raw_bytes_view(out)[:] = view
+                codec.raw_bytes_view(out)[:] = view
 
             def prealloc():
-                codec._raw_bytes_view(dst)[:] = view
+                codec.raw_bytes_view(dst)[:] = view
 
             def huge():
                 out = hugepage_empty(hdr.shape, torch.bfloat16)
-                codec._raw_bytes_view(out)[:] = view
+                codec.raw_bytes_view(out)[:] = view
 
             r["torch.empty + copy (today)"] = med_ms(fresh)
             r["hugepage alloc + copy"] = med_ms(huge)

@@ -7,7 +7,7 @@ map is full (:mod:`ecstore.lmdb.full`), deletes, leases (pins against
 eviction, :mod:`ecstore.lmdb.leases`), namespace registration and the
 eviction down to the cap at open. Every change to entries and byte
 accounting goes through one :class:`~ecstore.lmdb.txn.WriteTxn`. See the
-design notes of :mod:`ecstore.lmdb`.
+design notes in docs/architecture.md ("The LMDB tier").
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import time
 
 import lmdb
 
-from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
-from ecstore.format import codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, codec
 from ecstore.format.put import PutOutcome
 from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
 from ecstore.lmdb.env import MiB
@@ -35,6 +33,11 @@ from ecstore.lmdb.txn import file_ref
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
+
+#: Longest lease, in seconds (one day): a lease pins an entry against
+#: eviction until released; one that outlived its loader must expire. The
+#: bound of the ``lease_seconds`` setting (:mod:`ecstore.config.limits`).
+MAX_LEASE_SECONDS = 86400.0
 
 
 def _check_ttl(ttl_s: object) -> float:
@@ -66,7 +69,7 @@ class LMDBTier(TierReads):
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
         a process sets it. A map smaller than the cap is legal: a full map
-        makes puts evict (see the design notes), it never fails them while
+        makes puts evict (docs/architecture.md), it never fails them while
         anything is evictable. Tests use it to reach a full map without
         filling a disk.
 
@@ -353,16 +356,16 @@ class LMDBTier(TierReads):
     def register_namespace(self, namespace: str, description: bytes) -> None:
         """Record what ``namespace`` stands for (JSON ``description``), once."""
         self._check()
-        if self.readonly or self._namespaces is None:
+        if self.readonly or self._dbs.namespaces is None:
             return
         k = namespace.encode("ascii")
         with self._begin() as txn:
-            if txn.get(k, db=self._namespaces) == description:
+            if txn.get(k, db=self._dbs.namespaces) == description:
                 return
 
         def put_once() -> None:
             with self._write_txn() as txn:
-                txn.put(k, description, db=self._namespaces)
+                txn.put(k, description, db=self._dbs.namespaces)
         # A few hundred bytes, but fresh pages all the same: wait like a delete.
         self._write_retrying(put_once, f"record namespace {namespace}")
 
@@ -382,7 +385,7 @@ class LMDBTier(TierReads):
 
         def remove_once() -> int | None:
             with self._writing() as w:
-                if w.txn.get(k, db=self._entries) is None:
+                if w.txn.get(k, db=self._dbs.entries) is None:
                     return None
                 return w.remove(k)
         return self._write_retrying(remove_once, f"remove {key}")
@@ -415,10 +418,10 @@ class LMDBTier(TierReads):
         self._check()
         k = self._k(key)
         with self._begin(buffers=True) as txn:
-            raw = txn.get(k, db=self._entries)
+            raw = txn.get(k, db=self._dbs.entries)
             if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
                 return None
-            value = txn.get(k, db=self._blobs)
+            value = txn.get(k, db=self._dbs.blobs)
             ref = None if value is None else file_ref(value)
         return None if ref is None else ref.name
 

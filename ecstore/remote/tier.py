@@ -43,7 +43,7 @@ from ecstore.remote import frame
 from ecstore.remote.backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
 from ecstore.remote.breaker import BreakerState, CircuitBreaker, Transition
 from ecstore.remote.deadline import deadline
-from ecstore.remote.url import redact
+from ecstore.remote.url import mask_secrets
 from ecstore.remote.writer import Batch, WriteQueue
 
 log = logging.getLogger("ecstore")
@@ -195,7 +195,7 @@ class RemoteTier:
         except Exception as e:  # noqa: BLE001  (a backend bug must not fail a request either)
             self._count(errors=1)
             log.warning("ecstore: remote %s failed unexpectedly: %s: %s", what, type(e).__name__,
-                        redact(str(e), getattr(self.backend, "description", "")))
+                        mask_secrets(str(e), getattr(self.backend, "description", "")))
             self._note(self.breaker.record_failure())
             if on_unavailable is not None:
                 on_unavailable()

@@ -1,35 +1,21 @@
 """The background writer of an :class:`~ecstore.store.ECStore` handle.
 
-    ECStore.put --> Writer.submit --> queue ----> writer thread --> LMDBTier.write_batch
-    ECStore.get --> Writer.touch  --> touches --/   (one transaction per batch)
-
 Typed operations: a :class:`~ecstore.format.put.PendingPut` per queued put
 (the record every write queue uses), a :class:`~ecstore.lmdb.batch.Touch` per
 key read since the last commit; typed results: the LMDB tier's
-:class:`~ecstore.lmdb.batch.BatchPut` with a
-:class:`~ecstore.format.put.PutOutcome` per put. The writer holds the LMDB tier, never the store: the store reads the
-writer's counters (``write_errors``, queue sizes) and takes its errors at
-``flush``.
+:class:`~ecstore.lmdb.batch.BatchPut` with a :class:`~ecstore.format.put.PutOutcome`
+per put. One thread per handle commits a batch in one LMDB write transaction;
+the writer holds the LMDB tier, never the store.
 
-Tickets: every put and every read (touch) takes the next number of one
-counter (the ``ticket`` of :class:`~ecstore.format.put.PutQueue`, which keeps
-the queued puts, as it does for the remote's write queue).
+Tickets: every put and touch takes the next number of one counter (the
+``ticket`` of the :class:`~ecstore.format.put.PutQueue` that keeps the queued
+puts, as it does for the remote's write queue);
 :meth:`Writer.drain` (``wait_committed``) waits until nothing numbered at or
-before its call is still uncommitted, and with ``durable=True`` (``flush``)
-until it is durable too, so puts and reads made after the call, however
-many, never hold it up.
-
-Visible first, durable next: a batch's blob files are written whole (into the
-page cache) before its commit, which makes the entries visible to every
-process; their ``fdatasync`` follows the commit, on this thread, before the
-next batch. A killed process loses nothing of a committed entry (the page
-cache survives it); a power loss before that sync can tear a committed
-entry's file, which its read finds by size, header and checksum (a miss,
-never garbage). ``flush`` returns only after the sync, which also covers the
-files of entries another handle stored first (a put found present, or
-skipped: :meth:`Writer.vouch`). After :meth:`Writer.stop` (``close``)
-a put is refused with "store is closed"; everything queued before is written
-before the thread exits.
+before its call is uncommitted, and with ``durable=True`` (``flush``) until it
+is durable too (blob files ``fdatasync``ed right after their commit, on this
+thread: visible first, durable next; docs/architecture.md). After
+:meth:`Writer.stop` a put is refused with "store is closed"; everything
+queued before is written before the thread exits.
 """
 
 from __future__ import annotations
@@ -58,8 +44,8 @@ TOUCH_DELAY_S = 1.0
 #: loads) writes the pending touches at once, but no sooner than this many
 #: seconds after the previous commit of touches: a consumer loading in every
 #: step makes at most ~5 LRU commits a second, not one per step, and a step's
-#: load does not run beside the commit the previous step asked for (measured:
-#: 1 MB connector loads back to back 190 -> 90 µs).
+#: load does not run beside the commit the previous step asked for
+#: (measured: docs/benchmarks.md, "Figures behind constants").
 TOUCH_SOON_GAP_S = 0.2
 
 

@@ -68,7 +68,7 @@ def _exhaust_the_map(tier: LMDBTier) -> int:
     while size >= 1:
         try:
             with tier._write_txn() as txn:  # raw: fails at once when no page is left
-                txn.put(f"pad{n}".encode(), bytes(size), db=tier._namespaces)
+                txn.put(f"pad{n}".encode(), bytes(size), db=tier._dbs.namespaces)
             n += 1
         except lmdb.MapFullError:
             size //= 2

@@ -10,10 +10,12 @@ In schema 1 eviction order is only the ``lru_seq`` field of each record.
 
 import struct
 
+import lmdb
+
 VERSION = 1
 
 
-def upgrade(env, txn) -> None:
+def upgrade(env: lmdb.Environment, txn: lmdb.Transaction) -> None:
     env.open_db(b"blobs", txn=txn, create=True)
     env.open_db(b"entries", txn=txn, create=True)
     meta = env.open_db(b"meta", txn=txn, create=True)

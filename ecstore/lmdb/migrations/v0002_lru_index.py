@@ -8,12 +8,14 @@ eviction order of a schema-1 store carries over unchanged.
 
 import struct
 
+import lmdb
+
 VERSION = 2
 
 _REC_LRU_SEQ = struct.Struct("<BQQQQ")  # version, created, last_access, hits, lru_seq
 
 
-def upgrade(env, txn) -> None:
+def upgrade(env: lmdb.Environment, txn: lmdb.Transaction) -> None:
     entries = env.open_db(b"entries", txn=txn, create=False)
     lru = env.open_db(b"lru", txn=txn, create=True)
     with txn.cursor(db=entries) as cur:

@@ -13,8 +13,10 @@ identity, so they are never served (reads check the record version), and
 none`` removes them. They also leave through LRU eviction as usual.
 """
 
+import lmdb
+
 VERSION = 3
 
 
-def upgrade(env, txn) -> None:
+def upgrade(env: lmdb.Environment, txn: lmdb.Transaction) -> None:
     env.open_db(b"namespaces", txn=txn, create=True)

@@ -17,9 +17,11 @@ bump makes older ecstore releases refuse the store instead of taking a
 pointer for a damaged blob.
 """
 
+import lmdb
+
 VERSION = 4
 
 
-def upgrade(env, txn) -> None:
+def upgrade(env: lmdb.Environment, txn: lmdb.Transaction) -> None:
     """Inline blobs stay valid: only the (empty) ``files`` index is added."""
     env.open_db(b"files", txn=txn, create=True)
