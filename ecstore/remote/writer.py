@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ecstore.format.put import PendingPut, PutQueue
+from ecstore.format import PendingPut, PutQueue
 
 log = logging.getLogger("ecstore")
 

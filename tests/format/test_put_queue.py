@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ecstore.format.put import PendingPut, PutQueue
+from ecstore.format import PendingPut, PutQueue
 
 
 def _put(key: str, rows: int = 4) -> PendingPut:
