@@ -10,7 +10,9 @@ logged and the batch counted by ``on_dropped``).
 Tickets: every queued write takes the next number of one counter. ``drain``
 (``ECStore.flush``/``wait_committed``) waits until no write numbered at or
 before its call is still queued or being sent, so writes submitted after the
-call, however many and however fast, never hold it up. After ``close`` began
+call, however many and however fast, never hold it up; while no batch is in
+flight it sends the oldest queued one itself rather than wait for the thread
+to wake (one batch in flight at a time, whoever sends it). After ``close`` began
 ``submit`` drops (counted, returns False); a write queued before is sent
 (or dropped, see ``drop_queued``) before the thread exits.
 
@@ -104,7 +106,13 @@ class WriteQueue:
         """Wait until every write queued before the call was sent or dropped.
         Writes queued after the call do not hold it up (see the module doc):
         batches are taken oldest first, so the last earlier write is sent
-        after a bounded number of batches."""
+        after a bounded number of batches.
+
+        While no batch is being sent and one of those writes is still queued,
+        the calling thread sends that batch itself (one batch in flight at a
+        time, as from the writer thread, bounded the same way): on a busy
+        machine waking the writer thread, then this one, cost more than a
+        small write (ms each)."""
         with self._cv:
             target = self._ticket
             self.drainers += 1
@@ -113,6 +121,16 @@ class WriteQueue:
                     oldest = self._oldest_pending()
                     if oldest is None or oldest > target:
                         return
+                    if self._busy_since is None:  # oldest is a queued write of before the call
+                        batch = self._take_batch()
+                        self._busy_since = batch[0].ticket
+                        self._cv.release()
+                        try:
+                            self._send_batch(batch)
+                        finally:
+                            del batch
+                            self._cv.acquire()
+                        continue
                     self._cv.wait()
             finally:
                 self.drainers -= 1
@@ -169,19 +187,29 @@ class WriteQueue:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stopping:
+                # A batch in flight may be a drain()er's: one at a time.
+                while (not self._queue or self._busy_since is not None) and not self._stopping:
                     self._cv.wait()
-                if not self._queue and self._stopping:
-                    return
+                while self._busy_since is not None:
+                    self._cv.wait()
+                if not self._queue:
+                    if self._stopping:
+                        return
+                    continue
                 batch = self._take_batch()
                 self._busy_since = batch[0].ticket
-            try:
-                self._send(batch)
-            except Exception as e:  # noqa: BLE001  (never let the writer die)
-                log.error("ecstore: remote write failed: %s", e)
-                self._on_dropped(len(batch))
-            finally:
-                with self._cv:
-                    self._queued_bytes -= sum(item.nbytes for item in batch)
-                    self._busy_since = None
-                    self._cv.notify_all()
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: Batch) -> None:
+        """Send ``batch`` (taken, ``_busy_since`` set; ``_cv`` not held), then
+        clear ``_busy_since``. Never raises an Exception."""
+        try:
+            self._send(batch)
+        except Exception as e:  # noqa: BLE001  (never let the writer die, nor fail a drain()er)
+            log.error("ecstore: remote write failed: %s", e)
+            self._on_dropped(len(batch))
+        finally:
+            with self._cv:
+                self._queued_bytes -= sum(item.nbytes for item in batch)
+                self._busy_since = None
+                self._cv.notify_all()
