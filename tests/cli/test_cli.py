@@ -1,4 +1,4 @@
-"""Tests of ``ecstore-dump`` (ecstore/cli.py) against real stores.
+"""Tests of ``ecstore-dump`` (the ecstore/cli package) against real stores.
 
 Stores are made with ecstore.ECStore (several models and dtypes, hundreds of
 small entries). Most checks run the real console script in a subprocess;
