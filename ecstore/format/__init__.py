@@ -8,6 +8,9 @@ from any thread.
 This package is the format's one public surface: other layers import from
 ``ecstore.format`` (the names below, or its modules as namespaces:
 ``from ecstore.format import codec``), never a private name of a module.
+
+``put`` holds the record of an entry on its way to a tier (the writer, the
+LMDB batch and the remote queue share it) and its outcome.
 """
 
 from __future__ import annotations

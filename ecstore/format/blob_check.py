@@ -141,7 +141,7 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
 
 #: Headers :func:`parse_header` accepted, by (header bytes, blob size): the
 #: parse is a pure function of both, and a hit costs one dict lookup instead
-#: of two JSON decodes and the checks (~8 µs a read). Bounded; thread-safe
+#: of two JSON decodes and the checks. Bounded; thread-safe
 #: (single dict operations under the GIL; a race only parses twice).
 _PARSED: dict[tuple[bytes, int], BlobHeader] = {}
 _PARSED_MAX = 1024

@@ -66,9 +66,8 @@ def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
 #: Entries whose data is larger than two of these are copied out and
 #: checksummed in chunks of this many bytes (bytes): each chunk is hashed
 #: right after it was copied, while it is still in the CPU cache, instead of
-#: hashing the whole blob from memory first and then copying it. On the
-#: benchmark VM (A/B in one process): 1.02-1.28x memcpy instead of
-#: 1.21-1.44x for hits of 34.3 and 130.8 MB; 512 KiB and 256 KiB did worse.
+#: hashing the whole blob from memory first and then copying it; smaller
+#: chunks did worse (docs/benchmarks.md, "Figures behind constants").
 FUSED_CHUNK = 1 << 20
 
 

@@ -92,8 +92,8 @@ def raw_bytes_view(t: torch.Tensor) -> np.ndarray:
 
 #: The tensor data of a blob written by :func:`encode` starts at a multiple
 #: of this many bytes (safetensors asks for 8; 64 is a cache line: a copy
-#: into or out of the blob runs at memcpy speed, ~2x faster at 1 MB than at
-#: an offset of 8 on the benchmark VM). Readers accept any multiple of 8
+#: into or out of the blob runs at memcpy speed, faster than at an offset of
+#: 8: docs/benchmarks.md). Readers accept any multiple of 8
 #: (entries written before, and other writers). The header's JSON is padded
 #: with spaces, which the safetensors format allows.
 DATA_ALIGN = 64
@@ -123,7 +123,7 @@ def blob_head(shape: tuple[int, ...], dtype: torch.dtype, identifier: str, model
     ``shape`` and ``dtype``: the header's length (little-endian u64), then
     :func:`header_bytes`. Everything but the identifier comes from a
     template cached per (shape, dtype, model) (:func:`_header_template`;
-    ~1 µs instead of ~8 µs with the caches cold after a model step)."""
+    see docs/benchmarks.md, "Figures behind constants")."""
     before, after = _header_template(shape, dtype, model)
     text = before + _json_str(identifier) + after
     pad = -(8 + len(text)) % DATA_ALIGN

@@ -10,7 +10,9 @@ logged and the batch counted by ``on_dropped``).
 Tickets: every queued write takes the next number of one counter. ``drain``
 (``ECStore.flush``/``wait_committed``) waits until no write numbered at or
 before its call is still queued or being sent, so writes submitted after the
-call, however many and however fast, never hold it up. After ``close`` began
+call, however many and however fast, never hold it up; while no batch is in
+flight it sends the oldest queued one itself rather than wait for the thread
+to wake (one batch in flight at a time, whoever sends it). After ``close`` began
 ``submit`` drops (counted, returns False); a write queued before is sent
 (or dropped, see ``drop_queued``) before the thread exits.
 
@@ -24,10 +26,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-import torch
+from ecstore.format.put import PendingPut
 
 log = logging.getLogger("ecstore")
 
@@ -36,18 +36,10 @@ BATCH_ITEMS = 64
 BATCH_BYTES = 64 << 20
 
 
-@dataclass
-class PendingWrite:
-    """One queued entry: the tensor (contiguous CPU) and its blob (None: encode it)."""
-
-    identifier: str
-    tensor: torch.Tensor
-    blob: Any
-    nbytes: int
-    ticket: int = 0  # set by WriteQueue.submit: the order it was queued in
-
-
-Batch = list[tuple[str, PendingWrite]]
+#: Puts taken together, oldest first (each a :class:`~ecstore.format.put.PendingPut`:
+#: the tensor, contiguous CPU, and its blob, None: encode it; ``ticket``: the
+#: order it was queued in).
+Batch = list[PendingPut]
 
 
 class WriteQueue:
@@ -67,7 +59,7 @@ class WriteQueue:
         self.max_bytes = max(1, max_bytes)
         self.wait_s = wait_s
         self._cv = threading.Condition()
-        self._queue: OrderedDict[str, PendingWrite] = OrderedDict()
+        self._queue: OrderedDict[str, PendingPut] = OrderedDict()
         self._queued_bytes = 0
         self._busy_since: int | None = None  # oldest ticket of the batch being sent (None: none)
         self._ticket = 0  # the ticket of the newest queued write
@@ -77,8 +69,9 @@ class WriteQueue:
             target=self._run, name="ecstore-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, item: PendingWrite) -> bool:
-        """Queue ``item`` under ``key``; False if it was dropped."""
+    def submit(self, item: PendingPut) -> bool:
+        """Queue ``item`` (under ``item.key``); False if it was dropped."""
+        key = item.key
         deadline = time.monotonic() + self.wait_s
         with self._cv:
             # _queued_bytes counts the batch being sent too (until it is sent):
@@ -95,7 +88,7 @@ class WriteQueue:
                 return False
             if key not in self._queue:  # else the queued one (older ticket) stands for it
                 self._ticket += 1
-                item.ticket = self._ticket
+                item.ticket = item.since = self._ticket
                 self._queue[key] = item
                 self._queued_bytes += item.nbytes
                 self._cv.notify_all()
@@ -113,7 +106,13 @@ class WriteQueue:
         """Wait until every write queued before the call was sent or dropped.
         Writes queued after the call do not hold it up (see the module doc):
         batches are taken oldest first, so the last earlier write is sent
-        after a bounded number of batches."""
+        after a bounded number of batches.
+
+        While no batch is being sent and one of those writes is still queued,
+        the calling thread sends that batch itself (one batch in flight at a
+        time, as from the writer thread, bounded the same way): on a busy
+        machine waking the writer thread, then this one, cost more than a
+        small write (ms each)."""
         with self._cv:
             target = self._ticket
             self.drainers += 1
@@ -122,6 +121,16 @@ class WriteQueue:
                     oldest = self._oldest_pending()
                     if oldest is None or oldest > target:
                         return
+                    if self._busy_since is None:  # oldest is a queued write of before the call
+                        batch = self._take_batch()
+                        self._busy_since = batch[0].ticket
+                        self._cv.release()
+                        try:
+                            self._send_batch(batch)
+                        finally:
+                            del batch
+                            self._cv.acquire()
+                        continue
                     self._cv.wait()
             finally:
                 self.drainers -= 1
@@ -170,27 +179,37 @@ class WriteQueue:
             nxt = next(iter(self._queue.values()))
             if batch and size + nxt.nbytes > BATCH_BYTES:
                 break
-            key, item = self._queue.popitem(last=False)
-            batch.append((key, item))
+            _, item = self._queue.popitem(last=False)
+            batch.append(item)
             size += item.nbytes
         return batch
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stopping:
+                # A batch in flight may be a drain()er's: one at a time.
+                while (not self._queue or self._busy_since is not None) and not self._stopping:
                     self._cv.wait()
-                if not self._queue and self._stopping:
-                    return
+                while self._busy_since is not None:
+                    self._cv.wait()
+                if not self._queue:
+                    if self._stopping:
+                        return
+                    continue
                 batch = self._take_batch()
-                self._busy_since = batch[0][1].ticket
-            try:
-                self._send(batch)
-            except Exception as e:  # noqa: BLE001  (never let the writer die)
-                log.error("ecstore: remote write failed: %s", e)
-                self._on_dropped(len(batch))
-            finally:
-                with self._cv:
-                    self._queued_bytes -= sum(item.nbytes for _, item in batch)
-                    self._busy_since = None
-                    self._cv.notify_all()
+                self._busy_since = batch[0].ticket
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: Batch) -> None:
+        """Send ``batch`` (taken, ``_busy_since`` set; ``_cv`` not held), then
+        clear ``_busy_since``. Never raises an Exception."""
+        try:
+            self._send(batch)
+        except Exception as e:  # noqa: BLE001  (never let the writer die, nor fail a drain()er)
+            log.error("ecstore: remote write failed: %s", e)
+            self._on_dropped(len(batch))
+        finally:
+            with self._cv:
+                self._queued_bytes -= sum(item.nbytes for item in batch)
+                self._busy_since = None
+                self._cv.notify_all()

@@ -41,7 +41,7 @@ def _tensor(seed: int = 0) -> torch.Tensor:
 
 def _flip(st: ECStore, mm_hash: str, pos: int) -> None:
     """Flip the byte at ``pos`` of the stored blob (negative: from its end)."""
-    tier = st._reads.disk
+    tier = st.disk
     k = tier._k(st.key(mm_hash))
     with tier._write_txn() as txn:
         value = txn.get(k, db=tier._dbs.blobs)

@@ -3,7 +3,7 @@ plant. Each entry is self-consistent (the record matches the blob, the
 checksum is recomputed, ``total_bytes`` is kept exact), so only ecstore's
 entry check (``blob_check.check_entry``) stands between it and the caller.
 
-Used by tests/store/test_store_hardening.py, in-process and in worker processes
+Used by tests/store/test_hostile_entries.py, in-process and in worker processes
 (``ecstore.testing.faults.run_forked``: a hostile entry may crash an unfixed reader).
 """
 

@@ -1,4 +1,4 @@
-"""The security model of issue 16 (docs/security.md), on real files and real
+"""The security model (docs/security.md), on real files and real
 processes of other users (the suite runs as root; children drop to
 ``nobody`` after start-up, see helpers/as_user.py).
 

@@ -1,4 +1,4 @@
-"""Odd, planted or tampered store files (issue 14, defects 11, 14, 16).
+"""Odd, planted or tampered store files.
 
 Each case is a real store directory prepared the way an attacker with write
 access, a damaged disk or another user would leave it; opening it must give
@@ -64,7 +64,7 @@ def open_fails(path: Path, *needles: str) -> str:
 
 
 # --------------------------------------------------------------------------
-# Defect 11: symlinked store files are refused, never followed
+# Symlinked store files are refused, never followed
 # --------------------------------------------------------------------------
 
 
@@ -86,7 +86,7 @@ def test_symlinked_store_file_is_refused(tmp_path: Path, name: str, existing: bo
 
 
 # --------------------------------------------------------------------------
-# Defect 14: odd file types, tampered meta
+# Odd file types, tampered meta
 # --------------------------------------------------------------------------
 
 
@@ -159,7 +159,7 @@ def test_tampered_meta_is_a_clear_error_and_nothing_is_rewritten(tmp_path: Path,
 
 
 # --------------------------------------------------------------------------
-# Defect 16: read-only tools for a user who may not write; bounded leases
+# Read-only tools for a user who may not write; bounded leases
 # --------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.memory import MemoryTier
 from ecstore.testing.faults import corrupt_entry
 from ecstore.testing.tier_contract import DamageTests, TierTests
@@ -33,9 +34,9 @@ class TestLMDBTier(DamageTests):
         tier.close()
 
     def insert(self, tier: LMDBTier, key: str, identifier: str, t: torch.Tensor) -> None:
-        req = PutRequest(key, identifier, "org/model", t)
+        req = BatchPut(PendingPut(key, identifier, t), "org/model")
         tier.write_batch([req])
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
 
     @pytest.mark.parametrize("part", ["record", "blob"])
     def test_damaged_record_or_blob_is_a_miss_and_dropped(self, tier: LMDBTier, part: str) -> None:
