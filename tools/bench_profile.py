@@ -236,8 +236,7 @@ def cmd_touch(args) -> None:
 
 def cmd_writer(args) -> None:
     import ecstore.lmdb.tier as lt
-    from ecstore.format import codec
-    from ecstore.format.put import PendingPut
+    from ecstore.format import PendingPut, codec
     from ecstore.lmdb import BatchPut
 
     print("# background writer, put(copy=False) x N + flush: time per stage (instrumented in-process)")

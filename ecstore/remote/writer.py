@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut
 
 log = logging.getLogger("ecstore")
 

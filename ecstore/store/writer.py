@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from ecstore.errors import ECStoreError, StoreFullError
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.lmdb.batch import Touch
 from ecstore.pool import POOL

@@ -18,7 +18,7 @@ def test_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
     """Two puts of one key both reach the writer queue (two threads passed
     the presence check at once); the second replaces the first, and
     ``queued_bytes`` must count it once and return to zero."""
-    from ecstore.format.put import PendingPut
+    from ecstore.format import PendingPut
 
     with open_store(tmp_path / "s") as s:
         w = s._writer
