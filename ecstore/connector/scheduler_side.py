@@ -63,6 +63,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -465,7 +466,7 @@ class SchedulerSide:
                     out.append(ident)
         return out
 
-    def _unpoison(self, identifiers) -> None:
+    def _unpoison(self, identifiers: Iterable[str]) -> None:
         self._poisoned.difference_update(identifiers)
         if not self._poisoned:
             self._failed_reqs.clear()

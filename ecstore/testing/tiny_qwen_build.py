@@ -75,7 +75,7 @@ class _Recipe:
     rename: Callable[[str], str] | None = None
 
 
-def _tokenizer(name: str, seed: int):
+def _tokenizer(name: str, seed: int) -> Any:
     ph = PLACEHOLDERS[name]
     template = (QWEN_CHAT_TEMPLATE.replace("{{ image_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("image", "")))
                 .replace("{{ video_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("video", "")))
@@ -166,7 +166,7 @@ def _audio_config(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec["audio"], "initializer_range": spec["initializer_range"]}
 
 
-def _feature_extractor(spec: dict[str, Any]):
+def _feature_extractor(spec: dict[str, Any]) -> Any:
     from transformers import WhisperFeatureExtractor
 
     return WhisperFeatureExtractor(feature_size=spec["audio"]["num_mel_bins"], sampling_rate=16000)
