@@ -6,7 +6,8 @@ A safetensors blob starts with its u64 LE header length (at most
 :data:`POINTER_MAGIC` (bytes 4..7 ``ECFP``) is never an inline blob.
 
 Files are written once, never changed: :meth:`BlobFiles.write` creates
-``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback; the caller
+``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback (not for files
+committed before their sync: ``write_batch(sync_files=False)``); the caller
 commits the LMDB transaction that references a batch's files, then calls
 :meth:`BlobFiles.sync` on them (``fdatasync`` each, then the directory;
 with the store's writer, before ``flush`` returns; ``write_batch`` with
@@ -88,7 +89,12 @@ _TOKEN_OF = re.compile(r"([0-9a-f]{16})(?:-|\.lock\Z)", re.ASCII)
 #: Durability still comes from the ``fdatasync`` alone. On the benchmark VM:
 #: 4 x 130.8 MB files 1.8-3.6 GB/s with it, 0.5-2.1 without; 400 x 1 MB files
 #: written first and synced together 1.9-2.3 GB/s, 1.1-1.2 one by one
-#: (docs/benchmarks.md).
+#: (docs/benchmarks.md). Only where the sync comes before the commit: a file
+#: committed first (the store's writer) is written without it, its sync on a
+#: thread of its own overlapping the next batch; there the hint made the
+#: commit wait (its own sync behind the blob's writeback) and blocked the
+#: write while the device queue was full (34.3 MB step until visible 209 ->
+#: 50 ms, 10-save burst 0.07 -> 0.34 GB/s, alternating, load ~12).
 WRITEBACK_CHUNK = 8 << 20
 
 
@@ -353,9 +359,12 @@ class BlobFiles:
                 raise _write_error("the blob writer lock", path, e) from None
             os.close(fd)
 
-    def write(self, blob: Buffer) -> FileRef:
-        """Write ``blob`` (any C-contiguous buffer) to a new file and start
-        its writeback; it is durable only after :meth:`sync`. StoreFullError
+    def write(self, blob: Buffer, *, writeback: bool = True) -> FileRef:
+        """Write ``blob`` (any C-contiguous buffer) to a new file and
+        (``writeback``) start its writeback as it goes; it is durable only
+        after :meth:`sync`. ``writeback=False`` leaves the file's pages to
+        that sync: for a file committed before it is synced, whose writeback
+        would otherwise compete with the commit's own sync. StoreFullError
         on any OS error ("disk full while writing ..." for ENOSPC/EFBIG/EDQUOT),
         with no partial file left; InvalidEntryError for a non-contiguous buffer."""
         check_same_process(self._pid, f"blob files of {self.dir}")
@@ -383,7 +392,7 @@ class BlobFiles:
                     n = os.write(fd, data[done:done + WRITEBACK_CHUNK])
                     if n <= 0:
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    if _start_writeback is not None:
+                    if writeback and _start_writeback is not None:
                         _start_writeback(fd, done, n)  # a hint: its result does not matter
                     done += n
             finally:
