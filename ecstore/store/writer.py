@@ -25,9 +25,10 @@ process loses nothing of a committed entry (the page cache survives it); a
 power loss before that sync can tear a committed entry's file, which its
 read finds by size, header and checksum (a miss, never garbage). ``flush``
 returns only after the sync, which also covers the files of entries another
-handle stored first (a put found present, or skipped: :meth:`Writer.vouch`). After :meth:`Writer.stop` (``close``)
-a put is refused with "store is closed"; everything queued before is written,
-and every committed blob file synced, before the threads exit.
+handle stored first (a put found present, or skipped: :meth:`Writer.vouch`).
+After :meth:`Writer.stop` (``close``) a put is refused with "store is
+closed"; everything queued before is written, and every committed blob file
+synced, before the threads exit.
 """
 
 from __future__ import annotations
