@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 
 MiB = 1 << 20
@@ -57,9 +58,9 @@ sys.addaudithook(_hook)
 
 
 def _put(tier: LMDBTier, key: str, name: str, seed: int) -> None:
-    p = PutRequest(key, name, "org/model", tensor(seed, rows=256, cols=512))
+    p = BatchPut(PendingPut(key, name, tensor(seed, rows=256, cols=512)), "org/model")
     tier.write_batch([p])
-    assert p.result == "stored", p.error
+    assert p.outcome is PutOutcome.STORED, p.error
 
 
 @pytest.mark.skipif(sys.platform != "linux" or _NR_CACHESTAT is None, reason="cachestat is Linux-only")
@@ -161,9 +162,9 @@ def test_a_file_committed_before_its_sync_is_complete_and_clean_once_synced(tmp_
     tier = LMDBTier(str(tmp_path / "s"), 16 * MiB, file_blobs_from=0)
     try:
         t = tensor(5, rows=1024, cols=512)  # 2 MiB: several pages, one file
-        p = PutRequest(KEY_A, NAME_A, "org/model", t)
+        p = BatchPut(PendingPut(KEY_A, NAME_A, t), "org/model")
         tier.write_batch([p], sync_files=False)
-        assert p.result == "stored" and p.ref is not None
+        assert p.outcome is PutOutcome.STORED and p.ref is not None, p.error
         got = tier.get(KEY_A, NAME_A)
         assert got is not None and torch.equal(got, t)
         tier.sync_files([p.ref.name])

@@ -303,7 +303,7 @@ def _answer_within(child: Child, seconds: float) -> Any:
 @pytest.mark.parametrize("torn", [False, True], ids=["killed", "killed-then-file-torn"])
 def test_entry_is_visible_before_its_blob_file_is_synced_and_a_kill_there_loses_nothing(
         tmp_store_dir, children, torn):
-    """Issue 30: wait_committed (an encode-only producer's step end) returns
+    """wait_committed (an encode-only producer's step end) returns
     once the entry is committed, without waiting for its blob file's
     fdatasync (before: the file was synced before the commit, so it waited
     for the disk; this test then hung in wait_committed). SIGKILLed right
@@ -364,7 +364,7 @@ def test_flush_syncs_the_file_of_an_entry_another_process_committed_and_has_not_
         synced.extend(names)
 
     def held_write(puts, touches=None, **kw):  # the batch with "big" waits for the gate
-        if any(p.identifier == big for p in puts):
+        if any(p.put.identifier == big for p in puts):
             assert gate.wait(60), "the gate was never opened"
         return real_write(puts, touches, **kw)
 
