@@ -21,8 +21,7 @@ import time
 import lmdb
 
 from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
-from ecstore.format import Record, codec
-from ecstore.format.put import PutOutcome
+from ecstore.format import PutOutcome, Record, codec
 from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint

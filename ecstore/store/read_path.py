@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import codec
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut, codec
 from ecstore.store.stats import HitTier
 
 if TYPE_CHECKING:
