@@ -6,7 +6,8 @@ A safetensors blob starts with its u64 LE header length (at most
 :data:`POINTER_MAGIC` (bytes 4..7 ``ECFP``) is never an inline blob.
 
 Files are written once, never changed: :meth:`BlobFiles.write` creates
-``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback; the caller
+``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback (not for files
+committed before their sync: ``write_batch(sync_files=False)``); the caller
 commits the LMDB transaction that references a batch's files, then calls
 :meth:`BlobFiles.sync` on them (``fdatasync`` each, then the directory;
 with the store's writer, before ``flush`` returns; ``write_batch`` with
@@ -86,7 +87,11 @@ _TOKEN_OF = re.compile(r"([0-9a-f]{16})(?:-|\.lock\Z)", re.ASCII)
 #: :meth:`BlobFiles.sync` has little left to do -- RocksDB's
 #: ``bytes_per_sync`` and PostgreSQL's ``*_flush_after`` do the same.
 #: Durability still comes from the ``fdatasync`` alone (measured:
-#: docs/benchmarks.md, "blobs in files of their own, early writeback").
+#: docs/benchmarks.md, "blobs in files of their own, early writeback"). Only
+#: where the sync comes before the commit: a file committed first (the
+#: store's writer, its sync on a thread of its own) is written without it,
+#: since there the hint made the commit's own sync wait behind the blob's
+#: writeback (docs/benchmarks.md, 2026-12-02).
 WRITEBACK_CHUNK = 8 << 20
 
 
@@ -350,9 +355,12 @@ class BlobFiles:
                 raise _write_error("the blob writer lock", path, e) from None
             os.close(fd)
 
-    def write(self, blob: Buffer) -> FileRef:
-        """Write ``blob`` (any C-contiguous buffer) to a new file and start
-        its writeback; it is durable only after :meth:`sync`. StoreFullError
+    def write(self, blob: Buffer, *, writeback: bool = True) -> FileRef:
+        """Write ``blob`` (any C-contiguous buffer) to a new file and
+        (``writeback``) start its writeback as it goes; it is durable only
+        after :meth:`sync`. ``writeback=False`` leaves the file's pages to
+        that sync: for a file committed before it is synced, whose writeback
+        would otherwise compete with the commit's own sync. StoreFullError
         on any OS error ("disk full while writing ..." for ENOSPC/EFBIG/EDQUOT),
         with no partial file left; InvalidEntryError for a non-contiguous buffer."""
         check_same_process(self._pid, f"blob files of {self.dir}")
@@ -380,7 +388,7 @@ class BlobFiles:
                     n = os.write(fd, data[done:done + WRITEBACK_CHUNK])
                     if n <= 0:
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    if _start_writeback is not None:
+                    if writeback and _start_writeback is not None:
                         _start_writeback(fd, done, n)  # a hint: its result does not matter
                     done += n
             finally:

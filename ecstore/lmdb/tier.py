@@ -256,7 +256,8 @@ class LMDBTier(TierReads):
         try:
             for p in todo:
                 if self._in_file(p):
-                    p.ref = self.files.write(p.encoded)  # type: ignore[arg-type]  # ndarray: a buffer
+                    # Synced after the commit: no early writeback (see BlobFiles.write).
+                    p.ref = self.files.write(p.encoded, writeback=sync)  # type: ignore[arg-type]  # ndarray: a buffer
             written = [p.ref.name for p in todo if p.ref is not None]
             if written and sync:
                 self.files.sync(written)

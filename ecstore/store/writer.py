@@ -12,10 +12,13 @@ Tickets: every put and touch takes the next number of one counter (the
 puts, as it does for the remote's write queue);
 :meth:`Writer.drain` (``wait_committed``) waits until nothing numbered at or
 before its call is uncommitted, and with ``durable=True`` (``flush``) until it
-is durable too (blob files ``fdatasync``ed right after their commit, on this
-thread: visible first, durable next; docs/architecture.md). After
+is durable too (blob files ``fdatasync``ed right after their commit, on a sync
+thread of its own, ``ecstore-sync``, so the next batch is written and
+committed while the disk works on the previous one; jobs waiting meanwhile are
+synced together: visible first, durable next; docs/architecture.md). After
 :meth:`Writer.stop` a put is refused with "store is closed"; everything
-queued before is written before the thread exits.
+queued before is written, and every committed blob file synced, before the
+threads exit.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +53,15 @@ TOUCH_DELAY_S = 1.0
 TOUCH_SOON_GAP_S = 0.2
 
 
+class SyncJob(NamedTuple):
+    """Blob files of one committed batch waiting for their ``fdatasync``:
+    ``names`` (in ``blobs/``) and ``since``, the oldest ticket of the puts
+    and vouches they stand for (what ``drain(durable=True)`` waits for)."""
+
+    names: list[str]
+    since: int
+
+
 class Writer(threading.Thread):
     """Background LMDB writer: drains puts and LRU touches in batches.
 
@@ -64,6 +77,8 @@ class Writer(threading.Thread):
     lines) and records failures: :attr:`write_errors` counts failed puts,
     :attr:`sync_errors` committed blob files whose sync failed, and
     :meth:`take_errors` hands both to ``flush`` (and ``close``, which logs them).
+    Committed blob files are synced by a second thread (:meth:`_sync_run`),
+    fed by this one (:class:`SyncJob`); :meth:`stop` returns once both ended.
     """
 
     def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
@@ -100,9 +115,15 @@ class Writer(threading.Thread):
         self.offers_refused = 0  # offers (remote promotions) refused for want of room since start
         self.busy = False
         self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
-        # oldest ticket of the committed batch whose blob files are being
-        # synced (None: none): what drain(durable=True) still waits for
+        # oldest ticket of the committed batches whose blob files the sync
+        # thread is syncing now (None: none): what drain(durable=True) still
+        # waits for, with the jobs still queued for it (sync_jobs)
         self.syncing_since: int | None = None
+        self.sync_jobs: deque[SyncJob] = deque()
+        # oldest ticket of the vouches taken into the batch being written (None: none)
+        self.vouching_since: int | None = None
+        self.syncer: threading.Thread | None = None  # the sync thread, once started
+        self.sync_stop = False  # the writer thread ended: the sync thread ends once sync_jobs is empty
         # key -> (identifier, ticket): puts skipped because the store already
         # held that entry (:meth:`vouch`), whose blob file the next batch syncs
         self.vouches: dict[str, tuple[str, int]] = {}
@@ -300,7 +321,10 @@ class Writer(threading.Thread):
             tickets.append(self.busy_since)
         if durable and self.syncing_since is not None:
             tickets.append(self.syncing_since)
+        if durable and self.vouching_since is not None:
+            tickets.append(self.vouching_since)
         if durable:
+            tickets += [job.since for job in self.sync_jobs]
             tickets += [since for _, since in self.vouches.values()]
         return min(tickets, default=None)
 
@@ -343,6 +367,19 @@ class Writer(threading.Thread):
             self._run()
         except BaseException as e:  # a defect or an exhausted process: fail every waiter, hang none  # noqa: BLE001
             self._die(e)
+        finally:
+            self._end_syncs()
+
+    def _end_syncs(self) -> None:
+        """Writer thread, ending: let the sync thread finish the jobs queued
+        and end, and wait for it (``stop`` returns with every committed blob
+        file synced, or its failure recorded)."""
+        with self.cv:
+            self.sync_stop = True
+            syncer = self.syncer
+            self.cv.notify_all()
+        if syncer is not None:
+            syncer.join()
 
     def _die(self, error: BaseException) -> None:
         """The thread is ending on ``error``: every put not yet written fails
@@ -363,7 +400,8 @@ class Writer(threading.Thread):
             self.vouches.clear()
             self.busy = False
             self.busy_since = None
-            self.syncing_since = None
+            self.vouching_since = None
+            # sync_jobs/syncing_since stay: the sync thread still syncs them
             self.progress += 1
             self.cv.notify_all()
 
@@ -387,7 +425,7 @@ class Writer(threading.Thread):
                     self.touches_written_at = time.monotonic()
                 vouches, self.vouches = self.vouches, {}
                 vouched_since = min((since for _, since in vouches.values()), default=None)
-                self.syncing_since = vouched_since  # until the sync below
+                self.vouching_since = vouched_since  # until their sync job is queued
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             try:
@@ -404,27 +442,67 @@ class Writer(threading.Thread):
                 log.error("ecstore: background write failed: %s", e)
                 self.add_error(e)
             finally:
+                inline = False
                 with self.cv:  # committed: visible to every process (wait_committed returns)
                     self.puts.done(batch)
                     self.busy = False
                     self.busy_since = None
-                    self.syncing_since = min([item.since for item in batch]
-                                             + ([] if vouched_since is None else [vouched_since])) if to_sync else None
+                    if to_sync:  # in the same critical section: a durable drain never misses them
+                        since = min([item.since for item in batch]
+                                    + ([] if vouched_since is None else [vouched_since]))
+                        self.sync_jobs.append(SyncJob(to_sync, since))
+                        inline = not self._syncer_running()
+                    self.vouching_since = None
                     self.progress += 1
                     self.cv.notify_all()
-            if to_sync:
-                self._sync_files(to_sync)
+            if inline:  # no sync thread could be started: sync here, before the next batch
+                self._sync_next()
+
+    def _syncer_running(self) -> bool:
+        """Holds ``cv``: whether the sync thread runs (started now if not
+        yet); False if no thread can be started (then the writer syncs)."""
+        if self.syncer is None:
+            syncer = threading.Thread(target=self._sync_run, name="ecstore-sync", daemon=True)
+            try:
+                syncer.start()
+            except RuntimeError as e:  # "can't start new thread": sync on the writer thread
+                log.warning("ecstore: no thread to sync blob files on (%s): the writer syncs them", e)
+                return False
+            self.syncer = syncer
+        return True
+
+    def _sync_run(self) -> None:
+        """The sync thread: sync the jobs the writer queued, all waiting ones
+        together, until the writer thread ended and none is left."""
+        while self._sync_next(wait=True):
+            pass
+
+    def _sync_next(self, wait: bool = False) -> bool:
+        """Take every queued :class:`SyncJob` and sync their files in one
+        :meth:`_sync_files`; ``wait``: first wait for a job while the writer
+        runs. False when there was none to take."""
+        with self.cv:
+            while wait and not self.sync_jobs and not self.sync_stop:
+                self.cv.wait()
+            if not self.sync_jobs:
+                return False
+            jobs = list(self.sync_jobs)
+            self.sync_jobs.clear()
+            self.syncing_since = min(job.since for job in jobs)
+        self._sync_files(list(dict.fromkeys(name for job in jobs for name in job.names)))
+        return True
 
     def _sync_files(self, names: list[str]) -> None:
-        """Writer thread: make a committed batch's blob files durable, then
+        """Sync thread: make committed batches' blob files durable, then
         let ``drain(durable=True)`` (``flush``) go on. A failure counts in
         :attr:`sync_errors` (not :attr:`write_errors`: those puts were
         committed and reported stored) and is an error ``flush`` raises:
         those entries stay visible, and a read checks them as it checks
-        every entry."""
+        every entry. Any other exception is recorded the same way (never a
+        sync thread that ends with drainers waiting for it)."""
         try:
             self.disk.sync_files(names)
-        except ECStoreError as e:
+        except BaseException as e:  # ECStoreError from the OS; anything else: a defect, recorded  # noqa: BLE001
             log.error("ecstore: %d committed blob file(s) could not be made durable: %s", len(names), e)
             with self.cv:
                 self.sync_errors += len(names)

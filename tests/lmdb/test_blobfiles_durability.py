@@ -13,6 +13,7 @@ import platform
 import sys
 
 import pytest
+import torch
 
 from ecstore.format import PendingPut, PutOutcome
 from ecstore.lmdb import BatchPut, LMDBTier
@@ -149,4 +150,25 @@ def test_the_store_directory_is_synced_before_a_commit_references_a_blob_file(tm
         assert str(path) not in synced, "the store directory is synced once per handle, not per batch"
     finally:
         monkeypatch.undo()
+        tier.close()
+
+
+def test_a_file_committed_before_its_sync_is_complete_and_clean_once_synced(tmp_path):
+    """Visible first, durable next: write_batch(sync_files=False) writes the
+    blob file whole with no early writeback (its pages are left to the sync
+    after the commit, which no longer competes with the commit's own sync):
+    the committed entry reads back exactly before any sync, and once
+    sync_files returns none of the file's pages is dirty or under writeback."""
+    tier = LMDBTier(str(tmp_path / "s"), 16 * MiB, file_blobs_from=0)
+    try:
+        t = tensor(5, rows=1024, cols=512)  # 2 MiB: several pages, one file
+        p = BatchPut(PendingPut(KEY_A, NAME_A, t), "org/model")
+        tier.write_batch([p], sync_files=False)
+        assert p.outcome is PutOutcome.STORED and p.ref is not None, p.error
+        got = tier.get(KEY_A, NAME_A)
+        assert got is not None and torch.equal(got, t)
+        tier.sync_files([p.ref.name])
+        path = os.path.join(tier.files.dir, p.ref.name)
+        assert unsynced_pages(path, p.ref.size) == 0
+    finally:
         tier.close()

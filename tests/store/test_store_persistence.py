@@ -353,20 +353,29 @@ def test_flush_syncs_the_file_of_an_entry_another_process_committed_and_has_not_
     rows, cols = 512, 1024  # 1 MiB: blob files of their own
     store = open_store(tmp_store_dir, cap)
     real_sync = store.disk.files.sync
+    real_write = store.disk.write_batch
     synced: list[str] = []
     gate = threading.Event()
+    big = store.stored_name("big")
 
-    def held_sync(names, **kw):  # the real sync, after the gate opens; names recorded
+    def recording_sync(names, **kw):  # the real sync; names recorded
         names = list(names)
-        assert gate.wait(60), "the gate was never opened"
         real_sync(names, **kw)
         synced.extend(names)
 
-    monkeypatch.setattr(store.disk.files, "sync", held_sync)
+    def held_write(puts, touches=None, **kw):  # the batch with "big" waits for the gate
+        if any(p.put.identifier == big for p in puts):
+            assert gate.wait(60), "the gate was never opened"
+        return real_write(puts, touches, **kw)
+
+    monkeypatch.setattr(store.disk.files, "sync", recording_sync)
+    monkeypatch.setattr(store.disk, "write_batch", held_write)
     try:
         assert store.put("x", make_tensor(3, rows, cols))
-        store.wait_committed()  # the writer now waits in x's sync: "big" stays queued behind it
-        assert store.put("big", make_tensor(7, rows, cols))  # nobody holds it yet: queued
+        store.wait_committed()
+        # Nobody holds it yet: queued, and its batch waits (the writer used
+        # to wait in x's sync here; its syncs run on a thread of their own now).
+        assert store.put("big", make_tensor(7, rows, cols))
         producer = children("producer")
         producer.send({"op": "open", "dir": str(tmp_store_dir), "disk_bytes": cap}, {"op": "hold_blob_syncs"},
                       {"op": "put", "id": "big", "seed": 7, "rows": rows, "cols": cols}, {"op": "wait_committed"})

@@ -527,3 +527,56 @@ def test_a_failed_blob_file_sync_at_close_is_reported_by_close(tmp_path, monkeyp
         s.close()
     closing = [r.getMessage() for r in caplog.records if "closing" in r.getMessage()]
     assert len(closing) == 1 and "1 write error(s)" in closing[0] and "not made durable" in closing[0], closing
+
+
+def test_a_commit_does_not_wait_for_the_previous_batchs_blob_file_sync(tmp_path, monkeypatch):
+    """Visible first, durable next, on two threads: a batch's blob files are
+    synced on the writer's sync thread, so the next batch is written and
+    committed (wait_committed returns: visible to other processes) while the
+    previous batch's sync is still running. Before, the writer synced inline
+    before its next batch: wait_committed of the second put waited for the
+    first put's fdatasync (here held: it never returned before the gate).
+    flush() still waits for both files' sync."""
+    s = _open(tmp_path / "s")
+    real_sync = s.disk.files.sync
+    gate = threading.Event()
+    in_sync = threading.Event()
+    synced: list[str] = []
+
+    def held_sync(names, **kw):  # the first sync waits for the gate; every name recorded
+        names = list(names)
+        in_sync.set()
+        assert gate.wait(BOUND_S), "the gate was never opened"
+        real_sync(names, **kw)
+        synced.extend(names)
+
+    monkeypatch.setattr(s.disk.files, "sync", held_sync)
+    try:
+        assert s.put("a", torch.randn(512, 512))  # 1 MiB: a blob file of its own
+        s.wait_committed()
+        assert in_sync.wait(BOUND_S)  # a's sync has begun and is held
+        assert s.put("b", torch.randn(512, 512))
+        committed = threading.Event()
+        th = threading.Thread(target=lambda: (s.wait_committed(), committed.set()))
+        th.start()
+        th.join(BOUND_S)
+        assert committed.is_set(), "b's commit waited for a's blob file sync"
+        assert _committed(tmp_path / "s", ["a", "b"], "a")[0] == [True, True]  # visible to another process
+        w = s._writer
+        assert w is not None
+        with w.cv:
+            assert w.syncing_since is not None  # a's sync still held: not durable yet
+        returned = threading.Event()
+        fth, errors = _flush_in_thread(s, returned)
+        with w.cv:  # the flush waits in the writer's drain, for a's sync
+            assert w.cv.wait_for(lambda: w.drainers == 1, timeout=BOUND_S)
+            assert not returned.is_set()
+        gate.set()
+        fth.join(BOUND_S)
+        assert returned.is_set() and not errors, errors
+        files = {f.name for f in Path(s.disk.files.dir).glob("*.ecb")}
+        assert len(files) == 2 and set(synced) == files, (files, synced)
+        assert s.stats().sync_errors == 0
+    finally:
+        gate.set()
+        s.close()
