@@ -19,6 +19,7 @@ import torch
 
 from ecstore import codec
 from ecstore.errors import CorruptEntryError
+from ecstore.record import Record
 from ecstore.stats import HitTier
 from ecstore.writer import PendingPut
 
@@ -136,10 +137,14 @@ class ReadPath:
         return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:
-        """The shape the LMDB tier's entry under ``key`` holds, from its
-        record only (no blob read), if it is ``name``'s; else None. An
-        unreadable record is a miss: logged and removed, like a corrupt
-        entry met by :meth:`find`."""
+        """The shape of :meth:`stored_record`'s record, if any."""
+        rec = self.stored_record(key, name)
+        return None if rec is None else rec.shape
+
+    def stored_record(self, key: str, name: str) -> Record | None:
+        """The LMDB tier's record under ``key`` (no blob read), if it is
+        ``name``'s; else None. An unreadable record is a miss: logged and
+        removed, like a corrupt entry met by :meth:`find`."""
         if self.disk is None:
             return None
         try:
@@ -149,4 +154,4 @@ class ReadPath:
             return None
         if rec is None or rec.identifier != name or rec.version != self.disk.record_version:
             return None
-        return rec.shape
+        return rec
