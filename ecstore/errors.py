@@ -47,7 +47,7 @@ class CorruptEntryError(ECStoreError):
     entry check: checksum, header, or disagreement with its key or record.
 
     Reads never raise it: a corrupt entry is a miss (and is dropped). It is
-    raised by the checking functions themselves (``ecstore.blob_check.check_entry``,
+    raised by the checking functions themselves (``ecstore.format.blob_check.check_entry``,
     ``unpack_record``...) for callers and tools that inspect entries."""
 
 

@@ -1,7 +1,7 @@
 """The ECStore contract, written once and run against every tier layout.
 
 In the style of cachetools'/zarr's ``StoreTests``: :class:`StoreContract` is a
-mixin holding the tests; ``tests/test_store_contract.py`` subclasses it once per
+mixin holding the tests; ``tests/store/test_store_contract.py`` subclasses it once per
 configuration (memory only, LMDB only, both) and implements the hooks:
 
 * ``make_store(tmp_path, **caps)`` -> an open :class:`ecstore.ECStore`.
@@ -31,7 +31,7 @@ import xxhash
 from helpers.tensors import assert_same, make_tensor, raw_bytes
 
 import ecstore
-import ecstore.store
+import ecstore.store.handle
 from ecstore import ECStore, InvalidEntryError
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -282,7 +282,7 @@ class StoreContract:
     def test_reads_keep_their_place_when_puts_span_several_batches(self, tmp_path, monkeypatch):
         """A read made after a put that the writer commits in a later
         transaction is applied after that put, not before it."""
-        monkeypatch.setattr(ecstore.store, "MAX_BATCH_BYTES", 1)  # one put per LMDB transaction
+        monkeypatch.setattr(ecstore.store.handle, "MAX_BATCH_BYTES", 1)  # one put per LMDB transaction
         store, c, cap = self._eviction_setup(tmp_path, keep=3)
         with store:
             ids = [f"img-{i:04d}" for i in range(5)]

@@ -73,6 +73,7 @@ from bench_core import ALL_SECTIONS, DTYPE, HIDDEN, REPO, ROW_BYTES, Bench, chec
 from bench_io import sec_floor, sec_hit, sec_save, sec_write
 from bench_scale import sec_contains, sec_footprint, sec_mixed
 from bench_steady import sec_burst, sec_loadread, sec_producer, sec_sched
+from machine import cpu_name
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
     "floor": sec_floor, "save": sec_save, "hit": sec_hit, "write": sec_write,
@@ -85,15 +86,7 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
 # main
 # ---------------------------------------------------------------------------
 def machine_desc() -> str:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_name()
     mem = ""
     try:
         with open("/proc/meminfo") as f:

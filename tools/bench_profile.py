@@ -11,7 +11,7 @@
 
 Nothing here changes ecstore's code: the "proposed" variants are simulated
 in this process only (a different allocator for the copy, blobs built before
-``write_batch``, ``ecstore.store.MAX_BATCH_BYTES`` patched on the module).
+``write_batch``, ``ecstore.store.handle.MAX_BATCH_BYTES`` patched on the module).
 Timings are medians; on a shared machine run each a few times.
 """
 
@@ -90,7 +90,7 @@ def cmd_alloc(args) -> None:
 
 
 def cmd_save(args) -> None:
-    from ecstore import codec
+    from ecstore.format import codec
 
     print("# fixed (size-independent) work of one save: ECStoreConnector.save_caches -> "
           "store.contains + store.put (µs, tiny [1, 16] entry, writer not woken)")
@@ -145,7 +145,7 @@ def cmd_save(args) -> None:
 def cmd_get(args) -> None:
     import numpy as np
 
-    from ecstore import blob_check, codec
+    from ecstore.format import blob_check, codec
 
     print("# LMDB-tier hit (page cache warm, no memory tier): where the time goes (ms)")
     d = tempfile.mkdtemp(prefix="ecstore-prof-")
@@ -236,7 +236,7 @@ def cmd_touch(args) -> None:
 
 def cmd_writer(args) -> None:
     import ecstore.lmdb.tier as lt
-    from ecstore import codec
+    from ecstore.format import codec
     from ecstore.lmdb import PutRequest
 
     print("# background writer, put(copy=False) x N + flush: time per stage (instrumented in-process)")
@@ -320,7 +320,7 @@ def cmd_writer(args) -> None:
 def cmd_churn(args) -> None:
     import logging
 
-    import ecstore.store as es
+    import ecstore.store.handle as es
     from ecstore.errors import StoreFullError
 
     cap = int(args.cap_mib * MiB)

@@ -14,10 +14,10 @@ import platform
 import statistics
 import subprocess
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from demo_workload import ImageSet, ModelInfo
+from machine import cpu_name
 
 
 def assemble(per: dict[str, Any], sets: list[ImageSet], news: list[ImageSet], elapsed: float, *,
@@ -150,15 +150,7 @@ def run_checks(per: dict[str, Any], sets: list[ImageSet], news: list[ImageSet],
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": cpu, "cpus": os.cpu_count(),
+    info: dict[str, Any] = {"cpu": cpu_name(), "cpus": os.cpu_count(),
                             "platform": platform.platform(), "python": platform.python_version()}
     try:
         info["cpus_usable"] = len(os.sched_getaffinity(0))

@@ -48,6 +48,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from machine import cpu_name, load_average
+
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_SEED = 999
 
@@ -181,19 +183,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = []
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": load, "python": platform.python_version()}
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average": load_average(),
+            "python": platform.python_version()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,10 +19,10 @@ if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing redis-server (apt-get) for the remote-tier tests" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } >&2 \
-      || echo "[setup] WARNING: could not install redis-server; tests/test_remote*.py will fail" >&2
+      || echo "[setup] WARNING: could not install redis-server; tests/remote/ will fail" >&2
   else
     echo "[setup] WARNING: redis-server is not installed and this is not a root Debian shell:" \
-         "install it (e.g. sudo apt-get install redis-server) or tests/test_remote*.py will fail" >&2
+         "install it (e.g. sudo apt-get install redis-server) or tests/remote/ will fail" >&2
   fi
 fi
 stamp="$VENV/.ecstore-setup"

@@ -30,9 +30,9 @@ VERSION=${VLLM033_VERSION:-0.33.0}
 WHEELS=$ROOT/.cache/wheels
 SITE=$ROOT/.cache/vllm033/site
 
-TESTS=(tests/test_connector_unit.py tests/test_connector_scheduler.py tests/test_connector_v2.py
-       tests/test_connector_remote_unit.py tests/test_epd.py tests/test_identity_vllm.py)
-ENGINE_TESTS=(tests/test_connector_engine.py tests/test_epd_engine.py tests/test_identity_engine.py)
+TESTS=(tests/connector/test_connector_unit.py tests/connector/test_connector_scheduler.py tests/connector/test_connector_v2.py
+       tests/connector/test_connector_remote_unit.py tests/connector/test_epd.py tests/connector/test_identity_vllm.py)
+ENGINE_TESTS=(tests/engine/test_connector_engine.py tests/engine/test_epd_engine.py tests/engine/test_identity_engine.py)
 PYTEST_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in

@@ -71,14 +71,7 @@ from ecstore.cli.maintain import parse_older_than
 from ecstore.cli.parser import build_parser
 from ecstore.errors import ECStoreError
 
-#: Exit codes under their old names (``ExitCode`` members; kept for callers).
-EXIT_OK = ExitCode.OK
-EXIT_BAD = ExitCode.BAD
-EXIT_ERROR = ExitCode.ERROR
-EXIT_BUSY = ExitCode.BUSY
-
-__all__ = ["PROG", "CLIError", "ExitCode", "EXIT_OK", "EXIT_BAD", "EXIT_ERROR", "EXIT_BUSY", "build_parser",
-           "human_age", "human_size", "iso", "main", "parse_older_than"]
+__all__ = ["PROG", "CLIError", "ExitCode", "build_parser", "human_age", "human_size", "iso", "main", "parse_older_than"]
 
 
 def main(argv: list[str] | None = None) -> int:

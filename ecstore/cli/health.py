@@ -6,11 +6,13 @@ import argparse
 from dataclasses import asdict
 from typing import Any
 
-from ecstore import maintenance, namespaces, schema
+from ecstore import maintenance
 from ecstore.cli.exitcodes import PROG, ExitCode
 from ecstore.cli.format import Progress, human_size, iso, json_key, json_out, n_entries, out, print_table, printable
 from ecstore.cli.remote import is_remote_path, run_remote
 from ecstore.cli.target import open_readonly, resolve_target
+from ecstore.lmdb import schema
+from ecstore.maintenance import namespaces
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ecstore import namespaces
 from ecstore.cli.exitcodes import ExitCode
 from ecstore.cli.format import (
     Progress,
@@ -26,7 +25,7 @@ from ecstore.cli.remote import is_remote_path, run_remote
 from ecstore.cli.target import open_readonly, resolve_target
 from ecstore.errors import ECStoreError
 from ecstore.key import parse_key
-from ecstore.maintenance import Row, key_bytes, scan
+from ecstore.maintenance import Row, key_bytes, namespaces, scan
 
 
 def row_json(row: Row) -> dict[str, Any]:

@@ -10,11 +10,12 @@ import re
 import sys
 import time
 
-from ecstore import maintenance, namespaces
+from ecstore import maintenance
 from ecstore.cli.exitcodes import PROG, CLIError, ExitCode
 from ecstore.cli.format import Progress, human_size, isatty, n_entries, out, printable
 from ecstore.cli.target import need_entries, open_readonly, resolve_target
 from ecstore.errors import ECStoreError
+from ecstore.maintenance import namespaces
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

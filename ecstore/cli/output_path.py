@@ -2,7 +2,7 @@
 outside every ecstore store, or ``-`` (standard output).
 
 The file is written under a fresh temporary name and renamed over OUT
-(:func:`ecstore.files.write_private_file`), which replaces whatever sits
+(:func:`ecstore.cli.files.write_private_file`), which replaces whatever sits
 there: a device, a FIFO, a socket, a symbolic link (``/dev/stdout``), a
 store's ``data.mdb``. So OUT is checked first (``lstat``, no link followed)
 and those are refused with a :class:`~.exitcodes.CLIError` (exit 2).
@@ -14,7 +14,7 @@ import os
 import stat
 
 from ecstore.cli.exitcodes import CLIError
-from ecstore.store_files import STORE_FILES
+from ecstore.lmdb.store_files import STORE_FILES
 
 #: OUT meaning standard output.
 STDOUT = "-"

@@ -8,14 +8,13 @@ import os
 import time
 from typing import Any
 
-from ecstore import namespaces
 from ecstore.cli.exitcodes import PROG, CLIError, ExitCode
+from ecstore.cli.files import write_private_file
 from ecstore.cli.format import human_age, human_size, json_out, note, out, printable, shell_arg, write_binary_out
 from ecstore.cli.listing import row_json
 from ecstore.cli.output_path import STDOUT, check_export_path
 from ecstore.cli.target import need_entries, open_readonly, output_mode, resolve_target, split_positionals
-from ecstore.files import write_private_file
-from ecstore.maintenance import EntryDetail, entry_detail, entry_problem, read_entry
+from ecstore.maintenance import EntryDetail, entry_detail, entry_problem, namespaces, read_entry
 
 
 def detail_json(det: EntryDetail) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from typing import Any
 
 from ecstore import maintenance
 from ecstore.cli.exitcodes import CLIError
+from ecstore.cli.files import PRIVATE_FILE_MODE
 from ecstore.cli.format import human_size, printable, warn
 from ecstore.config import ECStoreConfig, load_config, normalize_local_disk
 from ecstore.errors import ConfigError
-from ecstore.files import PRIVATE_FILE_MODE
 from ecstore.lmdb import LMDBTier
 from ecstore.maintenance import Row, find_entries
 

@@ -15,8 +15,8 @@ import re
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from ecstore.config.redact import short_repr
 from ecstore.errors import ConfigError
-from ecstore.redact import short_repr
 
 GiB = 1 << 30
 

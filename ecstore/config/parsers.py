@@ -15,8 +15,8 @@ from typing import Any
 
 from ecstore.config.limits import normalize_local_disk, too_big
 from ecstore.errors import ConfigError
+from ecstore.lmdb.store_files import check_file_mode
 from ecstore.remote.url import parse_remote_url
-from ecstore.store_files import check_file_mode
 
 TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "0", "no", "off"})

@@ -35,11 +35,11 @@ from ecstore.config.parsers import (
     parse_secret,
     parse_text,
 )
+from ecstore.config.redact import mask_value, short_repr
 from ecstore.errors import ConfigError
 from ecstore.identity import check_namespace_pin
-from ecstore.redact import mask_value, short_repr
+from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, check_file_mode
 from ecstore.remote.url import mask_url, parse_remote_url
-from ecstore.store_files import DEFAULT_FILE_MODE, check_file_mode
 
 EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
                           "remote_ttl_seconds", "max_remote_queue_size"})
@@ -86,7 +86,7 @@ class ECStoreConfig:
             memcpy on the benchmark VM. Default true; false only to compare
             (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
         split_reads: read a disk-tier entry of at least
-            :data:`ecstore.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
+            :data:`ecstore.format.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
             of its own on two cores: the caller and one helper thread per
             process (``docs/benchmarks.md``: ~1.2-1.4x instead of ~1.4-1.6x
             a memcpy on an idle benchmark VM, but ~20% slower than one core
@@ -347,7 +347,7 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
 
     The first row is ``("config_file", <abs path or None>, <where the path was
     named, or "default">)``; then one row per ECStoreConfig field. Secrets
-    are masked (:func:`ecstore.redact.mask_value`: URL passwords, secret
+    are masked (:func:`ecstore.config.redact.mask_value`: URL passwords, secret
     keys); ``file_mode`` is shown in octal (``"0600"``).
     """
     rows: list[tuple[str, Any, str]] = [

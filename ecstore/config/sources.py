@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecstore.config.lmcache_keys import LMCACHE_KEYS, is_lmcache_key
+from ecstore.config.redact import short_repr
 from ecstore.config.settings import (
     CONFIG_FILE_ENV,
     CONFIG_FILE_KEY,
@@ -30,7 +31,6 @@ from ecstore.config.settings import (
 )
 from ecstore.config.yaml_file import read_yaml
 from ecstore.errors import ConfigError
-from ecstore.redact import short_repr
 
 #: Longest key or variable name quoted as written in a message; longer or
 #: unprintable ones are shown through :func:`short_repr`.

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
+from ecstore.config.redact import mask_secrets, short_repr
 from ecstore.config.settings import EC_SECTION
 from ecstore.errors import ConfigError
-from ecstore.redact import mask_secrets, short_repr
 
 MAX_CONFIG_BYTES = 1 << 20
 

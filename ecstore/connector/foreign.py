@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore import namespaces
 from ecstore.errors import ECStoreError
 from ecstore.identity import qualify
 from ecstore.key import make_key
+from ecstore.maintenance import namespaces
 
 log = logging.getLogger("ecstore")
 

@@ -63,6 +63,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -81,9 +82,9 @@ from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import ECStoreConnectorStats, remote_deltas
 from ecstore.connector.vllm_identity import CLIENT_UUID_WARNING, kept_out
 from ecstore.errors import ECStoreError
+from ecstore.format.record import Record
 from ecstore.identity import EncoderIdentity
 from ecstore.lmdb.leases import Pin
-from ecstore.record import Record
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -504,7 +505,7 @@ class SchedulerSide:
                     out.append(ident)
         return out
 
-    def _unpoison(self, identifiers) -> None:
+    def _unpoison(self, identifiers: Iterable[str]) -> None:
         self._poisoned.difference_update(identifiers)
         if not self._poisoned:
             self._failed_reqs.clear()

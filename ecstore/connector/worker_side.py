@@ -43,13 +43,13 @@ from typing import Any
 
 import torch
 
-from ecstore.codec import tensor_nbytes
 from ecstore.config import ECStoreConfig
 from ecstore.connector.metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
 from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import remote_deltas
 from ecstore.connector.vllm_identity import kept_out
 from ecstore.errors import ECStoreError
+from ecstore.format.codec import tensor_nbytes
 from ecstore.identity import EncoderIdentity, split_stored
 from ecstore.memory import MemoryItem
 from ecstore.store import ECStore

@@ -23,7 +23,7 @@ module:
   :mod:`~ecstore.lmdb.tier`: :class:`~ecstore.lmdb.tier.LMDBTier` (write
   batches, deletes, leases, eviction at open).
 
-Layout (see ``migrations/``): sub-databases ``blobs`` (key -> safetensors
+Layout (see :mod:`ecstore.lmdb.migrations`): sub-databases ``blobs`` (key -> safetensors
 blob, or a pointer to the file holding it), ``entries`` (key -> packed Record), ``lru`` (u64 BE seq -> key) and
 ``meta`` (schema version, total bytes, next LRU sequence number). A blob, its
 record and its LRU position are always written and removed in the same write
@@ -31,7 +31,7 @@ transaction, and ``total_bytes`` is updated in that transaction too, so the
 accounting can never drift from the entries. A blob file is written whole
 (into the page cache) before the transaction that points to it commits,
 ``fdatasync``ed right after that commit (before ``flush`` returns: visible
-first, durable next, :mod:`ecstore.writer`), and deleted only after the one
+first, durable next, :mod:`ecstore.store.writer`), and deleted only after the one
 that removed its entry did. A power loss between that commit and the sync
 can tear the file: its read is a checked miss, never garbage.
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ecstore import codec
+from ecstore.format import codec
 from ecstore.lmdb.blobfiles import FileRef
 
 

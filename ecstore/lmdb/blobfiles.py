@@ -56,9 +56,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ecstore.codec import CorruptBlobError
-from ecstore.errors import ECStoreError, InvalidEntryError, StoreFullError, StoreOpenError, check_same_process
-from ecstore.store_files import DEFAULT_FILE_MODE, FilePolicy
+from ecstore.errors import (
+    CorruptEntryError,
+    ECStoreError,
+    InvalidEntryError,
+    StoreFullError,
+    StoreOpenError,
+    check_same_process,
+)
+from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, FilePolicy
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -146,20 +152,20 @@ def pack_ref(ref: FileRef) -> bytes:
 
 def unpack_ref(value: bytes | memoryview) -> FileRef | None:
     """The :class:`FileRef` an LMDB value points at; None if the value does
-    not start with :data:`POINTER_MAGIC` (an inline blob). CorruptBlobError
+    not start with :data:`POINTER_MAGIC` (an inline blob). CorruptEntryError
     if it does but is malformed (short, a name that is not a blob file's)."""
     mv = memoryview(value)
     if mv[:len(POINTER_MAGIC)] != POINTER_MAGIC:
         return None
     if len(mv) <= _HEAD:
-        raise CorruptBlobError(f"blob file pointer of {len(mv)} bytes is too short")
+        raise CorruptEntryError(f"blob file pointer of {len(mv)} bytes is too short")
     raw = bytes(mv[_HEAD:])
     try:
         name = raw.decode("ascii")
     except UnicodeDecodeError:
         name = ""
     if not _NAME.fullmatch(name):
-        raise CorruptBlobError(f"blob file pointer names no blob file: {raw[:80]!r}")
+        raise CorruptEntryError(f"blob file pointer names no blob file: {raw[:80]!r}")
     return FileRef(name, _SIZE.unpack_from(mv, len(POINTER_MAGIC))[0])
 
 

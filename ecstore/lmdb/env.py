@@ -33,8 +33,7 @@ import lmdb
 
 from ecstore.errors import StoreOpenError
 from ecstore.lmdb.leases import LeaseTable
-from ecstore.lmdb.txngate import _Txn, _TxnGate
-from ecstore.store_files import (
+from ecstore.lmdb.store_files import (
     FilePolicy,
     check_file_types,
     check_writable_location,
@@ -43,6 +42,7 @@ from ecstore.store_files import (
     missing_files,
     readonly_needs_nolock,
 )
+from ecstore.lmdb.txngate import _Txn, _TxnGate
 
 log = logging.getLogger("ecstore")
 

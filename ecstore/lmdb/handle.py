@@ -27,14 +27,15 @@ from typing import Any, Literal, TypeVar, overload
 
 import lmdb
 
-from ecstore import codec, schema
 from ecstore.errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
+from ecstore.format import codec
+from ecstore.lmdb import schema
 from ecstore.lmdb.blobfiles import BlobFiles
 from ecstore.lmdb.env import MiB, _SharedEnv, map_size_for
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.leases import LeaseTable
+from ecstore.lmdb.store_files import FilePolicy
 from ecstore.lmdb.txn import Dbs, TierCounters, WriteTxn
-from ecstore.store_files import FilePolicy
 
 log = logging.getLogger("ecstore")
 

@@ -20,9 +20,9 @@ from typing import Any
 import lmdb
 import torch
 
-from ecstore import blob_read, codec
-from ecstore.codec import CorruptBlobError, Record
-from ecstore.errors import StoreFullError
+from ecstore.errors import CorruptEntryError, StoreFullError
+from ecstore.format import blob_read, codec
+from ecstore.format.codec import Record
 from ecstore.lmdb.blobfiles import BlobFileUnavailable, FileRef, unpack_ref
 from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
 from ecstore.lmdb.txn import _U64, file_ref
@@ -51,7 +51,7 @@ class TierReads(StoreHandle):
 
     @_lmdb_errors_as_store_errors
     def record(self, key: str) -> Record | None:
-        """``key``'s record; None if absent; CorruptBlobError if unreadable."""
+        """``key``'s record; None if absent; CorruptEntryError if unreadable."""
         self._check()
         with self._begin(buffers=True) as txn:
             raw = txn.get(self._k(key), db=self._entries)
@@ -83,17 +83,17 @@ class TierReads(StoreHandle):
                     return None  # another identity or identifier (hash collision), or legacy: a plain miss
                 blob = txn.get(k, db=self._blobs)
                 if blob is None:
-                    raise CorruptBlobError("record without blob")
+                    raise CorruptEntryError("record without blob")
                 ref = unpack_ref(blob)
                 if ref is None:
                     return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype,
                                                 key=key)
-            except CorruptBlobError as e:
+            except CorruptEntryError as e:
                 err = e
         if ref is not None and rec is not None:  # read after the transaction: no snapshot held
             try:
                 out = self._read_file(k, ref, rec, identifier=identifier, model=model, dtype=dtype, key=key)
-            except CorruptBlobError as e:
+            except CorruptEntryError as e:
                 err = e
             else:
                 if out is not None:
@@ -104,10 +104,10 @@ class TierReads(StoreHandle):
 
     def _read_file(self, k: bytes, ref: FileRef, rec: Record, **expect: Any) -> torch.Tensor | None:
         """The tensor of an entry whose blob is the file ``ref`` (checked like
-        an inline blob: :func:`~ecstore.blob_read.read_file_entry`); None if
+        an inline blob: :func:`~ecstore.format.blob_read.read_file_entry`); None if
         the file is gone because the entry was removed after our read
         transaction (eviction by another process: a plain miss);
-        CorruptBlobError if it is gone while the entry still points to it
+        CorruptEntryError if it is gone while the entry still points to it
         (damage) or fails a check. A file that cannot be opened for want of
         descriptors or memory is a miss too, the entry kept."""
         try:
@@ -117,7 +117,7 @@ class TierReads(StoreHandle):
         if fd is None:
             if not self.points_to(k, ref):
                 return None
-            raise CorruptBlobError(f"blob file {ref.name} is missing")
+            raise CorruptEntryError(f"blob file {ref.name} is missing")
         try:
             return blob_read.read_file_entry(rec, fd, split_from=self.split_reads_from, **expect)
         finally:
@@ -150,7 +150,7 @@ class TierReads(StoreHandle):
                 return
             try:
                 rec = codec.unpack_record(raw)
-            except CorruptBlobError:
+            except CorruptEntryError:
                 rec = None
             if rec is not None and (raw_expected is None or rec.checksum != raw_expected):
                 return  # replaced by a fresh entry meanwhile
@@ -168,7 +168,7 @@ class TierReads(StoreHandle):
             for k, raw in (cur.iterprev() if reverse else cur):
                 try:
                     yield k.decode("utf-8"), codec.unpack_record(raw)
-                except CorruptBlobError:
+                except CorruptEntryError:
                     yield k.decode("utf-8", "replace"), None
 
     @_lmdb_errors_as_store_errors

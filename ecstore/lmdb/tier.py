@@ -20,8 +20,6 @@ import time
 
 import lmdb
 
-from ecstore import codec
-from ecstore.codec import Record
 from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import (
     CorruptEntryError,
@@ -31,6 +29,8 @@ from ecstore.errors import (
     StoreFullError,
     StoreOpenError,
 )
+from ecstore.format import codec
+from ecstore.format.codec import Record
 from ecstore.lmdb.batch import PutOp, PutRequest, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
@@ -78,7 +78,7 @@ class LMDBTier(TierReads):
 
         ``file_mode``: mode of the files a read-write open creates (default
         0600, directory 0700) and the mode an existing store is checked
-        against (see :mod:`ecstore.store_files`); None also means the caller
+        against (see :mod:`ecstore.lmdb.store_files`); None also means the caller
         does not know the configured mode: looser modes are then not warned
         about, only refused where unsafe.
 
@@ -89,7 +89,7 @@ class LMDBTier(TierReads):
         behind (:meth:`~ecstore.lmdb.blobfiles.BlobFiles.sweep`).
 
         ``split_reads_from``: blob files with at least this many bytes of
-        data are read on two cores (:mod:`ecstore.split_read`); None (the
+        data are read on two cores (:mod:`ecstore.format.split_read`); None (the
         default): one core."""
         super().__init__(path, capacity_bytes, readonly=readonly, create=create, schema_target=schema_target,
                          map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from,

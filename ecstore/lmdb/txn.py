@@ -27,9 +27,9 @@ from typing import Any
 
 import lmdb
 
-from ecstore import codec
-from ecstore.codec import CorruptBlobError, Record
-from ecstore.errors import StoreOpenError
+from ecstore.errors import CorruptEntryError, StoreOpenError
+from ecstore.format import codec
+from ecstore.format.codec import Record
 from ecstore.lmdb.blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from ecstore.lmdb.leases import LeaseTable
 
@@ -44,7 +44,7 @@ def file_ref(value: bytes | memoryview) -> FileRef | None:
     and for a malformed pointer (damage: it is dropped like an inline blob)."""
     try:
         return unpack_ref(value)
-    except CorruptBlobError:
+    except CorruptEntryError:
         return None
 
 
@@ -78,7 +78,7 @@ def _u64(txn: lmdb.Transaction, name: bytes, db: Any, path: str) -> int:
 
 @dataclass(frozen=True)
 class Dbs:
-    """The sub-database handles of one environment (see ``migrations/``):
+    """The sub-database handles of one environment (see :mod:`ecstore.lmdb.migrations`):
     ``blobs`` (key -> safetensors blob), ``entries`` (key -> packed Record),
     ``meta`` (schema version and counters), ``lru`` (u64 BE seq -> key; None
     in schema 1), ``namespaces`` (namespace -> identity; None before schema 3),
@@ -239,7 +239,7 @@ class WriteTxn:
             return False
         try:
             rec = codec.unpack_record(raw)
-        except CorruptBlobError:
+        except CorruptEntryError:
             return False
         seq = self._next_seq()
         if self.dbs.lru is not None:
@@ -262,7 +262,7 @@ class WriteTxn:
             if raw is not None:
                 try:
                     rec = codec.unpack_record(raw)
-                except CorruptBlobError:
+                except CorruptEntryError:
                     rec = None
         blob = txn.get(k, db=dbs.blobs)
         size = rec.blob_size if rec is not None else stored_size(blob)
@@ -381,7 +381,7 @@ class WriteTxn:
                     try:
                         rec = codec.unpack_record(packed)
                         order.append((rec.lru_seq, bytes(k), rec.blob_size, False))
-                    except CorruptBlobError:
+                    except CorruptEntryError:
                         blob = txn.get(k, db=dbs.blobs)
                         order.append((-1, bytes(k), stored_size(blob), True))
             for _, k, size, damaged in sorted(order):
@@ -399,7 +399,7 @@ class WriteTxn:
                         continue
                     try:
                         rec = codec.unpack_record(raw)
-                    except CorruptBlobError:
+                    except CorruptEntryError:
                         blob = txn.get(k, db=dbs.blobs)
                         yield k, stored_size(blob), True
                         continue

@@ -6,7 +6,7 @@ Everything here works on a real store directory through
 these records as tables or JSON and picks exit codes.
 
 * :mod:`.entries`  opening a store read-only, scanning and finding entries,
-  and the per-entry check (a thin wrapper over :func:`ecstore.blob_check.check_entry`,
+  and the per-entry check (a thin wrapper over :func:`ecstore.format.blob_check.check_entry`,
   the one entry check shared with ``get``);
 * :mod:`.detail`   one entry in detail (record, blob check, safetensors header);
 * :mod:`.inspect`  verify, page statistics, reader slots, per-model totals;

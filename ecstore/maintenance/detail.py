@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore import blob_check
-from ecstore.codec import CorruptBlobError
+from ecstore.errors import CorruptEntryError
+from ecstore.format import blob_check
 from ecstore.lmdb import LMDBTier
 from ecstore.maintenance.entries import Row, entry_problem, read_entry
 
@@ -50,7 +50,7 @@ def entry_detail(tier: LMDBTier, row: Row) -> EntryDetail:
         return EntryDetail(fresh, True, problem)
     try:
         hdr = blob_check.parse_header(blob)
-    except CorruptBlobError as e:
+    except CorruptEntryError as e:
         return EntryDetail(fresh, True, problem, len(blob), header_error=str(e))
     except Exception as e:  # noqa: BLE001 - a hostile header (wrong JSON types...)
         text = " ".join(str(e).split("\n")).replace("\r", " ")

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore import blob_check, codec
-from ecstore.codec import CorruptBlobError, Record
-from ecstore.errors import ECStoreError, StoreOpenError
+from ecstore.errors import CorruptEntryError, ECStoreError, StoreOpenError
+from ecstore.format import blob_check, codec
+from ecstore.format.codec import Record
 from ecstore.key import parse_key
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
@@ -102,7 +102,7 @@ def _row(k: bytes, raw: Any) -> Row:
     key = key_text(k)
     try:
         return Row(key, codec.unpack_record(raw))
-    except CorruptBlobError as e:
+    except CorruptEntryError as e:
         return Row(key, None, f"unreadable record: {e}")
 
 
@@ -135,7 +135,7 @@ def scan(tier: LMDBTier, progress: Ticker | None = None) -> Iterator[Row]:
 def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
     """None if the entry is sound, else a one-line reason.
 
-    A thin wrapper over :func:`ecstore.blob_check.check_entry` (the entry check
+    A thin wrapper over :func:`ecstore.format.blob_check.check_entry` (the entry check
     every ``get`` runs) with the entry's ``key``, adding what only tooling
     sees: an unreadable record, a record without blob, the two checksums of
     a mismatch, and ``bad safetensors header:`` before a header problem.
@@ -148,7 +148,7 @@ def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
     try:
         blob_check.check_entry(rec, blob, key=key)
         return None
-    except CorruptBlobError as e:
+    except CorruptEntryError as e:
         reason = str(e)
     if len(blob) == rec.blob_size:
         actual = codec.checksum(blob)
@@ -156,7 +156,7 @@ def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
             return f"checksum mismatch (record {rec.checksum:016x}, blob {actual:016x})"
         try:
             blob_check.parse_header(blob)
-        except CorruptBlobError as e:
+        except CorruptEntryError as e:
             return f"bad safetensors header: {e}"
     return reason
 
@@ -176,7 +176,7 @@ def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record
         blob = None if value is None else bytes(tier.resolve_blob(value))  # a blob file's contents
         try:
             rec: Record | None = codec.unpack_record(raw)
-        except CorruptBlobError:
+        except CorruptEntryError:
             rec = None
     if ref is not None and blob is not None and len(blob) != ref.size and not tier.points_to(k, ref):
         return None, None, False

@@ -14,10 +14,12 @@ from typing import Any
 
 import lmdb
 
-from ecstore import codec, namespaces
-from ecstore.codec import CorruptBlobError, Record
+from ecstore.errors import CorruptEntryError
+from ecstore.format import codec
+from ecstore.format.codec import Record
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
+from ecstore.maintenance import namespaces
 from ecstore.maintenance.entries import Row, entry_problem, key_bytes, scan
 from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory
 
@@ -84,7 +86,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                     continue
                 try:
                     rec: Record | None = codec.unpack_record(raw)
-                except CorruptBlobError:
+                except CorruptEntryError:
                     rec = None
                 value = txn.get(k, db=dbs["blobs"])
                 ref = None if value is None else file_ref(value)

@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ecstore import namespaces
 from ecstore.lmdb import LMDBTier
+from ecstore.maintenance import namespaces
 from ecstore.maintenance.entries import Row, key_bytes, scan
 from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory
 
@@ -26,7 +26,7 @@ class PurgeCriteria:
     :func:`.entries.find_entries`); ``model``: the key's model;
     ``cutoff_ns``: last access strictly before this instant (ns since the
     epoch; entries with an unreadable record never match); ``namespace``:
-    a spec checked by :func:`ecstore.namespaces.check_spec`.
+    a spec checked by :func:`ecstore.maintenance.namespaces.check_spec`.
     """
 
     all_entries: bool = False
@@ -52,7 +52,7 @@ class PurgeCriteria:
 def select_victims(tier: LMDBTier, criteria: PurgeCriteria, progress: ProgressFactory = NO_PROGRESS) -> list[Row]:
     """The entries ``criteria`` selects, in key order (read-only scan).
     With a namespace prefix, raises ECStoreError unless it names exactly one
-    namespace among them (:func:`ecstore.namespaces.resolve`)."""
+    namespace among them (:func:`ecstore.maintenance.namespaces.resolve`)."""
     with progress("selecting", tier.entry_count()) as prog:
         victims = [r for r in scan(tier, prog) if criteria.matches(r)]
     if criteria.namespace:

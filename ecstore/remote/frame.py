@@ -8,14 +8,14 @@ The padding makes the blob start at a multiple of ALIGN bytes into the value,
 so the tensor data (8-byte aligned inside the blob) is aligned in a reply
 buffer too and a read can hand out a view of it instead of a copy.
 
-``record`` is :func:`ecstore.codec.pack_record` (identifier, dtype, shape,
+``record`` is :func:`ecstore.format.codec.pack_record` (identifier, dtype, shape,
 sizes, blob checksum: the same record LMDB keeps beside the blob) and
 ``blob`` the same safetensors bytes LMDB stores. :func:`unpack` checks the
 framing and the record; :func:`check_value` checks a value on its own
 (checksum, strict header, record against header, a shape ``put`` stores);
 :func:`decode_entry` does that first, then compares the value with the
 identity the reader expects. Anything that does not check out is a miss:
-:class:`ecstore.codec.CorruptBlobError` (garbage, or a value whose record
+:class:`ecstore.errors.CorruptEntryError` (garbage, or a value whose record
 and blob disagree: delete it) or, only for a value that passed
 :func:`check_value`, :class:`ForeignValue` (a valid value of another entry:
 keep it).
@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ecstore import blob_check, blob_read, codec
-from ecstore.codec import CorruptBlobError, Record
+from ecstore.errors import CorruptEntryError
+from ecstore.format import blob_check, blob_read, codec
+from ecstore.format.codec import Record
 
 MAGIC = b"ECRV"
 VERSION = 1
@@ -85,36 +86,36 @@ def unpack_record(head: Any) -> Record:
     """The record of a value from its first :func:`record_end` bytes (or more)."""
     mv = memoryview(head).cast("B")
     if len(mv) < _HEAD.size:
-        raise CorruptBlobError("remote value shorter than its header")
+        raise CorruptEntryError("remote value shorter than its header")
     magic, version, rlen = _HEAD.unpack_from(mv, 0)
     if magic != MAGIC or version != VERSION:
-        raise CorruptBlobError(f"not an ecstore remote value (magic {bytes(magic)!r}, version {version})")
+        raise CorruptEntryError(f"not an ecstore remote value (magic {bytes(magic)!r}, version {version})")
     if _HEAD.size + rlen > len(mv):
-        raise CorruptBlobError("record length out of range")
+        raise CorruptEntryError("record length out of range")
     return codec.unpack_record(mv[_HEAD.size:_HEAD.size + rlen])
 
 
 def unpack(value: Any) -> tuple[Record, memoryview]:
-    """(record, blob view) of a remote value; CorruptBlobError if malformed."""
+    """(record, blob view) of a remote value; CorruptEntryError if malformed."""
     mv = memoryview(value).cast("B")
     rec = unpack_record(mv)
     blob = mv[blob_start(mv):]
     if len(blob) != rec.blob_size:
-        raise CorruptBlobError("blob size does not match its record")
+        raise CorruptEntryError("blob size does not match its record")
     return rec, blob
 
 
 @contextlib.contextmanager
 def _as_corrupt(what: str) -> Iterator[None]:
     """Whatever a library raises on hostile bytes inside the block is a bad
-    value: CorruptBlobError ("<what> remote value: ..."); CorruptBlobError
+    value: CorruptEntryError ("<what> remote value: ..."); CorruptEntryError
     and MemoryError pass as they are."""
     try:
         yield
-    except (CorruptBlobError, MemoryError):
+    except (CorruptEntryError, MemoryError):
         raise
     except Exception as e:  # noqa: BLE001  (hostile bytes: whatever a library raises is a bad value)
-        raise CorruptBlobError(f"{what} remote value: {type(e).__name__}: {e}") from None
+        raise CorruptEntryError(f"{what} remote value: {type(e).__name__}: {e}") from None
 
 
 def check_value(value: Any, *, key: str | None = None) -> tuple[Record, memoryview, blob_check.BlobHeader]:
@@ -123,7 +124,7 @@ def check_value(value: Any, *, key: str | None = None) -> tuple[Record, memoryvi
     header, the record against the header (:func:`blob_check.check_entry`,
     the one entry check LMDB reads use too; with ``key``, the key's model
     and dtype against the header), and a tensor shape ``put`` stores
-    (:func:`blob_check.check_put_shape`). Raises CorruptBlobError naming
+    (:func:`blob_check.check_put_shape`). Raises CorruptEntryError naming
     the first failure, never another exception but MemoryError."""
     with _as_corrupt("unreadable"):
         rec, blob = unpack(value)
@@ -135,11 +136,11 @@ def decode_entry(value: Any, *, identifier: str, model: str, dtype_name: str) ->
     """Verify a remote value for (identifier, model, dtype) and decode it.
 
     Integrity comes first (:func:`check_value`): a value that fails it
-    raises CorruptBlobError, whatever identity its record claims (one
+    raises CorruptEntryError, whatever identity its record claims (one
     flipped bit in the record's identifier is damage, not another entry).
     Only a value that passes it and belongs to another identifier, model,
     dtype or record version raises ForeignValue. Raises nothing else but
-    MemoryError: whatever torch or numpy raise on a value is CorruptBlobError.
+    MemoryError: whatever torch or numpy raise on a value is CorruptEntryError.
     """
     rec, blob, hdr = check_value(value)
     if rec.version != codec.RECORD_VERSION:

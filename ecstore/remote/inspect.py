@@ -29,8 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ecstore.codec import CorruptBlobError
-from ecstore.errors import ECStoreError
+from ecstore.errors import CorruptEntryError, ECStoreError
 from ecstore.key import parse_key
 from ecstore.remote import frame
 from ecstore.remote.backend import KEY_PREFIX, RedisBackend, RemoteBadReply, RemoteRefused
@@ -129,7 +128,7 @@ def _info(raw_key: bytes, head: bytes, size: int, pttl: int, error: str | None =
         return RemoteEntryInfo(key, model, None, None, None, size, None, ttl, error)
     try:
         rec = frame.unpack_record(head)
-    except CorruptBlobError as e:
+    except CorruptEntryError as e:
         return RemoteEntryInfo(key, model, None, None, None, size, None, ttl, str(e))
     return RemoteEntryInfo(key, model, rec.mm_identifier, rec.dtype, rec.shape, size, rec.created_ns, ttl,
                            namespace=rec.namespace)
@@ -288,7 +287,7 @@ def _verify(backend: RedisBackend, delete_bad: bool, bound: TimeBound | None, re
         result.checked += 1
         try:
             frame.check_value(value, key=key)  # the check every remote read runs, and the key
-        except CorruptBlobError as e:
+        except CorruptEntryError as e:
             result.bad.append({"key": key, "error": str(e)})
             if delete_bad and _delete_if_unchanged(backend, k, key, value):
                 result.deleted += 1

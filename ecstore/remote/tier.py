@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ecstore import codec
-from ecstore.codec import CorruptBlobError
+from ecstore.errors import CorruptEntryError
+from ecstore.format import codec
 from ecstore.remote import frame
 from ecstore.remote.backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
 from ecstore.remote.breaker import BreakerState, CircuitBreaker, Transition
@@ -258,7 +258,7 @@ class RemoteTier:
                                key, e, identifier, self.model)
             self._count(misses=1, foreign=1)
             return None
-        except CorruptBlobError as e:
+        except CorruptEntryError as e:
             self._warn_limited("corrupt", "ecstore: corrupt remote value %s (%s) at %s: treated as a miss%s",
                                key, e, self.backend.description, "" if self.readonly else ", removed")
             self._count(misses=1)

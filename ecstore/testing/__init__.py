@@ -9,7 +9,7 @@
   consistency audit of a store, forkserver workers that can be SIGKILLed.
 * :mod:`ecstore.testing.stress_crash`, :mod:`ecstore.testing.stress_concurrency`
   -- the crash and concurrency stress runs; ``tools/stress_*.py`` are their
-  command lines and ``tests/test_faults.py`` runs them with smaller settings.
+  command lines and ``tests/store/test_faults.py`` runs them with smaller settings.
 * :mod:`ecstore.testing.redis_server` -- a real redis-server (single, TLS,
   unix socket, or a three-master cluster) on 127.0.0.1 for the remote tier.
 

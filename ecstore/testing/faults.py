@@ -1,4 +1,4 @@
-"""Shared code of the fault tests (tests/test_faults.py) and the stress
+"""Shared code of the fault tests (tests/store/test_faults.py) and the stress
 scripts (tools/stress_crash.py, tools/stress_concurrency.py).
 
 * :func:`entry_tensor` -- an entry's content as a pure function of an integer
@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ecstore import blob_check, codec
+from ecstore.errors import CorruptEntryError
+from ecstore.format import blob_check, codec
 from ecstore.identity import library_identity, qualify
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _SEQ, _U64, file_ref
@@ -183,7 +184,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                     key = bytes(k).decode("utf-8", "replace")
                     try:
                         rec = codec.unpack_record(raw)
-                    except codec.CorruptBlobError as e:
+                    except CorruptEntryError as e:
                         a.problems.append(f"{key}: unreadable record ({e})")
                         continue
                     blob = txn.get(k, db=dbs["blobs"])
@@ -209,7 +210,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                             hdr = blob_check.parse_header(blob)
                             if hdr.identifier != rec.identifier:
                                 a.problems.append(f"{key}: blob identifier differs from record")
-                        except codec.CorruptBlobError as e:
+                        except CorruptEntryError as e:
                             a.problems.append(f"{key}: bad header ({e})")
                     if dbs["lru"] is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs["lru"]) != bytes(k):
                         a.problems.append(f"{key}: LRU row {rec.lru_seq} missing or pointing elsewhere")

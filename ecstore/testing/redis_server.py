@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 START_TIMEOUT_S = 60.0
 
@@ -53,10 +54,10 @@ class RedisServer:
             return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[0]}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def client(self):
+    def client(self) -> Any:
         import redis
 
-        tls = {"ssl": True, "ssl_ca_certs": str(self.tls[0])} if self.tls else {}
+        tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.tls[0])} if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **tls)
 
     def _launch(self) -> bool:

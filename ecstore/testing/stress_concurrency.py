@@ -29,7 +29,7 @@ deletes of anything; entries may vanish, never be wrong. Both: no worker
 error, no write error, exact accounting at the end (``audit``), and
 ``ecstore-dump verify`` exits 0.
 
-``run(...)`` is what tests/test_faults.py calls; it raises AssertionError on
+``run(...)`` is what tests/store/test_faults.py calls; it raises AssertionError on
 the first violation and returns a summary dict.
 """
 
@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from ecstore import ECStore, ECStoreConfig, blob_read
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import blob_read
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import _u64, file_ref
 from ecstore.testing import faults as fc

@@ -41,7 +41,7 @@ engine would) and checks:
   store, or put after a writer's last reported commit) must exceed the cap
   (eviction was needed).
 
-``run(...)`` is what tests/test_faults.py calls (with fewer kills); it raises
+``run(...)`` is what tests/store/test_faults.py calls (with fewer kills); it raises
 AssertionError on the first violation and returns a summary dict.
 """
 

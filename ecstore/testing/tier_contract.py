@@ -1,4 +1,4 @@
-"""Contract tests of :class:`ecstore.tiers.Tier`, shipped with the package.
+"""Contract tests of :class:`ecstore.store.tiers.Tier`, shipped with the package.
 
 In the style of zarr's ``StoreTests``: subclass :class:`TierTests` in a test
 module (name it ``Test...``) and implement the hooks:
@@ -10,7 +10,7 @@ module (name it ``Test...``) and implement the hooks:
   bases): ``damage(tier, key)`` -> damage the entry in place (the memory
   tier holds tensors by reference: nothing there can be damaged).
 
-``tests/test_tier_contract.py`` runs it against the memory and LMDB tiers.
+``tests/store/test_tier_contract.py`` runs it against the memory and LMDB tiers.
 The class name does not start with ``Test``: pytest collects it only through
 subclasses.
 """
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ecstore.key import make_key
-from ecstore.tiers import Tier
+from ecstore.store.tiers import Tier
 
 KEY_A = make_key("org/model", "0123456789abcdef", "bfloat16")
 KEY_B = make_key("org/model", "fedcba9876543210", "bfloat16")

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ def _corpus(seed: int) -> list[str]:
 
 def train_tokenizer(*, special_tokens: list[str], corpus: list[str], vocab_size: int, pad_token: str,
                     eos_token: str, bos_token: str | None, unk_token: str | None,
-                    extra_special_tokens: dict[str, str], chat_template: str):
+                    extra_special_tokens: dict[str, str], chat_template: str) -> Any:
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus`` (no download).
 
     ``special_tokens`` get ids 0.. in order; ``extra_special_tokens`` registers
@@ -89,13 +89,13 @@ def train_tokenizer(*, special_tokens: list[str], corpus: list[str], vocab_size:
     return fast
 
 
-def _build_tokenizer(seed: int):
+def _build_tokenizer(seed: int) -> Any:
     return train_tokenizer(special_tokens=SPECIAL_TOKENS, corpus=_corpus(seed), vocab_size=TARGET_VOCAB,
                            pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
                            extra_special_tokens={"image_token": IMAGE_TOKEN}, chat_template=_CHAT_TEMPLATE)
 
 
-def _build_config(spec: dict[str, Any], vocab_size: int):
+def _build_config(spec: dict[str, Any], vocab_size: int) -> Any:
     from transformers import Blip2Config
 
     v, q, t = spec["vision"], spec["qformer"], spec["text"]
@@ -143,7 +143,7 @@ def _build_config(spec: dict[str, Any], vocab_size: int):
     return config
 
 
-def _build_processor(spec: dict[str, Any], tokenizer):
+def _build_processor(spec: dict[str, Any], tokenizer: Any) -> Any:
     from transformers import Blip2Processor
     from transformers.models.blip.image_processing_pil_blip import (
         BlipImageProcessorPil,
@@ -173,7 +173,7 @@ def _is_built(out_dir: Path, digest: str) -> bool:
 
 
 @contextlib.contextmanager
-def _build_lock(out_dir: Path):
+def _build_lock(out_dir: Path) -> Iterator[None]:
     """Serialize concurrent builds of the same directory (pytest-xdist, parallel demos)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out_dir.parent / f".{out_dir.name}.build.lock"
@@ -190,7 +190,7 @@ def _build_lock(out_dir: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _quiet_transformers():
+def _quiet_transformers() -> None:
     try:
         from transformers.utils import logging as hf_logging
 

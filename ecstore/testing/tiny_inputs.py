@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def make_image(seed: int, size: int = 224):
+def make_image(seed: int, size: int = 224) -> Any:
     """A distinct, deterministic RGB PIL image for ``seed`` (``size`` x ``size``).
 
     A coarse random colour grid (different for every seed) plus a seed-dependent

@@ -75,7 +75,7 @@ class _Recipe:
     rename: Callable[[str], str] | None = None
 
 
-def _tokenizer(name: str, seed: int):
+def _tokenizer(name: str, seed: int) -> Any:
     ph = PLACEHOLDERS[name]
     template = (QWEN_CHAT_TEMPLATE.replace("{{ image_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("image", "")))
                 .replace("{{ video_placeholder }}", "{{{{ '{}' }}}}".format(ph.get("video", "")))
@@ -112,53 +112,52 @@ def _pixels(spec: dict[str, Any], key: str) -> dict[str, Any]:
     return {"size": {"shortest_edge": p["min_pixels"], "longest_edge": p["max_pixels"]}}
 
 
-def _qwen2_5_vl(spec: dict[str, Any], tokenizer: Any) -> _Recipe:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+def _vision_config(spec: dict[str, Any], text: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {**spec["vision"], "out_hidden_size": text["hidden_size"], **extra,
+            "initializer_range": spec["initializer_range"]}
 
-    text = _text_config(spec, len(tokenizer))
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config={**spec["vision"], "out_hidden_size": text["hidden_size"], "hidden_act": "silu",
-                       "initializer_range": spec["initializer_range"]},
-        image_token_id=TOKEN_ID[IMAGE_PAD], video_token_id=TOKEN_ID[VIDEO_PAD],
-        vision_start_token_id=TOKEN_ID[VISION_START], vision_end_token_id=TOKEN_ID[VISION_END],
-        tie_word_embeddings=False, dtype="float32")
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+
+#: The vision token ids of the Qwen-VL configs (Qwen2.5-VL, Qwen3-VL).
+_VL_TOKEN_IDS: dict[str, Any] = {"image_token_id": TOKEN_ID[IMAGE_PAD], "video_token_id": TOKEN_ID[VIDEO_PAD],
+                 "vision_start_token_id": TOKEN_ID[VISION_START], "vision_end_token_id": TOKEN_ID[VISION_END]}
+
+
+def _vision_processors(spec: dict[str, Any], video_cls: Any) -> dict[str, Any]:
+    """The image and video processors of a Qwen vision tower, sized by ``spec``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     v = spec["vision"]
     grid = {"patch_size": v["patch_size"], "temporal_patch_size": v["temporal_patch_size"],
             "merge_size": v["spatial_merge_size"]}
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**_pixels(spec, "image_pixels"), **grid),
-        video_processor=Qwen2VLVideoProcessor(**_pixels(spec, "video_pixels"), **grid),
-        tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    return {"image_processor": Qwen2VLImageProcessorPil(**_pixels(spec, "image_pixels"), **grid),
+            "video_processor": video_cls(**_pixels(spec, "video_pixels"), **grid)}
+
+
+def _qwen2_5_vl(spec: dict[str, Any], tokenizer: Any) -> _Recipe:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    text = _text_config(spec, len(tokenizer))
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=_vision_config(spec, text, hidden_act="silu"),
+                              **_VL_TOKEN_IDS, tie_word_embeddings=False, dtype="float32")
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    processor = Qwen2_5_VLProcessor(**_vision_processors(spec, Qwen2VLVideoProcessor), tokenizer=tokenizer,
+                                    chat_template=tokenizer.chat_template)
     return _Recipe(config, Qwen2_5_VLForConditionalGeneration, processor)
 
 
 def _qwen3_vl(spec: dict[str, Any], tokenizer: Any) -> _Recipe:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     text = _text_config(spec, len(tokenizer))
     rope = text.pop("rope_parameters")
     text["rope_parameters"] = {**rope, "mrope_interleaved": True}
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config={**spec["vision"], "out_hidden_size": text["hidden_size"],
-                       "initializer_range": spec["initializer_range"]},
-        image_token_id=TOKEN_ID[IMAGE_PAD], video_token_id=TOKEN_ID[VIDEO_PAD],
-        vision_start_token_id=TOKEN_ID[VISION_START], vision_end_token_id=TOKEN_ID[VISION_END],
-        tie_word_embeddings=False, dtype="float32")
+    config = Qwen3VLConfig(text_config=text, vision_config=_vision_config(spec, text), **_VL_TOKEN_IDS,
+                           tie_word_embeddings=False, dtype="float32")
     config.architectures = ["Qwen3VLForConditionalGeneration"]
-    v = spec["vision"]
-    grid = {"patch_size": v["patch_size"], "temporal_patch_size": v["temporal_patch_size"],
-            "merge_size": v["spatial_merge_size"]}
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**_pixels(spec, "image_pixels"), **grid),
-        video_processor=Qwen3VLVideoProcessor(**_pixels(spec, "video_pixels"), **grid),
-        tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    processor = Qwen3VLProcessor(**_vision_processors(spec, Qwen3VLVideoProcessor), tokenizer=tokenizer,
+                                 chat_template=tokenizer.chat_template)
     return _Recipe(config, Qwen3VLForConditionalGeneration, processor)
 
 
@@ -166,7 +165,7 @@ def _audio_config(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec["audio"], "initializer_range": spec["initializer_range"]}
 
 
-def _feature_extractor(spec: dict[str, Any]):
+def _feature_extractor(spec: dict[str, Any]) -> Any:
     from transformers import WhisperFeatureExtractor
 
     return WhisperFeatureExtractor(feature_size=spec["audio"]["num_mel_bins"], sampling_rate=16000)
@@ -198,14 +197,12 @@ def _qwen2_audio_name(key: str) -> str:
 def _qwen2_5_omni(spec: dict[str, Any], tokenizer: Any) -> _Recipe:
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniProcessor, Qwen2_5OmniThinkerConfig
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     text = _text_config(spec, len(tokenizer))
     thinker = Qwen2_5OmniThinkerConfig(
         audio_config={**_audio_config(spec), "output_dim": text["hidden_size"], "n_window": 100},
-        vision_config={**spec["vision"], "out_hidden_size": text["hidden_size"], "hidden_act": "silu",
-                       "initializer_range": spec["initializer_range"]},
+        vision_config=_vision_config(spec, text, hidden_act="silu"),
         text_config=text, audio_token_index=TOKEN_ID[AUDIO], image_token_index=TOKEN_ID[OMNI_IMAGE],
         video_token_index=TOKEN_ID[OMNI_VIDEO], audio_start_token_id=TOKEN_ID[AUDIO_BOS],
         audio_end_token_id=TOKEN_ID[AUDIO_EOS], user_token_id=TOKEN_ID[IM_START],
@@ -216,13 +213,9 @@ def _qwen2_5_omni(spec: dict[str, Any], tokenizer: Any) -> _Recipe:
     # Talker and token2wav are configured (vLLM reads the whole config) but get no weights.
     config = Qwen2_5OmniConfig(thinker_config=thinker.to_dict(), enable_audio_output=False, dtype="float32")
     config.architectures = ["Qwen2_5OmniModel"]
-    v = spec["vision"]
-    grid = {"patch_size": v["patch_size"], "temporal_patch_size": v["temporal_patch_size"],
-            "merge_size": v["spatial_merge_size"]}
-    processor = Qwen2_5OmniProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**_pixels(spec, "image_pixels"), **grid),
-        video_processor=Qwen2VLVideoProcessor(**_pixels(spec, "video_pixels"), **grid),
-        feature_extractor=_feature_extractor(spec), tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    processor = Qwen2_5OmniProcessor(**_vision_processors(spec, Qwen2VLVideoProcessor),
+                                     feature_extractor=_feature_extractor(spec), tokenizer=tokenizer,
+                                     chat_template=tokenizer.chat_template)
     return _Recipe(config, Qwen2_5OmniThinkerForConditionalGeneration, processor, model_config=thinker,
                    rename=lambda key: "thinker." + key)
 

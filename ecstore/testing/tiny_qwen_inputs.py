@@ -38,7 +38,7 @@ def prompt(model: str, modalities: tuple[str, ...] | list[str] = ("image",), que
     return f"<|im_start|>user\n{media}{q}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def make_frames(seed: int, num_frames: int = 4, size: int = 56):
+def make_frames(seed: int, num_frames: int = 4, size: int = 56) -> Any:
     """``num_frames`` distinct RGB frames, a uint8 array ``[T, size, size, 3]``
     (frame ``i`` is :func:`make_image` of ``seed * 1000 + i``)."""
     import numpy as np
@@ -82,7 +82,7 @@ def mp4_data_url(clip: bytes) -> str:
     return "data:video/mp4;base64," + base64.b64encode(clip).decode()
 
 
-def make_audio(seed: int, seconds: float = 1.0):
+def make_audio(seed: int, seconds: float = 1.0) -> Any:
     """A deterministic float32 mono waveform at :data:`AUDIO_SAMPLE_RATE`
     (a few seed-dependent tones plus noise), for ``{"audio": (wave, rate)}``."""
     import numpy as np

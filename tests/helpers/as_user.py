@@ -43,9 +43,9 @@ def _import_everything_lazy() -> None:
                 importlib.import_module(info.name)
             except ImportError:  # optional parts
                 pass
-    from ecstore import schema
+    from ecstore.lmdb import schema
 
-    schema.migrations()  # read from the checkout's migrations/ once, then cached
+    schema.migrations()  # imported once, then cached
 
 
 def main() -> int:

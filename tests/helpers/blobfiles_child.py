@@ -1,4 +1,4 @@
-"""A separate process using ecstore.lmdb.blobfiles, for tests/test_blobfiles.py.
+"""A separate process using ecstore.lmdb.blobfiles, for tests/lmdb/test_blobfiles.py.
 
 Run as a script (``python blobfiles_child.py MODE STORE_DIR ...``); talks one
 JSON line at a time on stdout, waits for the parent on stdin (no sleeps):

@@ -1,4 +1,4 @@
-"""Holds an ecstore store open for tests/test_cli.py until stdin closes.
+"""Holds an ecstore store open for tests/cli/test_cli.py until stdin closes.
 
 Usage: cli_holder.py STORE (ro|rw)
 

@@ -1,4 +1,4 @@
-"""Writer process for tests/test_cli.py: puts entries in a loop until told to stop.
+"""Writer process for tests/cli/test_cli.py: puts entries in a loop until told to stop.
 
 Usage: cli_writer.py STORE STOP_FILE MODEL
 

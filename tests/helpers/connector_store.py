@@ -1,7 +1,7 @@
 """The store behind a test's connector, opened as another process would.
 
-Shared by the connector tests (tests/test_connector_unit.py,
-tests/test_connector_scheduler.py, tests/test_remote_connector.py).
+Shared by the connector tests (tests/connector/test_connector_unit.py,
+tests/connector/test_connector_scheduler.py, tests/connector/test_remote_connector.py).
 """
 
 from __future__ import annotations

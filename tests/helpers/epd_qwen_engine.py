@@ -1,6 +1,6 @@
 """A long-lived real vLLM engine of a tiny Qwen model (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio,
 the Qwen2.5-Omni thinker) for the EPD tests
-(tests/test_epd_qwen_engine.py), driven by JSON lines.
+(tests/engine/test_epd_qwen_engine.py), driven by JSON lines.
 
     python epd_qwen_engine.py --name qwen2_5_vl --model DIR --role ec_producer|ec_consumer
                               --extra JSON [--multiprocess]

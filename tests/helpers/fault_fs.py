@@ -1,4 +1,4 @@
-"""File-system fault helpers for tests/test_faults.py: flip bytes found in a
+"""File-system fault helpers for tests/store/test_faults.py: flip bytes found in a
 data file, a small file system (disk full), a read-only view of a
 directory. Real mechanisms only (tmpfs, bind mounts, chmod), cleaned up on
 exit."""

@@ -1,4 +1,4 @@
-"""Functions tests/test_faults.py runs in worker processes
+"""Functions tests/store/test_faults.py runs in worker processes
 (``fault_common.run_forked``): each opens its own store, does one risky
 thing and returns a small picklable report. Kept apart from the test module
 so a worker imports only this (light) module."""

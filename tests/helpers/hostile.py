@@ -3,7 +3,7 @@ plant. Each entry is self-consistent (the record matches the blob, the
 checksum is recomputed, ``total_bytes`` is kept exact), so only ecstore's
 entry check (``blob_check.check_entry``) stands between it and the caller.
 
-Used by tests/test_store_hardening.py, in-process and in worker processes
+Used by tests/store/test_store_hardening.py, in-process and in worker processes
 (``ecstore.testing.faults.run_forked``: a hostile entry may crash an unfixed reader).
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ecstore import ECStore, ECStoreConfig, codec
+from ecstore import ECStore, ECStoreConfig
+from ecstore.format import codec
 from ecstore.lmdb.txn import _U64
 
 MODEL = "hostile/model"

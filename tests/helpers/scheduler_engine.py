@@ -1,6 +1,6 @@
 """vLLM's real Scheduler plus the worker connector, stepped by hand.
 
-Shared by tests/test_connector_scheduler.py and tests/test_remote_connector.py
+Shared by tests/connector/test_connector_scheduler.py and tests/connector/test_remote_connector.py
 (the ``engines`` fixture in conftest.py builds these).
 """
 

@@ -1,0 +1,486 @@
+"""ECStore: the public handle that composes the tiers.
+
+    ECStore.put ──► memory tier (LRU, bytes)         (caller's thread)
+               └──► writer queue ──► writer thread ──► LMDB tier (one txn per batch)
+                    (ecstore/store/writer.py)
+    ECStore.get ──► memory tier ─► pending map ─► LMDB tier (promote to memory)
+               └──► remote tier, if configured (verified; promote to memory + LMDB)
+    ECStore.put ──► ... and the remote tier's writer (background, pipelined)
+
+The handle checks arguments and composes; the read path lives in
+:mod:`ecstore.store.read_path`, the put path in :mod:`ecstore.store.put_path`, the
+counters and refusal log lines in :mod:`ecstore.store.stats`.
+
+The remote tier (``remote_url``, :mod:`ecstore.remote`) is shared across
+machines; its failures are misses, never errors (see docs/remote.md).
+
+A handle is bound to one (model, dtype). Several handles, threads and
+processes may use one ``local_disk`` directory at once.
+
+Threading: every public method may be called from any thread, concurrently
+with the background writer, and with ``close``: a call that began before
+``close`` runs to its end on open tiers (``close`` waits for it), a call
+after it raises ECStoreError("store is closed"), and concurrent ``close``
+calls tear down once (see :mod:`ecstore.store.calls`). Processes: each process has its own memory tier
+and pending map; the LMDB tier is shared, so an entry committed by one
+process is visible to ``contains``/``get`` in every other. A handle must not
+be used in a child after ``fork()`` (ForkedStoreError), and a forked child
+cannot reopen a directory its parent had open (StoreOpenError): processes
+that need the store should be started with ``spawn``/``forkserver``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+
+from ecstore.config import ECStoreConfig
+from ecstore.errors import ECStoreError, StoreFullError, check_same_process
+from ecstore.format import codec, split_read
+from ecstore.format.record import Record
+from ecstore.identity import EncoderIdentity, library_identity, qualify
+from ecstore.key import (
+    ChunkHasher,
+    check_device,
+    check_identifier,
+    check_identifier_list,
+    check_model,
+    chunk_hash,
+    dtype_name,
+    make_key,
+)
+from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
+from ecstore.memory import MemoryTier
+from ecstore.store.calls import CallGate
+from ecstore.store.put_path import PutPath
+from ecstore.store.read_path import ReadPath
+from ecstore.store.stats import Counters, StoreStats
+from ecstore.store.writer import Writer
+
+if TYPE_CHECKING:
+    from ecstore.remote.tier import RemoteTier
+
+#: Upper bound of a typical safetensors header (informational: put sizes each
+#: blob exactly with codec.blob_size).
+HEADER_ESTIMATE = 1024
+#: The writer commits at most this many bytes of blobs per transaction, and
+#: at most an eighth of the disk cap (a batch near the cap would have to evict
+#: the very entries it just wrote, and fragments the map).
+MAX_BATCH_BYTES = 256 << 20
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _gated(method: _F) -> _F:
+    """A public method of :class:`ECStore` run inside the handle's
+    :class:`~ecstore.store.calls.CallGate` (``close`` waits for it; after ``close``
+    it raises ECStoreError "store is closed"), in the process that opened
+    the handle only (ForkedStoreError)."""
+    @functools.wraps(method)
+    def call(self: ECStore, *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != self._pid:
+            check_same_process(self._pid, repr(self))
+        me = self._calls.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._calls.leave(me)
+    return cast(_F, call)
+
+
+class ECStore:
+    """An encoder-cache store bound to one model and dtype.
+
+    Args:
+        config: tiers and sizes (see :class:`ECStoreConfig`).
+        model: model name used in keys (``vllm_config.model_config.model``).
+        dtype: the encoder output dtype (the model dtype).
+        readonly: open the disk tier read-only (tooling): no writes, no LRU
+            updates; ``put``/``delete`` raise ECStoreError.
+        identity: the encoder identity entries are written and read under
+            (see :mod:`ecstore.identity`): an entry of another identity is a
+            miss. Default: :func:`~ecstore.identity.library_identity` of
+            ``(model, dtype)``, i.e. the caller vouches that they fix the encoder.
+        chunk_hasher: override the 64-bit identifier hash (tests force
+            collisions with it); must return 16 lower-case hex digits.
+        _map_size_bytes: test hook, the LMDB map size (see
+            :class:`~ecstore.lmdb.LMDBTier`); default max(1.25 x cap, cap + 1 MiB).
+        _remote_clock: test hook, the monotonic clock of the remote tier's
+            circuit breaker and negative cache.
+
+    Use as a context manager, or call :meth:`close` (which flushes).
+    """
+
+    def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
+                 readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
+                 identity: EncoderIdentity | None = None, _schema_target: int | None = None,
+                 _map_size_bytes: int | None = None,
+                 _remote_clock: Callable[[], float] | None = None) -> None:
+        if not isinstance(config, ECStoreConfig):
+            raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
+        self._calls = CallGate()  # the running calls close() waits for
+        self._pid = os.getpid()
+        self.config = config
+        self.model = check_model(model)
+        self.dtype = dtype
+        self.dtype_name = dtype_name(dtype)
+        self.readonly = readonly
+        self.identity = identity or library_identity(self.model, self.dtype_name)
+        #: 32 hex digits; part of every key's hash and of every entry's stored name.
+        self.namespace = self.identity.namespace
+        self._hash = chunk_hasher or chunk_hash
+        self._counters = Counters()
+        self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
+        self.disk: LMDBTier | None = None
+        self._writer: Writer | None = None
+        self._legacy = False
+        if config.local_disk:
+            self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
+                                 schema_target=_schema_target, map_size_bytes=_map_size_bytes,
+                                 file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
+                                 split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
+            self._legacy = self.disk.record_version == codec.LEGACY_RECORD_VERSION
+            if not readonly:
+                self._writer = Writer(self.disk, self.model, config.write_queue_bytes,
+                                      max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
+                                      namespace=(self.namespace, self.identity.canonical()))
+                self._writer.start()
+        self._reads = ReadPath(memory=self.memory, writer=self._writer, disk=self.disk,
+                               model=self.model, dtype=dtype)
+        self._puts = PutPath(self._reads, self._counters, pooled=config.pooled_blobs)
+        self.remote: RemoteTier | None = None
+        if config.remote_url:
+            from ecstore.remote import open_remote
+
+            try:
+                self.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
+                                          clock=_remote_clock or time.monotonic)
+            except BaseException:
+                self.close()
+                raise
+            self._reads.remote = self.remote
+
+    # ----------------------------------------------------------------- basics
+    def __enter__(self) -> ECStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ECStore(model={self.model!r}, dtype={self.dtype_name}, "
+                f"local_disk={self.config.local_disk!r}, local_cpu={self.config.local_cpu})")
+
+    def stored_name(self, mm_hash: str) -> str:
+        """What an entry of ``mm_hash`` stores and reads compare:
+        ``"<namespace>/<mm_hash>"`` (see :mod:`ecstore.identity`); the bare
+        ``mm_hash`` on a store held at schema < 3 (tests of old stores)."""
+        if self._legacy:
+            return check_identifier(mm_hash)
+        return qualify(self.namespace, check_identifier(mm_hash))
+
+    def key(self, mm_hash: str) -> str:
+        """The EC key of an mm identifier under this handle's identity:
+        ``<model>@1@0@<chunk_hash>@<dtype>``, the chunk hash being that of
+        :meth:`stored_name`."""
+        return self._key_of(self.stored_name(mm_hash))
+
+    def _key_of(self, name: str) -> str:
+        """The EC key of a stored name (see :meth:`key`)."""
+        return make_key(self.model, self._hash(name), self.dtype_name)
+
+    # ------------------------------------------------------------------ reads
+    @_gated
+    def contains(self, mm_hash: str) -> bool:
+        """True if ``get(mm_hash)`` would (barring a later eviction) hit.
+
+        Cheap: a dict lookup, or one short LMDB read transaction (~µs).
+        Does not count as a hit and does not change LRU order.
+        """
+        name = self.stored_name(mm_hash)
+        return self._reads.contains(self._key_of(name), name)
+
+    @_gated
+    def remote_contains(self, mm_hash: str) -> bool:
+        """Does the remote tier hold ``mm_hash``? False without one, while it
+        is unreachable, or when it said no less than a second ago. Bounded
+        by ``remote_timeout_seconds``; never raises for remote failures."""
+        return self.remote is not None and self.remote.contains(self.key(mm_hash))
+
+    @_gated
+    def get(self, mm_hash: str, device: torch.device | str = "cpu", *,
+            wait_for_room: bool = False) -> torch.Tensor | None:
+        """The stored tensor on ``device``, or None on a miss.
+
+        A memory-tier hit on the CPU returns the cached tensor itself (no
+        copy): treat it as read-only. A disk or remote hit returns a fresh
+        tensor that nothing else references (the memory tier and a pending
+        LMDB write of a remote hit keep their own copy), so the caller may
+        modify it. Corrupt entries are misses. A ``device`` tensors cannot be
+        placed on in this process is an InvalidEntryError, nothing counted.
+
+        A remote hit is promoted into LMDB only if the background writer has
+        room at once (never waiting behind another process's write lock);
+        else the promotion is skipped (``remote_promotions_skipped``).
+        ``wait_for_room``: wait for room instead (a thread that may block,
+        e.g. the connector's background fetch).
+        """
+        device = check_device(device)
+        name = self.stored_name(mm_hash)
+        key = self._key_of(name)
+        hit = self._reads.find(key, name, mm_hash, wait_for_room=wait_for_room)
+        if hit is None:
+            self._counters.miss()
+            return None
+        t = hit.tensor
+        if hit.promoted and device == t.device:
+            t = t.clone()  # hand out a copy of our own
+        self._counters.hit(hit.tier)
+        if self._writer is not None:
+            self._writer.touch(key, name)
+        if device != t.device:
+            t = t.to(device, non_blocking=False)
+        return t
+
+    @_gated
+    def stored_shape(self, mm_hash: str) -> tuple[int, ...] | None:
+        """The shape the disk tier's entry of ``mm_hash`` (under this handle's
+        identity) holds, from its record (no blob read); None if there is none,
+        or if its record is unreadable (a miss: the entry is dropped, as by
+        :meth:`get`). Lets a caller refuse an entry before committing to load it."""
+        name = self.stored_name(mm_hash)
+        return self._reads.stored_shape(self._key_of(name), name)
+
+    @_gated
+    def stored_record(self, mm_hash: str) -> Record | None:
+        """The disk tier's record of ``mm_hash``'s entry (under this handle's
+        identity: shape, checksum, creation time; no blob read), as
+        :meth:`stored_shape` reads it; None likewise."""
+        name = self.stored_name(mm_hash)
+        return self._reads.stored_record(self._key_of(name), name)
+
+    @_gated
+    def verify(self, mm_hash: str) -> bool:
+        """Whether the disk tier holds ``mm_hash``'s entry (under this
+        handle's identity) and it passes every check a :meth:`get` makes: the
+        whole blob is read and its checksum compared (about a disk hit's
+        cost). No LRU update, no promotion, not counted as a hit; an entry
+        failing a check is logged and dropped, as by :meth:`get`. False
+        without a disk tier. The vLLM scheduler verifies before it promises
+        an entry that vLLM could not compute instead."""
+        if self.disk is None:
+            return False
+        name = self.stored_name(mm_hash)
+        return self.disk.get(self._key_of(name), name, model=self.model, dtype=self.dtype) is not None
+
+    # ----------------------------------------------------------------- writes
+    @_gated
+    def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:
+        """Store ``tensor`` under ``mm_hash``.
+
+        Returns True if newly stored, False if already present, or refused
+        because it can never fit (larger than every enabled tier; a warning
+        is logged). Raises :class:`InvalidEntryError` (store unchanged) for a
+        non-tensor, a tensor that is not 2-D, empty, sparse/quantized/meta, or
+        whose dtype differs from the handle's.
+
+        The tensor is copied once, from any device and any strides, straight
+        into its safetensors blob (the memory tier and the writer share that
+        copy), unless ``copy=False`` and it already is a contiguous CPU tensor
+        the caller hands over (it must not be modified afterwards; the writer
+        encodes it later). The LMDB write happens
+        on the background writer; ``flush()`` makes it durable. A later
+        ``get``/``contains`` in this process sees the entry immediately.
+        """
+        if self.readonly:
+            raise ECStoreError("store is open read-only")
+        name = self.stored_name(mm_hash)
+        return self._puts.put(mm_hash, name, self._key_of(name), tensor, copy=copy)
+
+    def write_lru_soon(self) -> None:
+        """Have the background writer record the LRU updates (recency, hit
+        counts) of the reads made so far now, in one transaction, instead of
+        with the next put or after TOUCH_DELAY_S. Does not block. The vLLM
+        connector calls it once per step that loaded entries. Like every call,
+        ForkedStoreError in a child forked after the handle opened (it would
+        take the parent's writer lock, which the fork may have copied held)."""
+        if os.getpid() != self._pid:
+            check_same_process(self._pid, repr(self))
+        if self._writer is not None:
+            self._writer.touches_now()
+
+    @_gated
+    def delete(self, mm_hash: str) -> bool:
+        """Remove an entry from every tier; True if it was present anywhere
+        locally. With a remote tier the shared remote value is deleted too
+        (for every node; best effort, not counted in the result)."""
+        if self.readonly:
+            raise ECStoreError("store is open read-only")
+        name = self.stored_name(mm_hash)
+        key = self._key_of(name)
+        found = False
+        if self._writer is not None:
+            found = self._writer.lookup(key, name) is not None
+            self._writer.cancel(key, name)
+        if self.memory is not None and self.memory.contains(key, name):
+            found = self.memory.delete(key) or found
+        if self.disk is not None and self.disk.contains(key, name):
+            found = self.disk.delete(key) or found
+        if self.remote is not None:
+            self.remote.delete(key)
+        return found
+
+    @_gated
+    def flush(self) -> None:
+        """Block until every put made so far is committed and synced to disk.
+
+        Raises StoreFullError if some queued writes failed since the last
+        flush (disk full...): those entries are not stored; earlier ones are
+        intact.
+        """
+        self._wait_committed(durable=True)  # LMDB commits and blob files synced; remote writes sent or dropped
+        if self._writer is None:
+            return
+        assert self.disk is not None
+        self.disk.sync()
+        errors = self._writer.take_errors()
+        if errors:
+            raise StoreFullError(f"{len(errors)} write(s) failed since the last flush: {errors[-1]}")
+
+    @_gated
+    def wait_committed(self) -> None:
+        """Block until every put this handle made so far is committed to LMDB.
+
+        After it returns, ``contains``/``get`` in every other process on the
+        same ``local_disk`` see those entries (read-your-writes across
+        processes), except puts that failed (disk full...), which
+        :meth:`flush` reports. Unlike :meth:`flush` it does not wait for
+        durability: the cost is the writer's commit of what is queued (each
+        commit syncs LMDB's data pages; see ``ecstore.lmdb``); blob files are
+        written whole before that commit and ``fdatasync``ed after it
+        (``ecstore.store.writer``), which only ``flush`` waits for.
+
+        With a remote tier it also waits until those puts were sent to the
+        remote (or dropped: the remote down, slow or its queue full; each
+        batch bounded by ``remote_timeout_seconds``, and with a remote that
+        stopped answering the whole wait too; never raises), so that other
+        nodes see them too. No-op without a disk or remote tier.
+        """
+        self._wait_committed()
+
+    def _wait_committed(self, durable: bool = False) -> None:
+        if self._writer is not None:
+            self._writer.drain(durable)
+        if self.remote is not None:
+            self.remote.drain()
+
+    def close(self) -> None:
+        """Write pending puts and LRU updates, make them durable and release
+        the store. Idempotent. A write that fails here (or a blob file that
+        could not be made durable) is logged, not raised, and so are those
+        since the last :meth:`flush` (one line naming how many): call
+        :meth:`flush` first to have such errors raised.
+
+        Thread-safe (see :mod:`ecstore.store.calls`): new calls raise "store is
+        closed" from the moment it begins; it waits for the calls already
+        running in other threads, then flushes and releases the tiers. Of
+        concurrent ``close`` calls exactly one does that; the others wait
+        until it is done and return. Called from within a call of this
+        handle (a callback), it returns at once and the call that is running
+        closes the store when it returns. In a forked child it only marks
+        the handle closed (the parent's tiers are not touched)."""
+        if os.getpid() != self._pid:
+            self._calls.abandon()
+            return
+        self._calls.close(self._teardown)
+
+    def _teardown(self) -> None:
+        """Flush and release the tiers: :meth:`close`, once, with no call running."""
+        try:
+            if self._writer is not None:
+                self._writer.drain(durable=True)
+                self._writer.stop()
+                if self.disk is not None:
+                    self.disk.sync()
+                self._writer.log_untaken_errors()  # logged, not raised: see close()
+        finally:
+            remote, self.remote = getattr(self, "remote", None), None
+            if getattr(self, "_reads", None) is not None:
+                self._reads.remote = None
+            if remote is not None:
+                remote.close()
+            if self.disk is not None:
+                self.disk.close()
+
+    # ----------------------------------------------------------------- leases
+    @_gated
+    def lease(self, mm_hashes: list[str], ttl_s: float | None = None) -> None:
+        """Pin entries against eviction by any process until :meth:`release`,
+        ``ttl_s`` (default ``config.lease_seconds``) or this process's death.
+        ``mm_hashes``: a list (a single ``str`` is an InvalidEntryError)."""
+        mm_hashes = check_identifier_list(mm_hashes)
+        if self.disk is not None and not self.readonly:
+            self.disk.lease([self.key(h) for h in mm_hashes],
+                            self.config.lease_seconds if ttl_s is None else ttl_s)
+
+    @_gated
+    def pin_if_present(self, mm_hash: str, ttl_s: float | None = None) -> bool:
+        """Lease ``mm_hash`` and return True if the disk tier holds it; a True
+        answer guarantees no process evicts it until :meth:`release` (or the
+        lease expires, or this process dies). False: nothing stays leased;
+        also while another process holds the lease file's write lock (stopped
+        inside a lease write, say): a pin never waits for another process;
+        :meth:`pin` tells that case apart. Memory-only stores answer
+        :meth:`contains` (nothing to pin)."""
+        return self._pin(mm_hash, ttl_s) is Pin.HELD
+
+    @_gated
+    def pin(self, mm_hash: str, ttl_s: float | None = None) -> Pin:
+        """:meth:`pin_if_present` with a three-way answer: ``Pin.HELD``
+        (leased, as its True), ``Pin.ABSENT`` (not held), or ``Pin.BUSY``
+        (held by the disk tier, but another process holds the lease file's
+        write lock, or did a moment ago: nothing leased; ask again later).
+        Memory-only and read-only stores answer HELD or ABSENT from
+        :meth:`contains` (nothing to pin)."""
+        return self._pin(mm_hash, ttl_s)
+
+    @_gated
+    def pin_entry(self, mm_hash: str, ttl_s: float | None = None) -> PinAnswer:
+        """:meth:`pin` with the disk tier's record of the entry (its shape,
+        checksum and creation time; see :class:`~ecstore.lmdb.leases.PinAnswer`),
+        read under the lease: no second read to check what was pinned.
+        Memory-only and read-only stores answer from :meth:`contains`, with
+        no record."""
+        return self._pin_entry(mm_hash, ttl_s)
+
+    def _pin(self, mm_hash: str, ttl_s: float | None) -> Pin:
+        return self._pin_entry(mm_hash, ttl_s).pin
+
+    def _pin_entry(self, mm_hash: str, ttl_s: float | None) -> PinAnswer:
+        name = self.stored_name(mm_hash)
+        key = self._key_of(name)
+        if self.disk is None or self.readonly:
+            return PinAnswer(Pin.HELD) if self._reads.contains(key, name) else PIN_ABSENT
+        return self.disk.pin_entry(key, name, self.config.lease_seconds if ttl_s is None else ttl_s)
+
+    @_gated
+    def release(self, mm_hashes: list[str], *, wait: bool = True) -> bool:
+        """Drop one lease of this process on each of ``mm_hashes``. True when
+        done; ``wait=False``: False (nothing released) instead of waiting
+        while another process holds the lease file's write lock."""
+        mm_hashes = check_identifier_list(mm_hashes)
+        if self.disk is not None and not self.readonly:
+            return self.disk.release([self.key(h) for h in mm_hashes], wait=wait)
+        return True
+
+    # ------------------------------------------------------------------ stats
+    @_gated
+    def stats(self) -> StoreStats:
+        """A snapshot of this handle's counters and the tiers' occupancy."""
+        return self._counters.snapshot(memory=self.memory, disk=self.disk, writer=self._writer, remote=self.remote)

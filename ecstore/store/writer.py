@@ -1,0 +1,580 @@
+"""The background writer of an :class:`~ecstore.store.ECStore` handle.
+
+    ECStore.put --> Writer.submit --> queue ----> writer thread --> LMDBTier.write_batch
+    ECStore.get --> Writer.touch  --> touches --/   (one transaction per batch)
+
+Typed operations: a :class:`PendingPut` per queued put, a :class:`Touch` per
+key read since the last commit; typed results: a :class:`WriteResult` with a
+:class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
+the store reads the writer's counters (``write_errors``, queue sizes) and
+takes its errors at ``flush``.
+
+Tickets: every put and every read (touch) takes the next number of one
+counter (``ticket``). :meth:`Writer.drain` (``wait_committed``) waits until
+nothing numbered at or before its call is still uncommitted, and with
+``durable=True`` (``flush``) until it is durable too, so puts and reads made
+after the call, however many, never hold it up.
+
+Visible first, durable next: a batch's blob files are written whole (into the
+page cache) before its commit, which makes the entries visible to every
+process; their ``fdatasync`` follows the commit, on this thread, before the
+next batch. A killed process loses nothing of a committed entry (the page
+cache survives it); a power loss before that sync can tear a committed
+entry's file, which its read finds by size, header and checksum (a miss,
+never garbage). ``flush`` returns only after the sync, which also covers the
+files of entries another handle stored first (a put found present, or
+skipped: :meth:`Writer.vouch`). After :meth:`Writer.stop` (``close``)
+a put is refused with "store is closed"; everything queued before is written
+before the thread exits.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ecstore.errors import ECStoreError, StoreFullError
+from ecstore.format import codec
+from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.pool import POOL
+
+log = logging.getLogger("ecstore")
+
+#: LRU updates from reads are written with the next batch of puts, or after
+#: this many seconds (or at flush): a burst of hits costs one commit, not one
+#: fsync'd commit each.
+TOUCH_DELAY_S = 1.0
+#: :meth:`Writer.touches_now` (``write_lru_soon``, once per engine step with
+#: loads) writes the pending touches at once, but no sooner than this many
+#: seconds after the previous commit of touches: a consumer loading in every
+#: step makes at most ~5 LRU commits a second, not one per step, and a step's
+#: load does not run beside the commit the previous step asked for (measured:
+#: 1 MB connector loads back to back 190 -> 90 µs).
+TOUCH_SOON_GAP_S = 0.2
+
+
+@dataclass
+class PendingPut:
+    """A put waiting for (or in) an LMDB commit. ``nbytes``: the tensor's data
+    bytes (what back-pressure counts); ``blob``: the safetensors blob when
+    ``put`` already encoded it (None: the writer encodes ``tensor``);
+    ``prefault``: the blob is a slab of :data:`~ecstore.pool.POOL`, and the
+    writer thread asks the pool for a spare slab of its size (for the next
+    save of that size) when it takes the put, instead of the caller's
+    thread paying for that hand-off."""
+
+    identifier: str
+    tensor: torch.Tensor
+    nbytes: int
+    blob: codec.Blob | None = None
+    order: int = 0  # position among this handle's puts and touches (writer ticket)
+    mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
+    since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
+    prefault: bool = False
+
+
+class Touch(NamedTuple):
+    """The LRU update of one key made by reads not yet written: the
+    identifier read, the hits to add, the newest read time (ns since the
+    epoch), and ``orders``: the tickets of the reads between two puts, so the
+    LMDB tier replays reads and puts in the order they were made (see
+    :meth:`LMDBTier.write_batch`). ``since``: a ticket no later than the
+    oldest read counted in ``hits`` (what :meth:`Writer.drain` waits for).
+    ``counts``: the reads behind each of ``orders`` (reads with no put
+    between them share one order), so that a split keeps each part's hits."""
+
+    identifier: str
+    hits: int
+    last_access_ns: int
+    orders: tuple[int, ...]
+    since: int = 0
+    counts: tuple[int, ...] = ()
+
+
+class PutOutcome(enum.Enum):
+    """What became of one put (:class:`WriteResult`)."""
+
+    STORED = "stored"
+    PRESENT = "present"  # the same identifier was already stored
+    COLLISION = "collision"  # the key holds another identifier (64-bit hash collision)
+    FAILED = "failed"  # not stored: see the error (disk or map full, pinned store...)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """The outcome of one put the writer committed (or failed to)."""
+
+    key: str
+    identifier: str
+    nbytes: int
+    outcome: PutOutcome
+    error: BaseException | None = None
+    mm_hash: str = ""  # the caller's identifier (``identifier``: the stored name)
+
+
+class Writer(threading.Thread):
+    """Background LMDB writer: drains puts and LRU touches in batches.
+
+    Bounded by bytes: :meth:`submit` (``ECStore.put``) blocks while the
+    tensor bytes not yet written (queued, and the batch being written) would
+    exceed ``max_bytes`` (back-pressure, not unbounded memory; puts are
+    admitted first come, first served). Commits at most ``batch_bytes`` of
+    blobs per LMDB transaction, with the LRU touches made before them. Every method is
+    thread-safe (one condition, ``cv``, guards all state); :meth:`drain`
+    waits for what was submitted before its call only (see the module doc);
+    :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
+    only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
+    lines) and records failures: :attr:`write_errors` counts failed puts,
+    :attr:`sync_errors` committed blob files whose sync failed, and
+    :meth:`take_errors` hands both to ``flush`` (and ``close``, which logs them).
+    """
+
+    def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
+                 namespace: tuple[str, bytes] | None = None) -> None:
+        """``namespace``: (namespace, canonical identity JSON bytes) recorded in the
+        store's namespaces table with the first batch, so that tools can say
+        what a namespace stands for."""
+        super().__init__(name="ecstore-writer", daemon=True)
+        self.disk = disk
+        self.model = model
+        self.namespace = namespace
+        self.max_bytes = max_bytes
+        self.batch_bytes = batch_bytes
+        self.touch_since = 0.0  # monotonic time of the oldest unwritten LRU touch
+        self.touches_written_at = float("-inf")  # monotonic time touches were last taken for a commit
+        self.drainers = 0  # threads waiting in drain()
+        self.cv = threading.Condition()
+        self.queue: OrderedDict[str, PendingPut] = OrderedDict()  # key -> not yet written
+        self.inflight: dict[str, PendingPut] = {}  # key -> being written now
+        # key -> (identifier, hits, last_access_ns, orders): ``orders`` holds the
+        # ticket of the last read of the key between two consecutive puts, so
+        # the LMDB tier can replay reads and puts in the order they were made.
+        self.touches: dict[str, Touch] = {}
+        self.ticket = 0  # orders puts and touches as they were made
+        self.last_put_ticket = 0
+        self.queued_bytes = 0
+        self.admissions = 0  # puts that came to submit (their turns in line)
+        self.in_line: deque[int] = deque()  # turns of the puts in submit, oldest first
+        self.stopping = False
+        self.errors: list[BaseException] = []
+        self.write_errors = 0  # failed puts since start
+        # blob files of committed entries whose sync after the commit failed
+        # since start (those puts were reported stored: not write_errors)
+        self.sync_errors = 0
+        self.offers_refused = 0  # offers (remote promotions) refused for want of room since start
+        self.busy = False
+        self.busy_since: int | None = None  # oldest ticket of the touches being written (None: none)
+        # oldest ticket of the committed batch whose blob files are being
+        # synced (None: none): what drain(durable=True) still waits for
+        self.syncing_since: int | None = None
+        # key -> (identifier, ticket): puts skipped because the store already
+        # held that entry (:meth:`vouch`), whose blob file the next batch syncs
+        self.vouches: dict[str, tuple[str, int]] = {}
+        self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
+        self.dead: BaseException | None = None  # what ended the thread early (see _die)
+
+    def submit(self, key: str, item: PendingPut) -> None:
+        """Queue ``item`` under ``key``; blocks while the bytes not yet
+        written (queued, and the batch being written) plus ``item.nbytes``
+        would exceed ``max_bytes`` (back-pressure; an item larger than
+        ``max_bytes`` waits until nothing else is pending), and while an
+        earlier put waits (puts are admitted in the order they came). Raises
+        ECStoreError "store is closed" once :meth:`stop` began (the thread
+        might not write it any more): a put that returns was queued before,
+        and the thread writes it."""
+        with self.cv:
+            # First come, first admitted: a put waiting for room holds back
+            # every later one, even one that would fit (else a steady stream
+            # of small puts from other threads could keep a large one out).
+            self.admissions += 1
+            turn = self.admissions
+            self.in_line.append(turn)
+            try:
+                while not self.stopping and (self.in_line[0] != turn or (
+                        self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes)):
+                    self.cv.wait()
+            finally:
+                self.in_line.remove(turn)  # admitted, refused or interrupted: the next in line goes
+                self.cv.notify_all()
+            if self.dead is not None:
+                raise ECStoreError(f"the store's background writer stopped ({self.dead!r}); reopen the store")
+            if self.stopping:
+                raise ECStoreError("store is closed")
+            self.ticket += 1
+            item.order = item.since = self.last_put_ticket = self.ticket
+            replaced = self.queue.pop(key, None)  # re-queued at the end: queue order is ``order``
+            if replaced is not None:  # two puts of one key passed the presence check at once
+                self.queued_bytes -= replaced.nbytes
+                item.since = replaced.since  # flushes waiting for the replaced put wait for this one
+            self.queue[key] = item
+            self.queued_bytes += item.nbytes
+            self.cv.notify_all()
+
+    def offer(self, key: str, item: PendingPut) -> bool:
+        """Queue ``item`` under ``key`` if that needs no wait: nothing is in
+        line in :meth:`submit` and the bytes not yet written leave room for
+        it (as :meth:`submit` would admit it at once); else, or once
+        :meth:`stop` began, refuse it (False; counted in :attr:`offers_refused`).
+        Never blocks beyond ``cv``: for writes a caller may skip (a remote
+        hit's promotion into LMDB), which must not wait for another
+        process's write lock behind a full queue."""
+        with self.cv:
+            if self.stopping or self.in_line or key in self.queue or (
+                    self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes):
+                self.offers_refused += 1
+                return False
+            self.ticket += 1
+            item.order = item.since = self.last_put_ticket = self.ticket
+            self.queue[key] = item
+            self.queued_bytes += item.nbytes
+            self.cv.notify_all()
+            return True
+
+    def add_error(self, error: BaseException) -> None:
+        """Record a failed write (any thread); :meth:`take_errors` hands it on."""
+        with self.cv:
+            self.errors.append(error)
+
+    def take_errors(self) -> list[BaseException]:
+        """The write errors recorded since the last call, atomically (each
+        error is returned by exactly one call)."""
+        with self.cv:
+            errors, self.errors = self.errors, []
+        return errors
+
+    def vouch(self, key: str, identifier: str) -> None:
+        """A put of ``identifier`` under ``key`` skipped because the store
+        already holds it: ``drain(durable=True)`` (``flush``) vouches for it
+        too, so the next batch syncs that entry's blob file (another handle
+        may have committed it visible-first and not synced it yet; the
+        ``fdatasync`` of a clean file costs next to nothing). Does not block;
+        ignored once :meth:`stop` began."""
+        with self.cv:
+            if self.stopping:
+                return
+            self.ticket += 1
+            held = self.vouches.get(key)
+            self.vouches[key] = (identifier, self.ticket if held is None or held[0] != identifier else held[1])
+
+    def log_untaken_errors(self) -> None:
+        """``close``: log, in one line, the errors recorded since the last
+        :meth:`take_errors` (``flush``), which nobody will raise now (each
+        was also logged when it happened); takes them."""
+        errors = self.take_errors()
+        if errors:
+            log.error("ecstore: closing %s: %d write error(s) since the last flush() were not raised "
+                      "(call flush() before close() to have them raised); the last: %s",
+                      self.disk.path, len(errors), errors[-1])
+
+    def touch(self, key: str, identifier: str) -> None:
+        with self.cv:
+            self.ticket += 1
+            held, hits, _, orders, since, counts = self.touches.get(
+                key, Touch(identifier, 0, 0, (), self.ticket, ()))
+            if held != identifier:  # the key changed hands (delete + put of another identifier)
+                hits, orders, since, counts = 0, (), self.ticket, ()
+            if orders and orders[-1] > self.last_put_ticket:
+                # No put since: only the latest read's position matters.
+                orders = orders[:-1] + (self.ticket,)
+                counts = counts[:-1] + (counts[-1] + 1,)
+            else:
+                orders = orders + (self.ticket,)
+                counts = counts + (1,)
+            first = not self.touches
+            if first:
+                self.touch_since = time.monotonic()
+            self.touches[key] = Touch(identifier, hits + 1, time.time_ns(), orders, since, counts)
+            # Touches ride along with the next put batch, or go alone after
+            # TOUCH_DELAY_S (each commit is an fsync): wake the writer only for
+            # the first one of a burst, so it starts that timer.
+            if first:
+                self.cv.notify_all()
+
+    def touches_now(self) -> None:
+        """Write pending LRU touches without waiting for TOUCH_DELAY_S: now,
+        or :data:`TOUCH_SOON_GAP_S` after the previous commit of touches if
+        that is later. Does not block."""
+        with self.cv:
+            if self.touches:
+                soon = self.touches_written_at + TOUCH_SOON_GAP_S - TOUCH_DELAY_S
+                if soon < self.touch_since:
+                    self.touch_since = soon
+                    self.cv.notify_all()
+
+    def touches_due(self) -> float | None:
+        """When (``time.monotonic()``) the pending touches will be written
+        if no put or flush takes them earlier; None if there are none."""
+        with self.cv:
+            return self.touch_since + TOUCH_DELAY_S if self.touches else None
+
+    def identifier_at(self, key: str) -> str | None:
+        with self.cv:
+            item = self.queue.get(key) or self.inflight.get(key)
+            return None if item is None else item.identifier
+
+    def lookup(self, key: str, identifier: str) -> torch.Tensor | None:
+        with self.cv:
+            item = self.queue.get(key) or self.inflight.get(key)
+            if item is not None and item.identifier == identifier:
+                return item.tensor
+            return None
+
+    def cancel(self, key: str, identifier: str) -> None:
+        """Drop a queued put (and pending LRU touches) of ``identifier`` under
+        ``key`` and wait until no write of ``key`` is in flight. A put of
+        another identifier under the same key (hash collision) is kept."""
+        with self.cv:
+            item = self.queue.get(key)
+            if item is not None and item.identifier == identifier:
+                del self.queue[key]
+                self.queued_bytes -= item.nbytes
+            touch = self.touches.get(key)
+            if touch is not None and touch[0] == identifier:
+                del self.touches[key]
+            while key in self.inflight:
+                self.cv.wait()
+            self.progress += 1
+            self.cv.notify_all()
+
+    def drain(self, durable: bool = False) -> None:
+        """Block until every put submitted and every touch recorded before the
+        call has been written (committed, or failed: see :meth:`take_errors`);
+        ``durable``: and its blob files synced (see the module doc).
+        Puts and reads made after the call do not hold it up: each batch takes
+        the oldest queued puts, so the writer reaches the last earlier one
+        after a bounded number of batches; while a drainer waits, the writer
+        also writes pending touches at once."""
+        with self.cv:
+            target = self.ticket
+            self.drainers += 1
+            self.cv.notify_all()  # the writer writes pending touches now
+            try:
+                seen = -1
+                while True:
+                    if seen != self.progress:  # only a finished batch or a cancel can settle ours
+                        seen = self.progress
+                        oldest = self._oldest_pending(durable)
+                        if oldest is None or oldest > target:
+                            return
+                    self.cv.wait()
+            finally:
+                self.drainers -= 1
+
+    def _oldest_pending(self, durable: bool = False) -> int | None:
+        """The smallest ticket of a put or touch not yet written (queued or
+        in the batch being written; ``durable``: or whose blob files are
+        being synced), None when there is none. Holds ``cv``."""
+        tickets = [it.since for it in self.queue.values()]
+        tickets += [it.since for it in self.inflight.values()]
+        tickets += [t.since for t in self.touches.values()]
+        if self.busy_since is not None:
+            tickets.append(self.busy_since)
+        if durable and self.syncing_since is not None:
+            tickets.append(self.syncing_since)
+        if durable:
+            tickets += [since for _, since in self.vouches.values()]
+        return min(tickets, default=None)
+
+    def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
+        """(reads for this batch, reads to keep): when puts stay queued for a
+        later batch, reads made after them wait for that batch too."""
+        if not self.queue:
+            return self.touches, {}
+        cutoff = next(iter(self.queue.values())).order
+        now: dict[str, Touch] = {}
+        later: dict[str, Touch] = {}
+        for key, (identifier, hits, last_ns, orders, since, counts) in self.touches.items():
+            early = tuple(o for o in orders if o < cutoff)
+            late = orders[len(early):]
+            if not late:
+                now[key] = Touch(identifier, hits, last_ns, orders, since, counts)
+                continue
+            # Each part with its own reads' hits (reads sharing an order have no
+            # put between them, so none straddles the cutoff). The reads kept
+            # for later were all made after the put at ``cutoff``: that ticket
+            # bounds them from below, so a drain that began before that put
+            # does not wait for them, and one after it does.
+            late_hits = sum(counts[len(early):])
+            if early:
+                now[key] = Touch(identifier, hits - late_hits, last_ns, early, since, counts[:len(early)])
+            later[key] = Touch(identifier, late_hits, last_ns, late, cutoff if early else since,
+                               counts[len(early):])
+        return now, later
+
+    def stop(self) -> None:
+        """Refuse further puts (:meth:`submit` raises), write everything
+        queued and every pending touch, and end the thread (joined)."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.join()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # a defect or an exhausted process: fail every waiter, hang none  # noqa: BLE001
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The thread is ending on ``error``: every put not yet written fails
+        with it (:meth:`take_errors` hands it to ``flush``), pending touches
+        are dropped, and :meth:`submit` raises from now on; drainers,
+        cancellers and back-pressured puts wake up instead of waiting for a
+        thread that is gone."""
+        log.error("ecstore: the background writer stopped: %r", error)
+        with self.cv:
+            self.dead = error
+            self.stopping = True
+            lost = len(self.queue) + len(self.inflight)
+            if lost:
+                self.errors.append(ECStoreError(f"{lost} put(s) not written: the background writer "
+                                                f"stopped ({error!r})"))
+                self.write_errors += lost
+            self.queue.clear()
+            self.inflight.clear()
+            self.touches.clear()
+            self.vouches.clear()
+            self.queued_bytes = 0
+            self.busy = False
+            self.busy_since = None
+            self.syncing_since = None
+            self.progress += 1
+            self.cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.queue or self.stopping or ((self.touches or self.vouches) and self.drainers)):
+                    if not self.touches:
+                        self.cv.wait()
+                        continue
+                    due = self.touch_since + TOUCH_DELAY_S - time.monotonic()
+                    if due <= 0:
+                        break
+                    self.cv.wait(due)
+                if self.stopping and not (self.queue or self.touches or self.vouches):
+                    self.cv.notify_all()
+                    return
+                batch: list[tuple[str, PendingPut]] = []
+                size = 0
+                while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
+                    key, item = self.queue.popitem(last=False)
+                    batch.append((key, item))
+                    size += item.nbytes
+                    self.inflight[key] = item
+                touches, self.touches = self._split_touches()
+                if touches:
+                    self.touches_written_at = time.monotonic()
+                vouches, self.vouches = self.vouches, {}
+                vouched_since = min((since for _, since in vouches.values()), default=None)
+                self.syncing_since = vouched_since  # until the sync below
+                self.busy = True
+                self.busy_since = min((t.since for t in touches.values()), default=None)
+            try:
+                for _, item in batch:
+                    if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
+                        t = item.tensor
+                        POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
+            except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway  # noqa: BLE001
+                log.warning("ecstore: could not ready memory for the next save: %r", e)
+            to_sync: list[str] = []
+            try:
+                to_sync = self._write(batch, touches, vouches)
+            except BaseException as e:  # never let the writer die silently  # noqa: BLE001
+                log.error("ecstore: background write failed: %s", e)
+                self.add_error(e)
+            finally:
+                with self.cv:  # committed: visible to every process (wait_committed returns)
+                    for key, item in batch:
+                        self.inflight.pop(key, None)
+                        self.queued_bytes -= item.nbytes
+                    self.busy = False
+                    self.busy_since = None
+                    self.syncing_since = min([item.since for _, item in batch]
+                                             + ([] if vouched_since is None else [vouched_since])) if to_sync else None
+                    self.progress += 1
+                    self.cv.notify_all()
+            if to_sync:
+                self._sync_files(to_sync)
+
+    def _sync_files(self, names: list[str]) -> None:
+        """Writer thread: make a committed batch's blob files durable, then
+        let ``drain(durable=True)`` (``flush``) go on. A failure counts in
+        :attr:`sync_errors` (not :attr:`write_errors`: those puts were
+        committed and reported stored) and is an error ``flush`` raises:
+        those entries stay visible, and a read checks them as it checks
+        every entry."""
+        try:
+            self.disk.sync_files(names)
+        except ECStoreError as e:
+            log.error("ecstore: %d committed blob file(s) could not be made durable: %s", len(names), e)
+            with self.cv:
+                self.sync_errors += len(names)
+                self.errors.append(StoreFullError(
+                    f"{len(names)} committed blob file(s) not made durable (the entries stay readable "
+                    f"until a power loss; a torn file is a miss): {e}"))
+        finally:
+            with self.cv:
+                self.syncing_since = None
+                self.progress += 1
+                self.cv.notify_all()
+
+    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch],
+               vouches: dict[str, tuple[str, int]] | None = None) -> list[str]:
+        """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
+        returns the blob files still to be synced: those of the stored puts,
+        and those of the entries found present or ``vouches`` (puts skipped:
+        see :meth:`vouch`) point to (another handle may have committed one
+        visible-first and not synced its file yet: ``flush`` vouches for it
+        too; the ``fdatasync`` of a clean file costs next to nothing)."""
+        namespace = self.namespace
+        if batch and namespace is not None:
+            try:
+                self.disk.register_namespace(*namespace)
+                self.namespace = None
+            except ECStoreError as e:
+                log.warning("ecstore: could not record the encoder identity of namespace %s: %s",
+                            namespace[0], e)
+        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
+                for key, it in batch]
+        try:
+            if reqs or touches:  # not for vouches alone: a commit of nothing still costs an fsync
+                self.disk.write_batch(reqs, dict(touches), sync_files=False)
+        except ECStoreError as e:  # disk full, map full, schema changed underneath
+            log.error("ecstore: %s", e)
+        for (key, it), r in zip(batch, reqs):
+            outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
+            self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
+        names = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
+        names += [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
+        for key, (identifier, _) in (vouches or {}).items():
+            try:
+                name = self.disk.file_of(key, identifier)
+            except ECStoreError as e:  # cannot tell which file: not vouched for
+                log.error("ecstore: cannot find the blob file of %s to make it durable: %s", identifier, e)
+                with self.cv:
+                    self.sync_errors += 1
+                    self.errors.append(StoreFullError(f"blob file of {identifier} not made durable: {e}"))
+                continue
+            if name is not None:
+                names.append(name)
+        return list(dict.fromkeys(names))
+
+    def _report(self, res: WriteResult) -> None:
+        if res.outcome is PutOutcome.STORED:
+            log.info("EC put: stored %d bytes for mm_hash=%s", res.nbytes, res.mm_hash)
+        elif res.outcome is PutOutcome.COLLISION:
+            log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
+                        "(64-bit hash collision)", res.mm_hash, res.key)
+        elif res.outcome is PutOutcome.FAILED:
+            log.error("ecstore: could not store mm_hash=%s: %s", res.mm_hash, res.error)
+            with self.cv:
+                self.write_errors += 1
+                self.errors.append(res.error or StoreFullError("write failed"))
