@@ -139,12 +139,14 @@ class _BackgroundJobs:
         """Whether a job on the same tag must not start now, given the last one's outcome."""
         return self.clock() - ended < FETCH_RETRY_S
 
-    def start(self, identifier: str, tag: object = None) -> bool:
+    def start(self, identifier: str, tag: object = None, *, now: bool = True) -> bool:
         """Queue a job on ``identifier`` unless one runs, or one on the same
         ``tag`` ended less than :data:`FETCH_RETRY_S` ago (never again at
         every step for one request). Whether a request should wait for it:
         one runs now, or that one ended with the outcome that makes the next
-        lookup a yes (it may end between a lookup and this call)."""
+        lookup a yes (it may end between a lookup and this call).
+        ``now=False``: queued, but the thread is only woken by :meth:`kick`
+        (the scheduler's step ends first: the thread does not compete with it)."""
         with self._cv:
             state, ended, last = self._states.get(identifier, (None, 0.0, None))
             if state == self.RUNNING or self._closed:
@@ -154,11 +156,21 @@ class _BackgroundJobs:
             self._states[identifier] = (self.RUNNING, 0.0, tag)
             self._states.move_to_end(identifier)
             self._todo.append(identifier)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+            if now:
+                self._wake()
             return True
+
+    def kick(self) -> None:
+        """Wake the thread for the jobs queued with ``now=False``."""
+        with self._cv:
+            if self._todo and not self._closed:
+                self._wake()
+
+    def _wake(self) -> None:  # under self._cv
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
 
     def forget(self, identifier: str) -> None:
         with self._cv:

@@ -270,8 +270,8 @@ class SchedulerSide:
         ago; if it runs now, or has just passed (between our lookup and now:
         the next lookup is a yes), the request waits (``_verifying``)."""
         tag = None if record is None else (record.checksum, record.created_ns)
-        if self._verifications is not None and self._verifications.start(identifier, tag):
-            self._verifying.add(identifier)
+        if self._verifications is not None and self._verifications.start(identifier, tag, now=False):
+            self._verifying.add(identifier)  # the thread starts when the step ends (build_connector_meta)
 
     def _fits(self, identifier: str, record: Record | None = None) -> bool:
         """Whether the pinned entry's shape fits what the request expects
@@ -449,6 +449,8 @@ class SchedulerSide:
         self._verify_first.clear()
         self._step_verified.clear()
         self._step_widths.clear()
+        if self._verifications is not None:
+            self._verifications.kick()  # this step's verifications, now that its scheduling is done
         freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
         self._vllm_holds.difference_update(freed)
         if self._poisoned:

@@ -675,8 +675,8 @@ def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs
     assert sched.ensure_cache_available(r2, 0) is False  # waits for the verification
     assert sched.scheduler_side.take_unavailable_requests() == set()
     assert leased(sched, A) == set()
+    sched.build_connector_meta(empty_output())  # the step ends: the verification thread starts
     assert sched.scheduler_side._verifications.wait_idle(60)
-    sched.build_connector_meta(empty_output())  # the next step
     assert sched.ensure_cache_available(r2, 0) is False
     assert "r2" in sched.scheduler_side.take_unavailable_requests()
     assert leased(sched, A) == set()
