@@ -1,10 +1,9 @@
 """Reused, already-faulted CPU memory for the tensors ecstore copies out
 (LMDB-tier hits) and for the blobs it builds (saves).
 
-On the VMs ecstore is benchmarked on, the first write to freshly allocated
-memory costs ~3-6x a memcpy of the same bytes (one page fault per 4 KiB
-page): an LMDB-tier hit copied into ``torch.empty`` memory took ~4.5x
-memcpy, into memory written before ~1x (``docs/benchmarks.md``).
+The first write to freshly allocated memory pays one page fault per 4 KiB
+page, several times the cost of the copy itself (figures: docs/benchmarks.md,
+"Figures behind constants").
 
 :class:`BufferPool` hands out tensors whose memory is a view of a buffer
 (a "slab") kept from earlier use (:meth:`BufferPool.buffer` hands out the

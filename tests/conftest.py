@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 # Helper modules imported by tests get pytest's assertion introspection too.
-pytest.register_assert_rewrite("store_contract", "helpers")
+pytest.register_assert_rewrite("ecstore.testing.store_contract", "ecstore.testing.tensors", "helpers")
 
 GIB = 1 << 30
 

@@ -99,9 +99,9 @@ def cmd_save(args) -> None:
     w = st._writer
     orig_submit = w.submit
 
-    def submit_quietly(key, item):  # queue without waking the writer (no GIL contention)
+    def submit_quietly(item):  # queue without waking the writer (no GIL contention)
         with w.cv:
-            w.queue[key] = item
+            w.queue[item.key] = item
             w.queued_bytes += item.nbytes
 
     tiny = torch.randn(1, 16).to(torch.bfloat16)
@@ -170,14 +170,14 @@ def cmd_get(args) -> None:
 
             def fresh():
                 out = torch.empty(hdr.shape, dtype=torch.bfloat16)
-                codec._raw_bytes_view(out)[:] = view
+                codec.raw_bytes_view(out)[:] = view
 
             def prealloc():
-                codec._raw_bytes_view(dst)[:] = view
+                codec.raw_bytes_view(dst)[:] = view
 
             def huge():
                 out = hugepage_empty(hdr.shape, torch.bfloat16)
-                codec._raw_bytes_view(out)[:] = view
+                codec.raw_bytes_view(out)[:] = view
 
             r["torch.empty + copy (today)"] = med_ms(fresh)
             r["hugepage alloc + copy"] = med_ms(huge)
@@ -237,7 +237,8 @@ def cmd_touch(args) -> None:
 def cmd_writer(args) -> None:
     import ecstore.lmdb.tier as lt
     from ecstore.format import codec
-    from ecstore.lmdb import PutRequest
+    from ecstore.format.put import PendingPut
+    from ecstore.lmdb import BatchPut
 
     print("# background writer, put(copy=False) x N + flush: time per stage (instrumented in-process)")
     acc: dict[str, float] = defaultdict(float)
@@ -294,7 +295,7 @@ def cmd_writer(args) -> None:
                          else [None] * count)
                 t0 = time.perf_counter()
                 for h, blob in zip(hs, blobs):
-                    st.disk.write_batch([PutRequest(st.key(h), h, "m", src, blob=blob)])
+                    st.disk.write_batch([BatchPut(PendingPut(st.key(h), h, src, blob=blob), "m")])
                 st.disk.sync()
                 dt = time.perf_counter() - t0
                 st.close()

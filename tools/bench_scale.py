@@ -18,16 +18,18 @@ from bench_core import DTYPE, ROW_BYTES, Bench, GiB, MiB, ids, log, now_ns, time
 
 def build_small_store(b: Bench, st, start: int, stop: int, prefix: str) -> float:
     """Write entries [start, stop) straight through ``store.disk.write_batch``."""
-    from ecstore.lmdb import PutRequest
+    from ecstore.format.put import PendingPut, PutOutcome
+    from ecstore.lmdb import BatchPut
 
     t = torch.randn(1, 16, dtype=torch.float32).to(DTYPE)
     batch = 20_000
     t0 = time.perf_counter()
     for lo in range(start, stop, batch):
-        reqs = [PutRequest(st.key(h), st.stored_name(h), st.model, t) for h in ids(prefix, min(batch, stop - lo), lo)]
+        reqs = [BatchPut(PendingPut(st.key(h), st.stored_name(h), t), st.model)
+                for h in ids(prefix, min(batch, stop - lo), lo)]
         st.disk.write_batch(reqs)
-        bad = [r for r in reqs if r.result != "stored"]
-        assert not bad, bad[0].result
+        bad = [r for r in reqs if r.outcome is not PutOutcome.STORED]
+        assert not bad, bad[0].outcome
     st.flush()
     return time.perf_counter() - t0
 

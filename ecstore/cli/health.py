@@ -21,7 +21,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return run_remote("stats", args)
     target = resolve_target(args)
     with open_readonly(target) as tier:
-        st = maintenance.store_stats(tier, Progress)
+        st = maintenance.store_report(tier, Progress)
     rows, by, by_namespace, version = st.rows, st.by_model, st.by_namespace, st.schema_version
     unreadable, recs, total = st.unreadable, st.records, st.bytes
     lm = st.pages.as_json()

@@ -17,15 +17,13 @@ from urllib.parse import unquote, urlparse
 
 from ecstore.config.redact import short_repr
 from ecstore.errors import ConfigError
+from ecstore.lmdb.tier import MAX_LEASE_SECONDS  # the lease file's bound
 
 GiB = 1 << 30
 
 #: Largest size any ``max_*_size`` key accepts, in GiB (64 TiB): LMDB maps
 #: 1.25x the disk cap into the address space (x86-64 user space is 128 TiB).
 MAX_SIZE_GIB = 64 * 1024
-#: Longest lease, in seconds (one day): a lease pins an entry against
-#: eviction until released; one that outlived its loader must expire.
-MAX_LEASE_SECONDS = 86400.0
 #: Longest expiry of values written to the remote, in seconds (366 days).
 MAX_TTL_SECONDS = 366 * 86400.0
 

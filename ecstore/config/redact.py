@@ -1,10 +1,10 @@
 """Keeping credentials and huge values out of messages, logs and tool output.
 
-* :func:`mask_secrets` replaces the password of every URL in a text
-  (``redis://user:pw@host`` -> ``redis://user:***@host``) and the value of
-  secret-looking query parameters (``?password=...``, ``token``, ``secret``,
-  ``api_key``, ``auth``...). Config values are shown through it by
-  ``ecstore-dump config``, config errors and the store's log lines.
+Text is masked by ecstore's one masker,
+:func:`ecstore.remote.url.mask_secrets` (URL passwords, secret query
+parameters); config values are shown through it by ``ecstore-dump config``,
+config errors and the store's log lines.
+
 * :func:`is_secret_key` tells whether a config key names a secret by itself
   (``remote_password``, ``*_token``...): its whole value is masked.
 * :func:`short_repr` is ``repr`` bounded in size and cost (a YAML alias bomb
@@ -19,30 +19,18 @@ import re
 import reprlib
 from typing import Any
 
-MASK = "***"
+from ecstore.remote.url import MASK, SECRET_WORDS, mask_secrets
+
 #: Longest value representation put into a message, in characters.
 MAX_REPR = 200
 
-_SECRET_WORDS = r"(?:pass(?:word|wd|phrase)?|pwd|secret|token|api[_-]?key|access[_-]?key|auth|credentials?)"
-_SECRET_KEY = re.compile(rf"(?i)(?:^|[_.-]){_SECRET_WORDS}$")
-# scheme://[user]:password@ -- the password is everything up to the last '@'
-# of the authority (passwords may hold '@' only percent-encoded, but be safe).
-_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)(?P<pw>[^/?#\s]*)@")
-_SECRET_PARAM = re.compile(rf"(?i)(?P<head>[?&;]{_SECRET_WORDS}=)(?P<value>[^&#;\s]*)")
+_SECRET_KEY = re.compile(rf"(?i)(?:^|[_.-]){SECRET_WORDS}$")
 
 
 def is_secret_key(key: str) -> bool:
     """True if a config key's name says its value is a secret
     (``password``, ``remote_password``, ``auth_token``, ``api_key``...)."""
     return bool(_SECRET_KEY.search(key))
-
-
-def mask_secrets(text: str) -> str:
-    """``text`` with URL passwords and secret query values replaced by ``***``."""
-    if "://" not in text and "=" not in text:
-        return text
-    text = _URL_PASSWORD.sub(lambda m: f"{m.group('head')}{MASK}@", text)
-    return _SECRET_PARAM.sub(lambda m: f"{m.group('head')}{MASK}", text)
 
 
 def mask_value(key: str, value: Any) -> Any:

@@ -39,7 +39,7 @@ from ecstore.config.redact import mask_value, short_repr
 from ecstore.errors import ConfigError
 from ecstore.identity import check_namespace_pin
 from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, check_file_mode
-from ecstore.remote.url import mask_url, parse_remote_url
+from ecstore.remote.url import parse_remote_url
 
 EC_ONLY_KEYS = frozenset({"remote_url", "remote_password", "remote_timeout_seconds",
                           "remote_ttl_seconds", "max_remote_queue_size"})
@@ -82,16 +82,16 @@ class ECStoreConfig:
             encoder-disaggregated deployment whose proxy assigns the uuids).
         pooled_blobs: build each put's blob in the process's pool of
             already-faulted memory (:data:`ecstore.pool.POOL`) instead of
-            fresh ``torch.empty`` memory, whose page faults cost ~3-6x a
-            memcpy on the benchmark VM. Default true; false only to compare
+            fresh ``torch.empty`` memory, whose page faults cost more than
+            the copy. Default true; false only to compare
             (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
         split_reads: read a disk-tier entry of at least
             :data:`ecstore.format.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
             of its own on two cores: the caller and one helper thread per
-            process (``docs/benchmarks.md``: ~1.2-1.4x instead of ~1.4-1.6x
-            a memcpy on an idle benchmark VM, but ~20% slower than one core
-            when every core is busy). Default true; false where the
-            process's cores are all taken (e.g. CPU inference).
+            process (faster where a second core is free, slower than one
+            core when every core is busy: ``docs/benchmarks.md``). Default
+            true; false where the process's cores are all taken (e.g. CPU
+            inference).
         min_file_blob_size: blobs (stored tensors plus their header) of at
             least this many MiB are kept in files of their own in the
             store's ``blobs/`` directory instead of inside LMDB: durable
@@ -357,14 +357,5 @@ def describe_config(cfg: ECStoreConfig) -> list[tuple[str, Any, str]]:
         value = getattr(cfg, key)
         if key == "file_mode":
             value = f"{value:04o}"
-        rows.append((key, _shown(key, value), cfg.source_of(key)))
+        rows.append((key, mask_value(key, value), cfg.source_of(key)))
     return rows
-
-
-def _shown(key: str, value: Any) -> Any:
-    """A value as it may be printed: passwords masked."""
-    if key == "remote_password" and value:
-        return "***"
-    if key == "remote_url" and value:
-        return mask_url(value)
-    return mask_value(key, value)

@@ -299,14 +299,14 @@ def _warn_base_remote_url(layers: Mapping[str, Mapping[str, _Setting]]) -> None:
     remote: never the encoder cache's) names a server ecstore could use
     (``redis://``...) and no ``ec_remote_url`` is set, naming the key that
     turns the shared tier on. LMCache's own schemes (``lm://``...) stay quiet."""
-    from ecstore.remote.url import mask_url, supported_scheme
+    from ecstore.remote.url import mask_secrets, supported_scheme
 
     for level in reversed(_LEVELS):
         setting = layers[level].get("remote_url")
         if level in _SHARED_LEVELS and setting is not None:
             if supported_scheme(setting.value):
                 warnings.warn(
-                    f"{setting.spelled} {short_repr(mask_url(setting.value))} (from {setting.source}) is "
+                    f"{setting.spelled} {short_repr(mask_secrets(setting.value))} (from {setting.source}) is "
                     f"LMCache's KV-cache remote: the encoder cache does not use it and has no remote tier; "
                     f"to share encoder outputs through a Redis/Valkey server, set ec_remote_url "
                     f"(or LMCACHE_EC_REMOTE_URL)",

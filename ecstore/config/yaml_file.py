@@ -13,9 +13,10 @@ from typing import Any
 
 import yaml
 
-from ecstore.config.redact import mask_secrets, short_repr
+from ecstore.config.redact import short_repr
 from ecstore.config.settings import EC_SECTION
 from ecstore.errors import ConfigError
+from ecstore.remote.url import mask_secrets
 
 MAX_CONFIG_BYTES = 1 << 20
 

@@ -77,11 +77,9 @@ class VerifiedEntries:
         makes: the whole blob is read the first time (about a disk hit's
         cost), a record read (µs) after. A failing entry is dropped by
         :meth:`ECStore.verify` (logged). Raises ECStoreError (treat as a miss)."""
-        disk = self.store.disk
-        if disk is None:
+        if not self.store.has_disk_tier:
             return False
-        rec = disk.record(self.store.key(identifier))
-        tag = None if rec is None else (rec.checksum, rec.created_ns)
+        tag = self.store.entry_tag(identifier)
         with self._lock:
             if tag is not None and self._tags.get(identifier) == tag:
                 self._tags.move_to_end(identifier)

@@ -31,7 +31,7 @@ from ecstore.connector.stats import ECStoreConnectorStats, ECStorePromMetrics
 from ecstore.connector.vllm_identity import encoder_identity, per_process_naming, per_process_warning
 from ecstore.connector.worker_side import WorkerSide
 from ecstore.errors import ConfigError
-from ecstore.remote.url import mask_url
+from ecstore.remote.url import mask_secrets
 
 if TYPE_CHECKING:
     from vllm.config import ECTransferConfig, VllmConfig
@@ -93,7 +93,7 @@ class ECStoreConnector(ECConnectorBase):
                  self.identity.namespace, self.identity.weights.method,
                  self.config.local_disk, self.config.max_local_disk_size, self.config.local_cpu,
                  self.config.max_local_cpu_size,
-                 mask_url(self.config.remote_url) if self.config.remote_url else None)
+                 mask_secrets(self.config.remote_url) if self.config.remote_url else None)
 
     # ---------------------------------------------------------------- worker
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecstore.errors import ECStoreError
-from ecstore.identity import qualify
-from ecstore.key import make_key
 from ecstore.maintenance import namespaces
 
 log = logging.getLogger("ecstore")
@@ -68,16 +66,13 @@ class ForeignNamespaces:
         under another identity of this model, the first time one does (then
         logged, and that namespace not looked at again); None otherwise.
         Never raises."""
-        disk = self._store.disk
-        if disk is None:
+        if not self._store.has_disk_tier:
             return None
         try:
-            for other in self._candidates(disk):
+            for other in self._candidates():
                 if other.namespace in self._told:
                     continue
-                name = qualify(other.namespace, identifier)
-                key = make_key(self._store.model, self._store._hash(name), other.dtype)
-                if disk.contains(key, name):
+                if self._store.holds_foreign(other.namespace, other.dtype, identifier):
                     self._told.add(other.namespace)
                     self._log(identifier, other.namespace, other.description)
                     return other.namespace
@@ -85,7 +80,7 @@ class ForeignNamespaces:
             log.debug("ecstore: could not compare with other namespaces: %s", e)
         return None
 
-    def _candidates(self, disk: Any) -> list[_Other]:
+    def _candidates(self) -> list[_Other]:
         """The other identities of this model, from the table read at most
         every REFRESH_SECONDS and parsed only when it changed."""
         now = self._clock()
@@ -93,7 +88,7 @@ class ForeignNamespaces:
             return self._others
         self._read_at = now
         try:
-            raw = disk.namespace_descriptions()
+            raw = self._store.namespace_descriptions()
         except ECStoreError:
             if self._raw is None:
                 self._raw = {}  # unreadable: tried again after REFRESH_SECONDS, not on every miss

@@ -1,61 +1,14 @@
 """Scheduler side of the connector: the index, leases and load announcements.
 
 Runs in vLLM's engine-core process (the same process as the worker in
-single-process mode). Called from the scheduler thread only.
+single-process mode). Called from the scheduler thread only; never waits on
+another process's long write (remote fetches run on ``ecstore-fetch``).
 
-One index for scheduler and workers
------------------------------------
-* Disk mode: the scheduler opens the same LMDB store as the workers, so
-  ``has_cache_item`` is true exactly when a worker can read the entry. Before
-  answering yes it pins the entry with a lease (``ECStore.pin``), one per
-  announced load: no process's eviction can remove it until the worker
-  reports that load (or the request ends, or the lease expires / this
-  process dies). A stored entry that cannot be pinned now (``Pin.BUSY``:
-  another process inside, or stopped inside, a lease write) is a miss that
-  step; a request that needs it and could not compute it (no inputs) is
-  deferred to the next step instead of failed.
-* Memory-only mode: entries live in the workers' memory, possibly another
-  process. The workers report what they saved and evicted in each step's
-  worker metadata, and the scheduler keeps a mirror of that index. An entry
-  the worker evicts is kept by the worker in a "limbo" until the scheduler
-  acknowledges the eviction in a later step's metadata, so an entry announced
-  before the scheduler learned of its eviction is still loadable.
-
-Entries are read under the engine's encoder identity (ecstore.identity): an
-entry of another identity is a miss. Identifiers vLLM made up per process
-(``renderer<rank>-mm-<n>-...``) are never looked up.
-
-Producer-only instances (``ec_producer``; vLLM runs them encoder-only) answer
-``has_cache_item`` from the store too (a yes spares the encoder; nothing is
-pinned or loaded), and name the items of each step's requests that vLLM does
-not encode in that step (``publish``): those its own encoder cache serves, the
-worker stores again if the store lost them. Their worker counters arrive through a shared record
-(``shared_stats``): vLLM drops an encoder-only instance's worker metadata.
-
-Remote tier (``remote_url``)
-----------------------------
-When the local tiers miss, ``has_cache_item`` asks the remote (one EXISTS,
-bounded by ``remote_timeout_seconds``, remembered for a second when the
-answer is no, skipped while the remote is unreachable). A remote yes is not
-pinned: the worker fetches, verifies and promotes the entry when it loads it;
-should the remote lose it in between (its own eviction, a crash), that load
-fails like a vanished disk entry (the item is encoded in the same step, see
-below; items vLLM could not encode are fetched into the local store first).
-
-A load is announced exactly for the items ``has_cache_item`` said yes to
-(vLLM then does not run the encoder for them). Before saying yes, the entry's
-record is checked against what the request expects (rows from
-``ensure_cache_available``, which vLLM calls for the request just before;
-width where vLLM measured it): a misfit is a miss and the encoder runs. A load
-that fails anyway on the worker (corrupt blob) is encoded by the worker in the
-same step (``recomputed``). Where that is impossible (no processed inputs, or
-tensor parallelism) the entry is verified before the yes (``availability``;
-a remote-only one fetched and committed locally on a background thread, its
-request deferred meanwhile, then pinned), and an item
-without inputs that is not available fails its request before it is
-scheduled. Only an entry damaged after that check still gets a stand-in and
-its request is failed; ``ensure_cache_available`` keeps later requests off
-that stand-in while vLLM's encoder cache holds it.
+A load is announced exactly for the items ``has_cache_item`` said yes to, and
+each yes on a disk store holds a lease until the worker reports that load (or
+the request ends, or the lease expires). Entries of another encoder identity
+are misses. The flows (disk and memory-only modes, producers, the remote
+tier, items vLLM cannot encode again) are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -158,11 +111,11 @@ class SchedulerSide:
         # Remote-only entries of such items: fetched into the local store
         # (verified, then pinned like any local entry) off this thread.
         self._fetches = RemoteFetches(self.store, self._verified) if (
-            self.store is not None and self._verified is not None and self.store.remote is not None
-            and self.store.disk is not None) else None
+            self.store is not None and self._verified is not None and self.store.has_remote_tier
+            and self.store.has_disk_tier) else None
         self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
         self._foreign = ForeignNamespaces(self.store) if (
-            is_consumer and self.store is not None and self.store.disk is not None) else None
+            is_consumer and self.store is not None and self.store.has_disk_tier) else None
         # vLLM 0.33 with Model Runner V2: (req_id -> mm_feature indices) whose
         # processed inputs the worker released (encoder_input_updates), and
         # this step's loads of items with inputs (see _restore_inputs).
@@ -233,7 +186,7 @@ class SchedulerSide:
                 found = pinned = local = False
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
-        if not local and not busy and self.store is not None and self.store.remote is not None:
+        if not local and not busy and self.store is not None and self.store.has_remote_tier:
             try:
                 found = self.store.remote_contains(identifier)  # bounded; no remote failure raises
             except ECStoreError as e:  # an identifier no key can be made of (share_client_uuids)

@@ -38,10 +38,10 @@ REMOTE_COUNTERS = {"hits": "remote_hits", "misses": "remote_misses", "errors": "
 def remote_deltas(store: Any, seen: dict[str, float]) -> dict[str, float]:
     """Connector counters gained by ``store``'s remote tier since ``seen``
     (updated in place); empty without a remote tier."""
-    remote = getattr(store, "remote", None)
-    if remote is None:
+    stats = None if store is None else store.remote_stats()
+    if stats is None:
         return {}
-    now = remote.stats().as_dict()
+    now = stats.as_dict()
     now["seconds"] = now["get_seconds"] + now["put_seconds"]
     out: dict[str, float] = {}
     for field_name, counter in [*REMOTE_COUNTERS.items(), ("seconds", "remote_seconds")]:

@@ -1,37 +1,13 @@
 """Worker side of the connector: loads into and saves from vLLM's encoder cache.
 
 Runs in each worker process, called from the model-runner thread.
-
-* ``start_load_caches`` puts every announced entry into ``encoder_cache`` on
-  the runner's device with the shape and dtype the model expects. An entry
-  that cannot be loaded (corrupt, wrong shape, gone) is added to this step's
-  ``scheduled_encoder_inputs`` (the runner encodes it right after this call,
-  before any token is computed) and reported ``recomputed``. Only where that
-  is impossible (tensor parallelism, or vLLM holds no processed inputs for the
-  item) does it get a zero stand-in so that the step does not crash the
-  engine; the scheduler then fails that request through vLLM's
-  unavailable-request path (one step later: vLLM reads unavailable requests
-  before worker reports), and any later one that would get the stand-in from
-  vLLM's encoder cache. When the stand-in has left that cache (vLLM freed or
-  reset it) the worker reports it ``cleared``.
-* ``save_caches`` copies the new encoder output off the device once (into
-  its safetensors blob) and hands it to the store, whose background writer
-  does the LMDB write. With tensor parallelism only rank 0 writes to disk;
-  every rank of a memory-only store keeps its own copy (no I/O).
-* Visibility on encode-only producers (``ec_producer``, which vLLM 0.32 runs
-  as an encoder-only engine): at the end of every step that saved,
-  ``build_worker_meta`` (the last connector call of the step, made before the
-  step's output leaves the model runner) waits until the writer has
-  committed those saves to LMDB. So when a request's output leaves the
-  engine, every entry it saved is visible to every process on the store,
-  and a PD instance that receives the request next finds it. vLLM 0.32 has
-  no way to hold back a finished request's output until the connector is
-  done (``request_finished`` only delays freeing blocks), hence the wait;
-  the commit itself started on the background writer when ``save_caches``
-  handed the entry over. ``ec_both`` instances do not wait (their step
-  goes on to the language model; entries appear when the writer commits).
-* Counters of encode-only producers go to a shared record read by the
-  scheduler side (``shared_stats``): vLLM drops their worker metadata.
+``start_load_caches`` puts every announced entry into ``encoder_cache``; one
+that cannot be loaded is encoded in the same step (``recomputed``), or, where
+that is impossible, gets a zero stand-in and its request is failed.
+``save_caches`` copies the output off the device once and hands it to the
+store. On encode-only producers ``build_worker_meta`` returns only once the
+step's saves are committed (visible to every process). The flows are in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -49,9 +25,8 @@ from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import remote_deltas
 from ecstore.connector.vllm_identity import kept_out
 from ecstore.errors import ECStoreError
-from ecstore.format.codec import tensor_nbytes
-from ecstore.identity import EncoderIdentity, split_stored
-from ecstore.memory import MemoryItem
+from ecstore.format import tensor_nbytes
+from ecstore.identity import EncoderIdentity
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -85,8 +60,8 @@ class WorkerSide:
         self._lm_width = int(vllm_config.model_config.get_inputs_embeds_size())
         self.memory_only = cfg.local_disk is None
         self._limbo: dict[str, torch.Tensor] = {}  # memory-only: evicted, not yet acked
-        if self.memory_only and self.store.memory is not None:
-            self.store.memory.on_evict = self._on_evict
+        if self.memory_only:
+            self.store.on_memory_eviction(self._on_evict)
         self._saved: dict[str, int] = {}
         self._evicted: list[str] = []
         self._loaded: list[tuple[str, str]] = []  # (req_id, identifier)
@@ -112,14 +87,13 @@ class WorkerSide:
     def _count(self, key: str, value: float = 1) -> None:
         self._stats[key] = self._stats.get(key, 0) + value
 
-    def _on_evict(self, key: str, item: MemoryItem) -> None:
+    def _on_evict(self, identifier: str, tensor: torch.Tensor) -> None:
         # Called under the memory tier's lock: just park it. Only a consumer
         # can have a load of it announced; a producer's scheduler side never
         # acks (nor does vLLM deliver an encode-only instance's reports), so
         # parking there would keep every evicted tensor forever.
-        identifier = split_stored(item.identifier).identifier  # the tier holds stored names
         if self.is_consumer:
-            self._limbo[identifier] = item.tensor
+            self._limbo[identifier] = tensor
         self._evicted.append(identifier)
         self._count("evictions")
 
@@ -243,12 +217,7 @@ class WorkerSide:
         copy is dropped, so that a put stores it again instead of answering
         "already held". False without a disk tier (memory only). What counts
         for other processes is the shared file."""
-        key = self.store.key(identifier)
-        if self.store.disk is None or self.store.disk.contains(key, self.store.stored_name(identifier)):
-            return False
-        if self.store.memory is not None:
-            self.store.memory.delete(key)  # stale copy: put would skip it
-        return True
+        return self.store.forget_if_lost_from_disk(identifier)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self.is_producer:
@@ -318,8 +287,8 @@ class WorkerSide:
     def build_worker_meta(self) -> ECStoreWorkerMetadata | None:
         if self._uncommitted:
             self._commit_step_saves()
-        if self.store.disk is not None:
-            evictions = self.store.disk.evictions
+        if self.store.has_disk_tier:
+            evictions = self.store.disk_evictions()
             if evictions > self._disk_evictions_seen:
                 self._count("evictions", evictions - self._disk_evictions_seen)
                 self._disk_evictions_seen = evictions

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ecstore.errors import CorruptEntryError, ECStoreError
-from ecstore.format.codec import _ST_CODE, FORMAT, TENSOR_NAME, checksum, tensor_nbytes_of
+from ecstore.format.codec import FORMAT, ST_CODE, TENSOR_NAME, checksum, tensor_nbytes_of
 from ecstore.format.record import Record
 from ecstore.key import parse_key
 
@@ -141,7 +141,7 @@ def parse_header(blob: Any, size: int | None = None) -> BlobHeader:
 
 #: Headers :func:`parse_header` accepted, by (header bytes, blob size): the
 #: parse is a pure function of both, and a hit costs one dict lookup instead
-#: of two JSON decodes and the checks (~8 µs a read). Bounded; thread-safe
+#: of two JSON decodes and the checks. Bounded; thread-safe
 #: (single dict operations under the GIL; a race only parses twice).
 _PARSED: dict[tuple[bytes, int], BlobHeader] = {}
 _PARSED_MAX = 1024
@@ -188,7 +188,7 @@ def _parse_header(raw: bytes, hlen: int, total: int) -> BlobHeader:
         raise CorruptEntryError(f"data_offsets {offsets} do not span the {nbytes} data bytes after the header")
     if tensor_nbytes_of(dt, shape) != nbytes:
         raise CorruptEntryError("shape and dtype do not match the data length")
-    code = _ST_CODE.get(dt)
+    code = ST_CODE.get(dt)
     st_shape = _shape_of(info["shape"], "tensor shape")
     if info["dtype"] != (code or "U8") or st_shape != (shape if code else (nbytes,)):
         raise CorruptEntryError("safetensors dtype/shape do not match the real dtype/shape")

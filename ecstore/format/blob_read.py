@@ -31,7 +31,7 @@ from ecstore.format.blob_check import (
     parse_header,
     storable_dtype,
 )
-from ecstore.format.codec import _raw_bytes_view, checksum, tensor_nbytes, tensor_nbytes_of
+from ecstore.format.codec import checksum, raw_bytes_view, tensor_nbytes, tensor_nbytes_of
 from ecstore.format.record import Record
 from ecstore.pool import POOL
 
@@ -49,7 +49,7 @@ def _destination(blob: Any, hdr: BlobHeader, size: int | None = None) -> tuple[t
     out = POOL.empty(hdr.shape, dt)
     if tensor_nbytes(out) != hdr.data_nbytes:
         raise CorruptEntryError("header sizes do not match the blob")
-    return out, _raw_bytes_view(out)
+    return out, raw_bytes_view(out)
 
 
 def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
@@ -66,9 +66,8 @@ def copy_out(blob: Any, hdr: BlobHeader) -> torch.Tensor:
 #: Entries whose data is larger than two of these are copied out and
 #: checksummed in chunks of this many bytes (bytes): each chunk is hashed
 #: right after it was copied, while it is still in the CPU cache, instead of
-#: hashing the whole blob from memory first and then copying it. On the
-#: benchmark VM (A/B in one process): 1.02-1.28x memcpy instead of
-#: 1.21-1.44x for hits of 34.3 and 130.8 MB; 512 KiB and 256 KiB did worse.
+#: hashing the whole blob from memory first and then copying it; smaller
+#: chunks did worse (docs/benchmarks.md, "Figures behind constants").
 FUSED_CHUNK = 1 << 20
 
 
@@ -178,7 +177,7 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
         raise CorruptEntryError("record's dtype and shape do not match its data bytes")
     head = bytearray(head_len)
     out = POOL.empty(rec.shape, dt)
-    mv = memoryview(_raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+    mv = memoryview(raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
     if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptEntryError
         split_read.read_exactly(fd, memoryview(head), 0)
         split_read.read_exactly(fd, mv, head_len)

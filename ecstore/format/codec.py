@@ -52,8 +52,8 @@ from ecstore.pool import BufferPool
 FORMAT = "ecstore/1"
 TENSOR_NAME = "ec"
 
-# torch dtype -> safetensors dtype code (those safetensors defines).
-_ST_CODE: dict[torch.dtype, str] = {
+#: torch dtype -> safetensors dtype code (those safetensors defines).
+ST_CODE: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -82,7 +82,7 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _raw_bytes_view(t: torch.Tensor) -> np.ndarray:
+def raw_bytes_view(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
     flat = t.reshape(-1)
     if flat.numel() == 0:
@@ -92,8 +92,8 @@ def _raw_bytes_view(t: torch.Tensor) -> np.ndarray:
 
 #: The tensor data of a blob written by :func:`encode` starts at a multiple
 #: of this many bytes (safetensors asks for 8; 64 is a cache line: a copy
-#: into or out of the blob runs at memcpy speed, ~2x faster at 1 MB than at
-#: an offset of 8 on the benchmark VM). Readers accept any multiple of 8
+#: into or out of the blob runs at memcpy speed, faster than at an offset of
+#: 8: docs/benchmarks.md). Readers accept any multiple of 8
 #: (entries written before, and other writers). The header's JSON is padded
 #: with spaces, which the safetensors format allows.
 DATA_ALIGN = 64
@@ -123,7 +123,7 @@ def blob_head(shape: tuple[int, ...], dtype: torch.dtype, identifier: str, model
     ``shape`` and ``dtype``: the header's length (little-endian u64), then
     :func:`header_bytes`. Everything but the identifier comes from a
     template cached per (shape, dtype, model) (:func:`_header_template`;
-    ~1 µs instead of ~8 µs with the caches cold after a model step)."""
+    see docs/benchmarks.md, "Figures behind constants")."""
     before, after = _header_template(shape, dtype, model)
     text = before + _json_str(identifier) + after
     pad = -(8 + len(text)) % DATA_ALIGN
@@ -137,7 +137,7 @@ def _header_template(shape: tuple[int, ...], dtype: torch.dtype, model: str) -> 
     identifier: what every entry of that shape shares). Thread-safe (an
     ``lru_cache``, bounded)."""
     nbytes = tensor_nbytes_of(dtype, shape)
-    code = _ST_CODE.get(dtype)
+    code = ST_CODE.get(dtype)
     st_shape = shape if code else (nbytes,)
     before = (f'{{"{TENSOR_NAME}":{{"dtype":"{code or "U8"}","shape":[{",".join(map(str, st_shape))}],'
               f'"data_offsets":[0,{nbytes}]}},"__metadata__":{{"format":"{FORMAT}","identifier":')
@@ -232,7 +232,7 @@ def tensor_nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 #: Dtypes :func:`check_storable` admits on its fast path (none is quantized or
 #: an unsupported complex type); other dtypes take the full checks.
-_FAST_DTYPES = frozenset(_ST_CODE)
+_FAST_DTYPES = frozenset(ST_CODE)
 
 #: Sub-byte integer dtypes (``uint1``-``uint7``, ``int1``-``int7``): torch
 #: makes such tensors but cannot copy them (``copy_kernel`` is not implemented).
@@ -276,5 +276,5 @@ def _check_storable_slow(tensor: object) -> None:
         raise InvalidEntryError(f"empty tensor (shape {tuple(tensor.shape)}) cannot be stored")
     if tensor.dtype in SUB_BYTE_DTYPES:
         raise InvalidEntryError(f"dtype {tensor.dtype} is a sub-byte integer: it cannot be stored")
-    if tensor.dtype.is_complex and tensor.dtype not in _ST_CODE:
+    if tensor.dtype.is_complex and tensor.dtype not in ST_CODE:
         raise InvalidEntryError(f"dtype {tensor.dtype} is not supported")

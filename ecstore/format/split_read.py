@@ -1,14 +1,13 @@
 """Reading a large blob file on two cores: the caller and one helper thread.
 
 A large entry's hit is bound by copying its bytes out of the page cache
-(``preadv``) and hashing them (xxh3): one core does ~1.5x a memcpy. Here the
+(``preadv``) and hashing them (xxh3), more than a memcpy on one core. Here the
 caller and a helper thread claim 1 MiB chunks in file order from one counter
 and read each straight into the destination (``preadv`` releases the GIL);
 the caller hashes the chunks in order as they land. Work-sharing, not
 splitting: when the helper is busy elsewhere (another thread's read) the
 caller simply reads every chunk itself. It helps where a second core is
-free (~20% faster on the idle benchmark VM) and costs about as much where
-none is (a helper preempted holding a chunk makes the caller wait for it):
+free and costs about as much where none is (a helper preempted holding a chunk makes the caller wait for it):
 the ``split_reads`` setting turns it off.
 
 Safety: :func:`read_hashed` returns or raises only after the helper has

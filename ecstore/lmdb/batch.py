@@ -1,6 +1,7 @@
 """The records of a write batch (:meth:`ecstore.lmdb.tier.LMDBTier.write_batch`):
-:class:`PutRequest` (one entry to store, and its result) and the order in
-which a batch's puts and touches are applied (:func:`in_call_order`).
+:class:`BatchPut` (one put to store, and its result), :class:`Touch` (the
+LRU update of one key) and the order in which a batch's puts and touches are
+applied (:func:`in_call_order`).
 Plain data; no I/O; thread-safe as long as one batch is used by one thread.
 """
 
@@ -8,30 +9,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ecstore.format import codec
+from ecstore.format.put import PendingPut, PutOutcome
 from ecstore.lmdb.blobfiles import FileRef
 
 
 @dataclass
-class PutRequest:
-    """One entry for :meth:`LMDBTier.write_batch <ecstore.lmdb.tier.LMDBTier.write_batch>`."""
+class BatchPut:
+    """One put of a :meth:`LMDBTier.write_batch <ecstore.lmdb.tier.LMDBTier.write_batch>`:
+    the queued ``put`` (its ``ticket`` is its position among the batch's puts
+    and touches, see :func:`in_call_order`), the ``model`` its blob header
+    names when the tier encodes it, and what became of it, set by the tier."""
 
-    key: str
-    identifier: str
+    put: PendingPut
     model: str
-    tensor: torch.Tensor  # contiguous, CPU
-    blob: codec.Blob | None = None
-    result: str = "pending"  # "stored" | "present" | "collision" | "failed"
+    outcome: PutOutcome = PutOutcome.PENDING  # set by write_batch (never PENDING once it returned or raised)
     error: BaseException | None = None
-    #: Position of this put among the puts and touches of a batch (see
-    #: :meth:`LMDBTier.write_batch`); None: in list order, before all touches.
-    order: int | None = None
     #: The file holding the blob, once written (blobs of at least the tier's
     #: ``file_blobs_from`` bytes); None: the blob goes into LMDB itself.
     ref: FileRef | None = None
-    #: Result "present": the blob file of the entry already stored (None: an
+    #: Outcome PRESENT: the blob file of the entry already stored (None: an
     #: inline blob). Another handle may have committed it with
     #: ``sync_files=False`` and not synced it yet: a caller that vouches for
     #: this put's durability syncs that file too (``LMDBTier.sync_files``).
@@ -39,10 +36,29 @@ class PutRequest:
 
     @property
     def encoded(self) -> codec.Blob:
-        """``blob``, once :meth:`LMDBTier.write_batch` has set it (it encodes
-        every request without one before anything else)."""
-        assert self.blob is not None, "PutRequest.blob is set by write_batch before it is used"
-        return self.blob
+        """``put.blob``, once :meth:`LMDBTier.write_batch` has set it (it
+        encodes every put without one before anything else)."""
+        assert self.put.blob is not None, "BatchPut.put.blob is set by write_batch before it is used"
+        return self.put.blob
+
+
+@dataclass(frozen=True)
+class Touch:
+    """The LRU update of one key made by reads not yet written: the
+    identifier read, the hits to add, the newest read time (ns since the
+    epoch), and ``orders``: the tickets of the reads between two puts (at
+    least one), so the batch replays reads and puts in the order they were
+    made (:func:`in_call_order`). ``since``: a ticket no later than the
+    oldest read counted in ``hits`` (what the writer's ``drain`` waits for).
+    ``counts``: the reads behind each of ``orders`` (reads with no put
+    between them share one order), so that a split keeps each part's hits."""
+
+    identifier: str
+    hits: int
+    last_access_ns: int
+    orders: tuple[int, ...]
+    since: int = 0
+    counts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,29 +82,20 @@ class TouchOp:
 BatchOp = PutOp | TouchOp
 
 
-def in_call_order(todo: list[PutRequest], touches: dict[str, tuple]) -> list[BatchOp]:
-    """The batch's operations in the order they were made.
-
-    ``touches`` maps key -> ``(identifier, hits, last_access_ns[, orders])``.
-    When every put has an ``order`` and every touch a non-empty tuple of
-    ``orders`` (the positions at which the key was read), puts and touches
-    are interleaved by those positions, so an entry read before a put is
-    already most recently used when that put evicts; a key read at several
-    positions gets one touch per position, its hits counted on the last.
-    Otherwise: the puts in list order, then the touches."""
-    ordered = (all(p.order is not None for p in todo)
-               and all(len(t) > 3 and t[3] for t in touches.values()))
-    if not ordered:
-        return ([PutOp(i) for i in range(len(todo))]
-                + [TouchOp(key, t[0], t[1], t[2]) for key, t in touches.items()])
-    ops: list[tuple[int, BatchOp]] = []
-    for i, p in enumerate(todo):
-        assert p.order is not None  # every put has one: `ordered`
-        ops.append((p.order, PutOp(i)))
-    for key, (identifier, hits, last_ns, orders, *_) in touches.items():
-        orders = sorted(orders)
+def in_call_order(todo: list[BatchPut], touches: dict[str, Touch]) -> list[BatchOp]:
+    """The batch's operations in the order they were made: puts and touches
+    interleaved by their positions (each put's ticket, each touch's
+    ``orders``: the positions at which the key was read), so an entry read
+    before a put is already most recently used when that put evicts; a key
+    read at several positions gets one touch per position, its hits counted
+    on the last. Operations at one position keep their list order (puts
+    first)."""
+    ops: list[tuple[int, BatchOp]] = [(p.put.ticket, PutOp(i)) for i, p in enumerate(todo)]
+    for key, t in touches.items():
+        assert t.orders, f"touch of {key} without the position of its reads"
+        orders = sorted(t.orders)
         for o in orders[:-1]:
-            ops.append((o, TouchOp(key, identifier, 0, 0)))
-        ops.append((orders[-1], TouchOp(key, identifier, hits, last_ns)))
+            ops.append((o, TouchOp(key, t.identifier, 0, 0)))
+        ops.append((orders[-1], TouchOp(key, t.identifier, t.hits, t.last_access_ns)))
     ops.sort(key=lambda op: op[0])
     return [op for _, op in ops]

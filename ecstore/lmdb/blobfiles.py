@@ -85,10 +85,8 @@ _TOKEN_OF = re.compile(r"([0-9a-f]{16})(?:-|\.lock\Z)", re.ASCII)
 #: the next piece (the next file) is copied and the ``fdatasync`` of
 #: :meth:`BlobFiles.sync` has little left to do -- RocksDB's
 #: ``bytes_per_sync`` and PostgreSQL's ``*_flush_after`` do the same.
-#: Durability still comes from the ``fdatasync`` alone. On the benchmark VM:
-#: 4 x 130.8 MB files 1.8-3.6 GB/s with it, 0.5-2.1 without; 400 x 1 MB files
-#: written first and synced together 1.9-2.3 GB/s, 1.1-1.2 one by one
-#: (docs/benchmarks.md).
+#: Durability still comes from the ``fdatasync`` alone (measured:
+#: docs/benchmarks.md, "blobs in files of their own, early writeback").
 WRITEBACK_CHUNK = 8 << 20
 
 
@@ -111,9 +109,8 @@ def _preallocator() -> Callable[[int, int], int] | None:
     """``fallocate(fd, 0, 0, nbytes)`` through libc (releases the GIL; never
     glibc's ``posix_fallocate``, which writes zeros where the file system
     cannot allocate): a new blob file's blocks are allocated in one call
-    instead of page by page as it is written (on the benchmark VM, ext4:
-    writing 34.3 MB into the page cache 8-10 -> 6-7 ms of CPU). Returns 0 or
-    the errno; None where libc has none."""
+    instead of page by page as it is written (less CPU per write:
+    docs/benchmarks.md). Returns 0 or the errno; None where libc has none."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).fallocate
     except (OSError, AttributeError):

@@ -14,7 +14,7 @@ pass before LMDB maps them.
   file checks (types, owner and mode, truncation) and the ``lmdb.open`` calls;
   a damaged lease file is recreated only while no process has it open.
 * :func:`map_size_for` and the map headroom constants: the map size bounds
-  the data file (see the design notes of :mod:`ecstore.lmdb`).
+  the data file (design notes: docs/architecture.md, "The LMDB tier").
 
 Thread-safe: the registry is guarded by a class lock; see each class.
 """

@@ -11,7 +11,7 @@
 
 Background: LMDB files never grow past the map size, and pages a commit
 frees are reused only after one more commit and once no reader holds an
-older snapshot (see the design notes of :mod:`ecstore.lmdb`).
+older snapshot (design notes: docs/architecture.md, "The LMDB tier").
 """
 
 from __future__ import annotations

@@ -157,13 +157,9 @@ class StoreHandle:
             yield stack.enter_context(self._shared.txn(write=write))
 
     def _open_dbs(self, txn: lmdb.Transaction | None) -> None:
-        def db(name: bytes, since: int = 1) -> Any:
-            return self.env.open_db(name, txn=txn, create=False) if self.schema_version >= since else None
-        self._dbs = Dbs(blobs=db(b"blobs"), entries=db(b"entries"), meta=db(b"meta"), lru=db(b"lru", 2),
-                        namespaces=db(b"namespaces", 3), files=db(b"files", 4))
-        # The raw handles, for tooling and tests that plant damage.
-        self._blobs, self._entries, self._meta = self._dbs.blobs, self._dbs.entries, self._dbs.meta
-        self._lru, self._namespaces = self._dbs.lru, self._dbs.namespaces
+        #: The sub-database handles (the one form: :class:`Dbs`; tooling gets
+        #: them with a read transaction from ``snapshot()``).
+        self._dbs = Dbs.open(self.env, txn, self.schema_version)
         # Records this handle writes and serves: from schema 3 on, v2 records
         # holding stored names (ecstore.identity); a handle held at an older
         # schema (tests) writes and serves v1.
@@ -231,7 +227,7 @@ class StoreHandle:
         with self._shared.write_lock:
             try:
                 with self._begin(write=True) as txn:
-                    raw = txn.get(b"schema_version", db=self._meta)
+                    raw = txn.get(b"schema_version", db=self._dbs.meta)
                     if raw is not None and not (raw.isdigit() and raw.isascii()):
                         raise StoreOpenError(
                             f"store at {self.path} is damaged: its meta record schema_version is "

@@ -21,11 +21,10 @@ import lmdb
 import torch
 
 from ecstore.errors import CorruptEntryError, StoreFullError
-from ecstore.format import blob_read, codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, blob_read, codec
 from ecstore.lmdb.blobfiles import BlobFileUnavailable, FileRef, unpack_ref
 from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
-from ecstore.lmdb.txn import _U64, file_ref
+from ecstore.lmdb.txn import _U64, Dbs, file_ref
 
 log = logging.getLogger("ecstore")
 
@@ -46,7 +45,7 @@ class TierReads(StoreHandle):
     def _identifier_at(self, key: str) -> str | None:
         self._check()
         with self._begin(buffers=True) as txn:
-            raw = txn.get(self._k(key), db=self._entries)
+            raw = txn.get(self._k(key), db=self._dbs.entries)
             return None if raw is None else codec.record_identifier(raw, self.record_version)
 
     @_lmdb_errors_as_store_errors
@@ -54,7 +53,7 @@ class TierReads(StoreHandle):
         """``key``'s record; None if absent; CorruptEntryError if unreadable."""
         self._check()
         with self._begin(buffers=True) as txn:
-            raw = txn.get(self._k(key), db=self._entries)
+            raw = txn.get(self._k(key), db=self._dbs.entries)
             return None if raw is None else codec.unpack_record(raw)
 
     @_lmdb_errors_as_store_errors
@@ -74,14 +73,14 @@ class TierReads(StoreHandle):
         rec: Record | None = None
         ref: FileRef | None = None
         with self._begin(buffers=True) as txn:
-            raw = txn.get(k, db=self._entries)
+            raw = txn.get(k, db=self._dbs.entries)
             if raw is None:
                 return None
             try:
                 rec = codec.unpack_record(raw)
                 if rec.identifier != identifier or rec.version != self.record_version:
                     return None  # another identity or identifier (hash collision), or legacy: a plain miss
-                blob = txn.get(k, db=self._blobs)
+                blob = txn.get(k, db=self._dbs.blobs)
                 if blob is None:
                     raise CorruptEntryError("record without blob")
                 ref = unpack_ref(blob)
@@ -145,7 +144,7 @@ class TierReads(StoreHandle):
         ``raw_expected``, or reads at all where it did not (``raw_expected``
         None: the record was the damage)."""
         with self._writing() as w:
-            raw = w.txn.get(k, db=self._entries)
+            raw = w.txn.get(k, db=self._dbs.entries)
             if raw is None:
                 return
             try:
@@ -164,7 +163,7 @@ class TierReads(StoreHandle):
         the serving path.
         """
         self._check()
-        with self._begin() as txn, txn.cursor(db=self._entries) as cur:
+        with self._begin() as txn, txn.cursor(db=self._dbs.entries) as cur:
             for k, raw in (cur.iterprev() if reverse else cur):
                 try:
                     yield k.decode("utf-8"), codec.unpack_record(raw)
@@ -177,7 +176,7 @@ class TierReads(StoreHandle):
         file's contents for a blob kept in a file (b"" if it is missing)."""
         self._check()
         with self._begin() as txn:
-            value = txn.get(self._k(key), db=self._blobs)
+            value = txn.get(self._k(key), db=self._dbs.blobs)
         return None if value is None else bytes(self.resolve_blob(value))
 
     def points_to(self, k: bytes, ref: FileRef) -> bool:
@@ -185,7 +184,7 @@ class TierReads(StoreHandle):
         read transaction): a file found missing or short after an older one
         is damage only if so; else its entry was removed meanwhile."""
         with self._begin(buffers=True) as txn:
-            now = txn.get(k, db=self._blobs)
+            now = txn.get(k, db=self._dbs.blobs)
             return now is not None and file_ref(now) == ref
 
     def resolve_blob(self, value: bytes | memoryview) -> bytes | memoryview:
@@ -224,23 +223,23 @@ class TierReads(StoreHandle):
         """Keys from least to most recently used."""
         self._check()
         with self._begin() as txn:
-            if self._lru is not None:
-                return [bytes(v).decode() for _, v in txn.cursor(db=self._lru)]
-            recs = [(codec.unpack_record(v).lru_seq, bytes(k).decode()) for k, v in txn.cursor(db=self._entries)]
+            if self._dbs.lru is not None:
+                return [bytes(v).decode() for _, v in txn.cursor(db=self._dbs.lru)]
+            recs = [(codec.unpack_record(v).lru_seq, bytes(k).decode()) for k, v in txn.cursor(db=self._dbs.entries)]
         return [k for _, k in sorted(recs)]
 
     @_lmdb_errors_as_store_errors
     def total_bytes(self) -> int:
         """Sum of stored blob sizes (bytes), as committed."""
         with self._begin() as txn:
-            raw = txn.get(b"total_bytes", db=self._meta)
+            raw = txn.get(b"total_bytes", db=self._dbs.meta)
             return _U64.unpack(raw)[0] if raw else 0
 
     @_lmdb_errors_as_store_errors
     def entry_count(self) -> int:
         """Number of entries, as committed."""
         with self._begin() as txn:
-            return txn.stat(self._entries)["entries"]
+            return txn.stat(self._dbs.entries)["entries"]
 
     def env_info(self) -> dict[str, Any]:
         """LMDB's ``Environment.info()`` plus ``psize`` (page size) and
@@ -254,22 +253,21 @@ class TierReads(StoreHandle):
         return info
 
     @contextlib.contextmanager
-    def snapshot(self) -> Iterator[tuple[lmdb.Transaction, dict[str, Any]]]:
+    def snapshot(self) -> Iterator[tuple[lmdb.Transaction, Dbs]]:
         """One read transaction (``buffers=True``) and the sub-database handles
-        ``{"blobs", "entries", "meta", "lru", "files"}`` (``lru`` None in schema 1,
-        ``files`` before schema 4), for
-        tooling (``ecstore-dump``) that needs a consistent view. Read-only;
-        buffers are valid only inside the ``with`` block; keep it short."""
+        (:class:`~ecstore.lmdb.txn.Dbs`: ``lru`` None in schema 1, ``namespaces``
+        before schema 3, ``files`` before schema 4), for tooling
+        (``ecstore-dump``) that needs a consistent view. Read-only; buffers are
+        valid only inside the ``with`` block; keep it short."""
         self._check()
         with self._begin(buffers=True) as txn:
-            yield txn, {"blobs": self._blobs, "entries": self._entries, "meta": self._meta, "lru": self._lru,
-                        "files": self._dbs.files}
+            yield txn, self._dbs
 
     @_lmdb_errors_as_store_errors
     def namespace_descriptions(self) -> dict[str, bytes]:
         """namespace -> identity description (JSON bytes) of every registered one."""
         self._check()
-        if self._namespaces is None:
+        if self._dbs.namespaces is None:
             return {}
-        with self._begin() as txn, txn.cursor(db=self._namespaces) as cur:
+        with self._begin() as txn, txn.cursor(db=self._dbs.namespaces) as cur:
             return {bytes(k).decode("ascii", "replace"): bytes(v) for k, v in cur}

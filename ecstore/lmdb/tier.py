@@ -7,7 +7,7 @@ map is full (:mod:`ecstore.lmdb.full`), deletes, leases (pins against
 eviction, :mod:`ecstore.lmdb.leases`), namespace registration and the
 eviction down to the cap at open. Every change to entries and byte
 accounting goes through one :class:`~ecstore.lmdb.txn.WriteTxn`. See the
-design notes of :mod:`ecstore.lmdb`.
+design notes in docs/architecture.md ("The LMDB tier").
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import time
 
 import lmdb
 
-from ecstore.config.limits import MAX_LEASE_SECONDS
 from ecstore.errors import (
     CorruptEntryError,
     ECStoreError,
@@ -29,9 +28,9 @@ from ecstore.errors import (
     StoreFullError,
     StoreOpenError,
 )
-from ecstore.format import codec
-from ecstore.format.codec import Record
-from ecstore.lmdb.batch import PutOp, PutRequest, in_call_order
+from ecstore.format import Record, codec
+from ecstore.format.put import PutOutcome
+from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
@@ -41,6 +40,11 @@ from ecstore.lmdb.txn import file_ref
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
+
+#: Longest lease, in seconds (one day): a lease pins an entry against
+#: eviction until released; one that outlived its loader must expire. The
+#: bound of the ``lease_seconds`` setting (:mod:`ecstore.config.limits`).
+MAX_LEASE_SECONDS = 86400.0
 
 
 def _check_ttl(ttl_s: object) -> float:
@@ -72,7 +76,7 @@ class LMDBTier(TierReads):
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
         a process sets it. A map smaller than the cap is legal: a full map
-        makes puts evict (see the design notes), it never fails them while
+        makes puts evict (docs/architecture.md), it never fails them while
         anything is evictable. Tests use it to reach a full map without
         filling a disk.
 
@@ -209,7 +213,7 @@ class LMDBTier(TierReads):
         """Whether ``k`` holds ``identifier``'s entry of this handle's record
         version (one read; only the record's identifier is decoded)."""
         with self._begin(buffers=True) as txn:
-            raw = txn.get(k, db=self._entries)
+            raw = txn.get(k, db=self._dbs.entries)
             return raw is not None and codec.record_identifier(raw, self.record_version) == identifier
 
     def _record_of(self, key: str, k: bytes, identifier: str) -> Record | None:
@@ -217,7 +221,7 @@ class LMDBTier(TierReads):
         record version (one read); None otherwise, and for an unreadable
         record (logged and dropped, as by :meth:`get`)."""
         with self._begin(buffers=True) as txn:
-            raw = txn.get(k, db=self._entries)
+            raw = txn.get(k, db=self._dbs.entries)
             if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
                 return None
             try:
@@ -236,10 +240,10 @@ class LMDBTier(TierReads):
             return w.evict_to(target_bytes, extra)
 
     @_lmdb_errors_as_store_errors
-    def write_batch(self, puts: list[PutRequest], touches: dict[str, tuple] | None = None, *,
+    def write_batch(self, puts: list[BatchPut], touches: dict[str, Touch] | None = None, *,
                     sync_files: bool = True) -> None:
-        """Store ``puts`` and apply ``touches`` (key -> (identifier, hits,
-        last_access_ns[, orders])) in one transaction, evicting LRU entries to
+        """Store ``puts`` and apply ``touches`` (key -> :class:`~ecstore.lmdb.batch.Touch`)
+        in one transaction, evicting LRU entries to
         stay within the cap. Sets each request's ``result``; never raises for a
         single bad entry. Raises StoreFullError only if the whole batch could
         not be committed (disk full, or the map full with nothing more to
@@ -248,11 +252,10 @@ class LMDBTier(TierReads):
         StoreOpenError (every pending put failed with it) for any other LMDB
         error, e.g. a damaged page met by the eviction a full map makes.
 
-        Order: when every put has an ``order`` and every touch a tuple of
-        ``orders`` (the positions at which the key was read), puts and touches
-        are applied in that order, so an entry read before a put is already
-        most recently used when that put evicts. Otherwise puts are applied
-        in list order, then touches (:func:`~ecstore.lmdb.batch.in_call_order`).
+        Order: puts and touches are applied in the order of each put's
+        ticket and each touch's ``orders`` (the positions at which the key
+        was read), so an entry read before a put is already most recently
+        used when that put evicts (:func:`~ecstore.lmdb.batch.in_call_order`).
 
         ``sync_files=False``: blob files are written completely (into the
         page cache: a killed process loses nothing of them) but not
@@ -267,27 +270,27 @@ class LMDBTier(TierReads):
         self._check()
         touches = touches or {}
         for p in puts:
-            if p.blob is None:
-                p.blob = codec.encode(p.tensor, identifier=p.identifier, model=p.model, pool=POOL)
-            if len(p.blob) > self.capacity_bytes:
-                p.result, p.error = "failed", StoreFullError(
-                    f"entry of {len(p.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
-            elif not self._in_file(p) and len(p.blob) > self._map_room():  # would evict everything, then fail
-                p.result, p.error = "failed", StoreFullError(
-                    f"entry of {len(p.blob)} bytes can never fit in the LMDB map of {self.path} "
+            if p.put.blob is None:
+                p.put.blob = codec.encode(p.put.tensor, identifier=p.put.identifier, model=p.model, pool=POOL)
+            if len(p.put.blob) > self.capacity_bytes:
+                p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
+                    f"entry of {len(p.put.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
+            elif not self._in_file(p) and len(p.put.blob) > self._map_room():  # would evict everything, then fail
+                p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
+                    f"entry of {len(p.put.blob)} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
-        todo = [p for p in puts if p.result == "pending"]
+        todo = [p for p in puts if p.outcome is PutOutcome.PENDING]
         try:
             self._write_files(todo, sync=sync_files)
             self._write_batch(todo, touches)
         finally:  # files of puts that were not stored (present, full, failed) are nobody's
-            self.files.discard([p.ref.name for p in todo if p.ref is not None and p.result != "stored"])
+            self.files.discard([p.ref.name for p in todo if p.ref is not None and p.outcome is not PutOutcome.STORED])
 
-    def _in_file(self, p: PutRequest) -> bool:
+    def _in_file(self, p: BatchPut) -> bool:
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
         return self.file_blobs_from is not None and len(p.encoded) >= self.file_blobs_from
 
-    def _write_files(self, todo: list[PutRequest], sync: bool = True) -> None:
+    def _write_files(self, todo: list[BatchPut], sync: bool = True) -> None:
         """Write the blobs that go to files, then (``sync``) make them durable
         together (``fdatasync`` each, then the directory: :meth:`BlobFiles.sync`),
         before the transaction that references them: a committed entry's
@@ -308,10 +311,10 @@ class LMDBTier(TierReads):
                 self.files.sync_store_dir()
         except ECStoreError as e:
             for p in todo:
-                p.result, p.error = "failed", e
+                p.outcome, p.error = PutOutcome.FAILED, e
             raise
 
-    def _write_batch(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
+    def _write_batch(self, todo: list[BatchPut], touches: dict[str, Touch]) -> None:
         """:meth:`write_batch` once the blob files are written: the
         transaction, retried while the map is full."""
         extra = 0
@@ -329,7 +332,7 @@ class LMDBTier(TierReads):
                 return
             except SchemaError as e:
                 for p in todo:
-                    p.result, p.error = "failed", e
+                    p.outcome, p.error = PutOutcome.FAILED, e
                 raise
             except lmdb.MapFullError:
                 try:
@@ -338,7 +341,7 @@ class LMDBTier(TierReads):
                 except lmdb.Error as e:  # the eviction or empty commit: a damaged page, EIO...
                     err_open = lmdb_store_error(self.path, e)
                     for p in todo:
-                        p.result, p.error = "failed", err_open
+                        p.outcome, p.error = PutOutcome.FAILED, err_open
                     raise err_open from e
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
@@ -347,11 +350,11 @@ class LMDBTier(TierReads):
                 if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
                     err = StoreFullError(f"disk full while writing to {self.path}: {e}{hint}")
                 for p in todo:
-                    p.result, p.error = "failed", err
+                    p.outcome, p.error = PutOutcome.FAILED, err
                 raise err from None
         err = StoreFullError(f"LMDB map of {self.path} is full and nothing more can be evicted")
         for p in todo:
-            p.result, p.error = "failed", err
+            p.outcome, p.error = PutOutcome.FAILED, err
         raise err
 
     def _map_room(self) -> int:
@@ -359,55 +362,56 @@ class LMDBTier(TierReads):
         pages and some B-tree pages)."""
         return self.env.info()["map_size"] - 64 * self.env.stat()["psize"]
 
-    def _write_once(self, todo: list[PutRequest], touches: dict[str, tuple]) -> None:
+    def _write_once(self, todo: list[BatchPut], touches: dict[str, Touch]) -> None:
         """One attempt at a batch: one :class:`~ecstore.lmdb.txn.WriteTxn`;
         sets the results only once it committed."""
         now = time.time_ns()
-        results: list[str] = ["pending"] * len(todo)
+        results: list[PutOutcome] = [PutOutcome.PENDING] * len(todo)
         present_files: list[str | None] = [None] * len(todo)
+        no_room: set[int] = set()  # puts with no room left: every other entry is pinned
         with self._writing() as w:
             for op in in_call_order(todo, touches):
                 if not isinstance(op, PutOp):
                     w.touch(self._k(op.key), op.identifier, op.hits, op.last_ns)
                     continue
                 p = todo[op.index]
-                k = self._k(p.key)
+                k = self._k(p.put.key)
                 held = w.identifier_of(k)  # a damaged entry under this key is dropped: replaced
                 if held is not None:
-                    results[op.index] = "present" if held == p.identifier else "collision"
-                    if held == p.identifier:
+                    results[op.index] = PutOutcome.PRESENT if held == p.put.identifier else PutOutcome.COLLISION
+                    if held == p.put.identifier:
                         present_files[op.index] = w.file_of(k)
                     continue
                 blob = p.encoded
                 if not w.make_room(len(blob), self.capacity_bytes):
-                    results[op.index] = "full"
+                    results[op.index] = PutOutcome.FAILED
+                    no_room.add(op.index)
                     continue
-                w.insert(k, blob, Record(p.identifier, str(p.tensor.dtype).removeprefix("torch."),
-                                         tuple(p.tensor.shape), codec.tensor_nbytes(p.tensor), len(blob),
+                w.insert(k, blob, Record(p.put.identifier, str(p.put.tensor.dtype).removeprefix("torch."),
+                                         tuple(p.put.tensor.shape), codec.tensor_nbytes(p.put.tensor), len(blob),
                                          codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
-                results[op.index] = "stored"
-        for p, r, present in zip(todo, results, present_files):
+                results[op.index] = PutOutcome.STORED
+        for i, (p, r, present) in enumerate(zip(todo, results, present_files)):
             p.present_file = present
-            if r == "full":
-                p.result, p.error = "failed", StoreFullError(
+            p.outcome = r
+            if i in no_room:
+                p.error = StoreFullError(
                     f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
-            else:
-                p.result = r
 
     @_lmdb_errors_as_store_errors
     def register_namespace(self, namespace: str, description: bytes) -> None:
         """Record what ``namespace`` stands for (JSON ``description``), once."""
         self._check()
-        if self.readonly or self._namespaces is None:
+        if self.readonly or self._dbs.namespaces is None:
             return
         k = namespace.encode("ascii")
         with self._begin() as txn:
-            if txn.get(k, db=self._namespaces) == description:
+            if txn.get(k, db=self._dbs.namespaces) == description:
                 return
 
         def put_once() -> None:
             with self._write_txn() as txn:
-                txn.put(k, description, db=self._namespaces)
+                txn.put(k, description, db=self._dbs.namespaces)
         # A few hundred bytes, but fresh pages all the same: wait like a delete.
         self._write_retrying(put_once, f"record namespace {namespace}")
 
@@ -427,7 +431,7 @@ class LMDBTier(TierReads):
 
         def remove_once() -> int | None:
             with self._writing() as w:
-                if w.txn.get(k, db=self._entries) is None:
+                if w.txn.get(k, db=self._dbs.entries) is None:
                     return None
                 return w.remove(k)
         return self._write_retrying(remove_once, f"remove {key}")
@@ -460,10 +464,10 @@ class LMDBTier(TierReads):
         self._check()
         k = self._k(key)
         with self._begin(buffers=True) as txn:
-            raw = txn.get(k, db=self._entries)
+            raw = txn.get(k, db=self._dbs.entries)
             if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
                 return None
-            value = txn.get(k, db=self._blobs)
+            value = txn.get(k, db=self._dbs.blobs)
             ref = None if value is None else file_ref(value)
         return None if ref is None else ref.name
 

@@ -28,8 +28,7 @@ from typing import Any
 import lmdb
 
 from ecstore.errors import CorruptEntryError, StoreOpenError
-from ecstore.format import codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, codec
 from ecstore.lmdb.blobfiles import BlobFiles, FileRef, pack_ref, unpack_ref
 from ecstore.lmdb.leases import LeaseTable
 
@@ -90,6 +89,21 @@ class Dbs:
     lru: Any | None
     namespaces: Any | None
     files: Any | None = None
+
+    @classmethod
+    def open(cls, env: lmdb.Environment, txn: lmdb.Transaction | None, schema_version: int) -> Dbs:
+        """The existing sub-databases of ``env``, a store at ``schema_version``
+        (those a later schema adds are None), opened in ``txn`` (None: without
+        a transaction; see ``StoreHandle``'s note on the write lock)."""
+        def db(name: bytes, since: int = 1) -> Any:
+            return env.open_db(name, txn=txn, create=False) if schema_version >= since else None
+        return cls(blobs=db(b"blobs"), entries=db(b"entries"), meta=db(b"meta"), lru=db(b"lru", 2),
+                   namespaces=db(b"namespaces", 3), files=db(b"files", 4))
+
+    def present(self, *names: str) -> dict[str, Any]:
+        """name -> handle of those of ``names`` (sub-database names, in that
+        order) this schema has."""
+        return {n: db for n in names if (db := getattr(self, n)) is not None}
 
 
 @dataclass

@@ -39,11 +39,11 @@ from ecstore.maintenance.inspect import (
     ModelTotals,
     PageStats,
     ReaderSlot,
-    StoreStats,
+    StoreReport,
     VerifyResult,
     page_stats,
     reader_slots,
-    store_stats,
+    store_report,
     verify,
 )
 from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory, Ticker
@@ -54,8 +54,8 @@ __all__ = [
     "EntryDetail", "entry_detail",
     "LMDB_MAGIC", "SCAN_BATCH", "Row", "entry_problem", "find_entries", "key_bytes", "key_text",
     "open_readonly", "precheck_store", "read_entry", "scan",
-    "BadEntry", "ModelTotals", "PageStats", "ReaderSlot", "StoreStats", "VerifyResult", "page_stats",
-    "reader_slots", "store_stats", "verify",
+    "BadEntry", "ModelTotals", "PageStats", "ReaderSlot", "StoreReport", "VerifyResult", "page_stats",
+    "reader_slots", "store_report", "verify",
     "NO_PROGRESS", "ProgressFactory", "Ticker",
     "PurgeCriteria", "PurgeResult", "purge", "purge_capacity", "select_victims",
 ]

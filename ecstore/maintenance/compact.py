@@ -36,6 +36,7 @@ import lmdb
 from ecstore.errors import ECStoreError, StoreOpenError
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.env import _SharedEnv, try_exclusive
+from ecstore.lmdb.txn import Dbs
 from ecstore.maintenance.entries import open_readonly
 from ecstore.maintenance.inspect import page_stats
 from ecstore.maintenance.progress import ProgressFactory
@@ -154,12 +155,11 @@ def _copy(tier: LMDBTier, tmp: str, new: str, progress: ProgressFactory | None) 
 
 def _db_summary(env: lmdb.Environment) -> tuple[int, int | None, bytes | None]:
     """(entries, total_bytes, schema_version) of an environment."""
-    entries = env.open_db(b"entries", create=False)
-    meta = env.open_db(b"meta", create=False)
+    dbs = Dbs.open(env, None, 1)  # the sub-databases every schema has
     with env.begin() as txn:
-        raw = txn.get(b"total_bytes", db=meta)
-        return (txn.stat(entries)["entries"], None if raw is None else struct.unpack("<Q", raw)[0],
-                txn.get(b"schema_version", db=meta))
+        raw = txn.get(b"total_bytes", db=dbs.meta)
+        return (txn.stat(dbs.entries)["entries"], None if raw is None else struct.unpack("<Q", raw)[0],
+                txn.get(b"schema_version", db=dbs.meta))
 
 
 def compact(path: str, progress: ProgressFactory | None = None) -> CompactResult:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecstore.errors import CorruptEntryError, ECStoreError, StoreOpenError
-from ecstore.format import blob_check, codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, blob_check, codec
 from ecstore.key import parse_key
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
@@ -116,7 +115,7 @@ def scan(tier: LMDBTier, progress: Ticker | None = None) -> Iterator[Row]:
     last: bytes | None = None
     while True:
         chunk: list[tuple[bytes, bytes]] = []
-        with tier.snapshot() as (txn, dbs), txn.cursor(db=dbs["entries"]) as cur:
+        with tier.snapshot() as (txn, dbs), txn.cursor(db=dbs.entries) as cur:
             ok = cur.set_range(last) if last is not None else cur.first()
             while ok and len(chunk) < SCAN_BATCH:
                 k = bytes(cur.key())
@@ -168,10 +167,10 @@ def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record
     another process) counts as not present, not as damage."""
     k = key_bytes(key)
     with tier.snapshot() as (txn, dbs):
-        raw = txn.get(k, db=dbs["entries"])
+        raw = txn.get(k, db=dbs.entries)
         if raw is None:
             return None, None, False
-        value = txn.get(k, db=dbs["blobs"]) if with_blob else None
+        value = txn.get(k, db=dbs.blobs) if with_blob else None
         ref = None if value is None else file_ref(value)
         blob = None if value is None else bytes(tier.resolve_blob(value))  # a blob file's contents
         try:

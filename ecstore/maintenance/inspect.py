@@ -15,8 +15,7 @@ from typing import Any
 import lmdb
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, codec
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.txn import file_ref
 from ecstore.maintenance import namespaces
@@ -61,11 +60,11 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
     sub-databases against each other. Reads every blob once; changes nothing."""
     result = VerifyResult()
     with tier.snapshot() as (txn, dbs):
-        counts = {name: txn.stat(db)["entries"] for name, db in dbs.items() if db is not None and name != "meta"}
-        if dbs.get("files") is not None:  # schema 4: the index of blob files matches the pointers
-            with txn.cursor(db=dbs["blobs"]) as cur:
+        counts = {name: txn.stat(db)["entries"] for name, db in dbs.present("blobs", "entries", "lru", "files").items()}
+        if dbs.files is not None:  # schema 4: the index of blob files matches the pointers
+            with txn.cursor(db=dbs.blobs) as cur:
                 pointers = {ref.name for v in cur.iternext(keys=False) if (ref := file_ref(v)) is not None}
-            with txn.cursor(db=dbs["files"]) as cur:  # the same snapshot: other writers may commit meanwhile
+            with txn.cursor(db=dbs.files) as cur:  # the same snapshot: other writers may commit meanwhile
                 indexed = {bytes(n).decode("ascii", "replace") for n in cur.iternext(keys=True, values=False)}
             if pointers != indexed:
                 result.problems.append(f"the files index ({counts['files']} rows) does not match the "
@@ -79,7 +78,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
         for key in keys:
             k = key_bytes(key)
             with tier.snapshot() as (txn, dbs):  # one short transaction per entry
-                raw = txn.get(k, db=dbs["entries"])
+                raw = txn.get(k, db=dbs.entries)
                 if raw is None:
                     result.vanished += 1  # evicted or deleted since the key list was read
                     prog.advance()
@@ -88,7 +87,7 @@ def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyRes
                     rec: Record | None = codec.unpack_record(raw)
                 except CorruptEntryError:
                     rec = None
-                value = txn.get(k, db=dbs["blobs"])
+                value = txn.get(k, db=dbs.blobs)
                 ref = None if value is None else file_ref(value)
                 problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
             if problem and ref is not None and not tier.points_to(k, ref):
@@ -152,10 +151,9 @@ def page_stats(tier: LMDBTier) -> PageStats:
     main_db = tier.env.open_db(None)
     with tier.snapshot() as (txn, dbs):
         stats = {"main": txn.stat(main_db)}
-        for name, db in dbs.items():
-            if db is not None:
-                stats[name] = txn.stat(db)
-        raw_total = txn.get(b"total_bytes", db=dbs["meta"])
+        for name, db in dbs.present("blobs", "entries", "meta", "lru", "files").items():
+            stats[name] = txn.stat(db)
+        raw_total = txn.get(b"total_bytes", db=dbs.meta)
         accounted = struct.unpack("<Q", raw_total)[0] if raw_total is not None else None
     info = tier.env_info()
     files = tier.files.sizes()
@@ -220,8 +218,10 @@ class ModelTotals:
 
 
 @dataclass
-class StoreStats:
-    """Everything ``ecstore-dump stats`` reports about a store."""
+class StoreReport:
+    """Everything ``ecstore-dump stats`` reports about a store's files (entries,
+    totals, pages, reader slots): a read of the store at rest, not the live
+    per-handle counters of :class:`ecstore.StoreStats`."""
 
     schema_version: int
     rows: list[Row]
@@ -243,8 +243,8 @@ class StoreStats:
         return sum(g.bytes for g in self.by_model)
 
 
-def store_stats(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> StoreStats:
-    """Scan every record once and gather :class:`StoreStats`."""
+def store_report(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> StoreReport:
+    """Scan every record once and gather :class:`StoreReport`."""
     with progress("reading entries", tier.entry_count()) as prog:
         rows = list(scan(tier, prog))
     pages = page_stats(tier)
@@ -260,4 +260,4 @@ def store_stats(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> Stor
         g.tensor_bytes += r.rec.nbytes
         g.hits += r.rec.hits
     by = sorted(groups.values(), key=lambda g: (g.model, g.dtype))
-    return StoreStats(tier.schema_version, rows, by, by_namespace, pages, readers)
+    return StoreReport(tier.schema_version, rows, by, by_namespace, pages, readers)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ecstore.errors import ECStoreError
-from ecstore.format.codec import Record
+from ecstore.format import Record
 
 #: The spelling of "written without an identity".
 LEGACY = "none"

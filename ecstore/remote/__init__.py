@@ -11,14 +11,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ecstore.remote.url import RemoteTarget, mask_url, parse_remote_url, redact, supported_scheme
+from ecstore.remote.url import RemoteTarget, mask_secrets, parse_remote_url, supported_scheme
 
 if TYPE_CHECKING:
     import torch
 
     from ecstore.remote.tier import RemoteTier
 
-__all__ = ["RemoteTarget", "mask_url", "open_remote", "parse_remote_url", "redact", "supported_scheme"]
+__all__ = ["RemoteTarget", "mask_secrets", "open_remote", "parse_remote_url", "supported_scheme"]
 
 
 def open_remote(config: Any, *, model: str, dtype: torch.dtype, readonly: bool = False,

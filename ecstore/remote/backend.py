@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ecstore.errors import ConfigError, ECStoreError
 from ecstore.remote.deadline import deadline, deadline_class
-from ecstore.remote.url import RemoteTarget, redact
+from ecstore.remote.url import RemoteTarget, mask_secrets
 
 log = logging.getLogger("ecstore")
 
@@ -176,7 +176,7 @@ class RedisBackend:
                     url, retry=retry, connection_class=deadline_class(base), **common)
                 _ = self.client  # connects lazily
             except (ValueError, TypeError) as e:  # a query option redis-py rejects: ?socket_timeout=soon
-                raise ConfigError(f"remote_url {target.masked!r}: {redact(str(e), *self._secrets)}") from None
+                raise ConfigError(f"remote_url {target.masked!r}: {mask_secrets(str(e), *self._secrets)}") from None
 
     @property
     def client(self) -> Any:
@@ -209,7 +209,7 @@ class RedisBackend:
         answered with an error). For callers that use :attr:`client`
         directly (``ecstore.remote.inspect``)."""
         r = self._redis
-        text = redact(str(e), *self._secrets)
+        text = mask_secrets(str(e), *self._secrets)
         if isinstance(e, (r.ConnectionError, r.TimeoutError, r.exceptions.ClusterError, OSError)):
             return RemoteUnavailable(f"{self.description}: {text}")
         if isinstance(e, r.RedisError):  # the server answered with an error
@@ -291,4 +291,4 @@ class RedisBackend:
         try:
             self._client.close()
         except Exception as e:  # noqa: BLE001  (closing a client of a dead server)
-            log.debug("ecstore: closing the remote client: %s", redact(str(e), *self._secrets))
+            log.debug("ecstore: closing the remote client: %s", mask_secrets(str(e), *self._secrets))

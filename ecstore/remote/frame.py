@@ -35,8 +35,7 @@ import numpy as np
 import torch
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import blob_check, blob_read, codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, blob_check, blob_read, codec
 
 MAGIC = b"ECRV"
 VERSION = 1

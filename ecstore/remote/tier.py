@@ -38,12 +38,13 @@ import torch
 
 from ecstore.errors import CorruptEntryError
 from ecstore.format import codec
+from ecstore.format.put import PendingPut
 from ecstore.remote import frame
 from ecstore.remote.backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
 from ecstore.remote.breaker import BreakerState, CircuitBreaker, Transition
 from ecstore.remote.deadline import deadline
-from ecstore.remote.url import redact
-from ecstore.remote.writer import Batch, PendingWrite, WriteQueue
+from ecstore.remote.url import mask_secrets
+from ecstore.remote.writer import Batch, WriteQueue
 
 log = logging.getLogger("ecstore")
 T = TypeVar("T")
@@ -194,7 +195,7 @@ class RemoteTier:
         except Exception as e:  # noqa: BLE001  (a backend bug must not fail a request either)
             self._count(errors=1)
             log.warning("ecstore: remote %s failed unexpectedly: %s: %s", what, type(e).__name__,
-                        redact(str(e), getattr(self.backend, "description", "")))
+                        mask_secrets(str(e), getattr(self.backend, "description", "")))
             self._note(self.breaker.record_failure())
             if on_unavailable is not None:
                 on_unavailable()
@@ -289,7 +290,7 @@ class RemoteTier:
         (read-only, circuit open, or the queue stayed full for ``timeout_s``)."""
         if self._writes is None:
             return False
-        queued = self._writes.submit(key, PendingWrite(identifier, tensor, blob, codec.tensor_nbytes(tensor)))
+        queued = self._writes.submit(PendingPut(key, identifier, tensor, blob))
         if queued:
             with self._lock:
                 self._negative.pop(key, None)
@@ -312,23 +313,23 @@ class RemoteTier:
 
     def _write_batch(self, batch: Batch) -> None:
         t0 = time.perf_counter()
-        keys = [k for k, _ in batch]
+        keys = [it.key for it in batch]
         present = [False] * len(batch)
-        if sum(it.nbytes for _, it in batch) >= EXISTS_FIRST_BYTES:
+        if sum(it.nbytes for it in batch) >= EXISTS_FIRST_BYTES:
             # Big values: one EXISTS round trip to skip sending what is there.
             ok, there = self._call("lookup", lambda: self.backend.exists_many(keys), self._drop_queued)
             if not ok or there is None:
                 self._count(puts_dropped=len(batch))
                 return
             present = there
-        todo = [(k, it) for (k, it), there in zip(batch, present) if not there]
+        todo = [it for it, there in zip(batch, present) if not there]
         self._count(puts_present=len(batch) - len(todo))
         values = []
-        for k, it in todo:
+        for it in todo:
             blob = it.blob
             if blob is None:
                 blob = codec.encode(it.tensor, identifier=it.identifier, model=self.model)
-            values.append((k, frame.pack(it.identifier, blob, it.tensor.dtype, tuple(it.tensor.shape))))
+            values.append((it.key, frame.pack(it.identifier, blob, it.tensor.dtype, tuple(it.tensor.shape))))
         ok, written = self._call("put", lambda: self.backend.set_many(values, self.ttl_s), self._drop_queued)
         if not ok or written is None:
             self._count(puts_dropped=len(todo))

@@ -17,7 +17,10 @@ user info runs to the last ``@`` of the host part, so a password may hold
 ``@`` and ``:``; ``/``, ``?``, ``#`` and ``%`` must be percent-encoded
 (``%2F``, ``%3F``, ``%23``, ``%25``), as may anything else.
 
-Nothing here logs: :func:`mask_url` is what every message uses to show a URL.
+Nothing here logs. :func:`mask_secrets` is ecstore's one secret masker:
+every message, log line and tool output that may hold a URL, a config value
+or a client library's error goes through it (``ecstore.config`` and the
+remote tier alike; this module is the lowest layer that needs it).
 """
 
 from __future__ import annotations
@@ -43,22 +46,37 @@ _SCHEMES = {
 #: ``:``; either may hold ``@`` (the password wins the extra ones).
 _USERINFO = re.compile(r"(?P<head>://[^:/?#\r\n]*:)(?P<secret>[^/?#\r\n]*)(?P<at>@)")
 _QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|pass|auth)=)(?P<secret>[^&\s]*)", re.IGNORECASE)
+#: What a secret is replaced with.
+MASK = "***"
+#: Words naming a secret, in a query parameter or a config key (``ecstore.config.redact``).
+SECRET_WORDS = r"(?:pass(?:word|wd|phrase)?|pwd|secret|token|api[_-]?key|access[_-]?key|auth|credentials?)"
+_SECRET_PARAM = re.compile(rf"(?i)(?P<head>[?&;]{SECRET_WORDS}=)(?P<value>[^&#;\s]*)")
 
 
-def mask_url(url: object) -> str:
-    """``url`` with any password replaced by ``***`` (safe to log or print).
-
-    Works on text holding URLs too (error messages): whatever sits between
-    ``://user:`` and the last ``@`` of the host part, and any ``password=``
-    query value, is masked. A lone URL with an ``@`` where none can be (the
-    host part ended early inside a password: :func:`_misplaced_at`) is
-    masked up to its last ``@`` instead.
+def mask_secrets(text: object, *secrets: str | None) -> str:
+    """``text`` (``str()`` of any object) safe to log or print, every secret
+    replaced by ``***``: each non-empty one of ``secrets`` (what a client
+    library built from a URL or password may echo); in every URL, whatever
+    sits between ``://user:`` and the last ``@`` of the host part (a lone URL
+    with an ``@`` where none can be, the host part having ended early inside
+    a password, :func:`_misplaced_at`, is masked up to its last ``@``); and
+    the value of secret-looking query parameters (``password``, ``token``,
+    ``secret``, ``api_key``, ``auth``...). Pure, thread-safe.
     """
-    text = str(url)
-    if _malformed_userinfo(text):
-        return _mask_raw(text)
-    text = _USERINFO.sub(lambda m: f"{m['head']}***{m['at']}", text)
-    return _QUERY_SECRET.sub(lambda m: f"{m['head']}***", text)
+    text = str(text)
+    for s in secrets:
+        if s:
+            text = text.replace(s, MASK)
+    if "://" not in text and "=" not in text:
+        return text
+    text = _mask_raw(text) if _malformed_userinfo(text) else _mask_urls(text)
+    return _SECRET_PARAM.sub(lambda m: f"{m['head']}{MASK}", text)
+
+
+def _mask_urls(text: str) -> str:
+    """URL passwords (:data:`_USERINFO`) and ``password=`` query values masked."""
+    text = _USERINFO.sub(lambda m: f"{m['head']}{MASK}{m['at']}", text)
+    return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", text)
 
 
 def _malformed_userinfo(text: str) -> bool:
@@ -90,29 +108,20 @@ def _at_after_host(url: str) -> bool:
 
 
 def _mask_raw(url: str) -> str:
-    """``url`` masked for an error about it: as :func:`mask_url`, and when
+    """``url`` masked for an error about it: as :func:`_mask_urls`, and when
     an ``@`` follows the host part (:func:`_at_after_host`) everything from
     the password (or from the start, if no user name ends before the host
     part) to the *last* ``@`` of the URL is hidden; in text with no scheme,
     all before its last ``@``."""
     if "://" not in url and "@" in url:
-        return mask_url("***@" + url.rpartition("@")[2])
+        return _mask_urls(MASK + "@" + url.rpartition("@")[2])
     if not _at_after_host(url):
-        return mask_url(url)
+        return _mask_urls(url)
     scheme, _, rest = url.partition("://")
     at = rest.rfind("@")
     colon = rest.find(":", 0, _host_part_end(rest))
     user = rest[:colon + 1] if 0 <= colon < at else ""
-    return mask_url(f"{scheme}://{user}***@{rest[at + 1:]}")  # no '@' is left: no recursion
-
-
-def redact(text: str, *secrets: str | None) -> str:
-    """``text`` with every non-empty secret replaced by ``***`` (for error
-    messages a client library built from a URL or password)."""
-    for s in secrets:
-        if s:
-            text = text.replace(s, "***")
-    return mask_url(text)
+    return _mask_urls(f"{scheme}://{user}{MASK}@{rest[at + 1:]}")
 
 
 def supported_scheme(url: object) -> bool:
@@ -141,7 +150,7 @@ class RemoteTarget:
 
     @property
     def masked(self) -> str:
-        return mask_url(self.url)
+        return mask_secrets(self.url)
 
 
 def _bad(url: str, source: str, why: str, *values: object) -> ConfigError:

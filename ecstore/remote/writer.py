@@ -24,10 +24,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-import torch
+from ecstore.format.put import PendingPut
 
 log = logging.getLogger("ecstore")
 
@@ -36,18 +34,10 @@ BATCH_ITEMS = 64
 BATCH_BYTES = 64 << 20
 
 
-@dataclass
-class PendingWrite:
-    """One queued entry: the tensor (contiguous CPU) and its blob (None: encode it)."""
-
-    identifier: str
-    tensor: torch.Tensor
-    blob: Any
-    nbytes: int
-    ticket: int = 0  # set by WriteQueue.submit: the order it was queued in
-
-
-Batch = list[tuple[str, PendingWrite]]
+#: Puts taken together, oldest first (each a :class:`~ecstore.format.put.PendingPut`:
+#: the tensor, contiguous CPU, and its blob, None: encode it; ``ticket``: the
+#: order it was queued in).
+Batch = list[PendingPut]
 
 
 class WriteQueue:
@@ -67,7 +57,7 @@ class WriteQueue:
         self.max_bytes = max(1, max_bytes)
         self.wait_s = wait_s
         self._cv = threading.Condition()
-        self._queue: OrderedDict[str, PendingWrite] = OrderedDict()
+        self._queue: OrderedDict[str, PendingPut] = OrderedDict()
         self._queued_bytes = 0
         self._busy_since: int | None = None  # oldest ticket of the batch being sent (None: none)
         self._ticket = 0  # the ticket of the newest queued write
@@ -77,8 +67,9 @@ class WriteQueue:
             target=self._run, name="ecstore-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, item: PendingWrite) -> bool:
-        """Queue ``item`` under ``key``; False if it was dropped."""
+    def submit(self, item: PendingPut) -> bool:
+        """Queue ``item`` (under ``item.key``); False if it was dropped."""
+        key = item.key
         deadline = time.monotonic() + self.wait_s
         with self._cv:
             # _queued_bytes counts the batch being sent too (until it is sent):
@@ -95,7 +86,7 @@ class WriteQueue:
                 return False
             if key not in self._queue:  # else the queued one (older ticket) stands for it
                 self._ticket += 1
-                item.ticket = self._ticket
+                item.ticket = item.since = self._ticket
                 self._queue[key] = item
                 self._queued_bytes += item.nbytes
                 self._cv.notify_all()
@@ -170,8 +161,8 @@ class WriteQueue:
             nxt = next(iter(self._queue.values()))
             if batch and size + nxt.nbytes > BATCH_BYTES:
                 break
-            key, item = self._queue.popitem(last=False)
-            batch.append((key, item))
+            _, item = self._queue.popitem(last=False)
+            batch.append(item)
             size += item.nbytes
         return batch
 
@@ -183,7 +174,7 @@ class WriteQueue:
                 if not self._queue and self._stopping:
                     return
                 batch = self._take_batch()
-                self._busy_since = batch[0][1].ticket
+                self._busy_since = batch[0].ticket
             try:
                 self._send(batch)
             except Exception as e:  # noqa: BLE001  (never let the writer die)
@@ -191,6 +182,6 @@ class WriteQueue:
                 self._on_dropped(len(batch))
             finally:
                 with self._cv:
-                    self._queued_bytes -= sum(item.nbytes for _, item in batch)
+                    self._queued_bytes -= sum(item.nbytes for item in batch)
                     self._busy_since = None
                     self._cv.notify_all()

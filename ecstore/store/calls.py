@@ -1,36 +1,13 @@
 """The calls running in one :class:`~ecstore.store.ECStore` handle, so that
 ``close`` never tears the tiers down under them.
 
-    public call ──► CallGate.enter ──► ... tiers ... ──► CallGate.leave
-    close       ──► CallGate.close: refuse new calls, wait for running ones,
-                    then the teardown (flush, stop the writers, release LMDB)
-
-Without it, ``close`` in one thread released the LMDB environment while
-another thread was inside a read transaction, copying a tensor out of a
-memory-mapped blob: the map was unmapped under the copy (a segfault), or the
-call met a closed environment (a foreign ``lmdb.Error``).
-
-Guarantees (any thread):
-
-* A call that entered before ``close`` began runs to its end on open tiers;
-  a call entering after raises ECStoreError("store is closed").
-* Exactly one ``close`` call performs the teardown. A concurrent ``close``
-  waits until that teardown finished, then returns (no error, nothing done
-  twice) -- unless its thread is itself inside a call of this handle (see
-  below): then it returns at once.
-* ``close`` called from within a call of the same handle (a callback such as
-  a ``chunk_hasher``, in the thread running the call) cannot wait for that
-  call: the handle is closing at once (new calls refused), and the teardown
-  runs when the last running call returns, in that call's thread (an error it
-  raises is logged, not raised into that call).
-
-Cost on the hot path: ``enter``/``leave`` take no lock while the handle is
-open: one ``deque.append`` and one ``deque.remove`` (atomic in CPython, also
-in free-threaded builds) of the caller's thread id and one flag read each;
-the condition is used only once closing began. Correctness (no lost wake-up):
-a call publishes itself (append) before it reads the flag, ``close`` sets the
-flag before it reads the running calls, and a call that finds the flag set
-after removing itself notifies under the condition ``close`` waits on.
+Guarantees (any thread): a call that entered before ``close`` began runs to
+its end on open tiers; a call entering after raises ECStoreError("store is
+closed"). Exactly one ``close`` performs the teardown; a concurrent one waits
+for it, unless its thread is inside a call of this handle (then the teardown
+runs when the last running call returns, in that call's thread, an error it
+raises logged). No lock on the hot path while the handle is open; how that
+stays correct is in docs/architecture.md ("The handle's close").
 """
 
 from __future__ import annotations

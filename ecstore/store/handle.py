@@ -1,32 +1,18 @@
 """ECStore: the public handle that composes the tiers.
 
-    ECStore.put ──► memory tier (LRU, bytes)         (caller's thread)
-               └──► writer queue ──► writer thread ──► LMDB tier (one txn per batch)
-                    (ecstore/store/writer.py)
-    ECStore.get ──► memory tier ─► pending map ─► LMDB tier (promote to memory)
-               └──► remote tier, if configured (verified; promote to memory + LMDB)
-    ECStore.put ──► ... and the remote tier's writer (background, pipelined)
-
 The handle checks arguments and composes; the read path lives in
-:mod:`ecstore.store.read_path`, the put path in :mod:`ecstore.store.put_path`, the
-counters and refusal log lines in :mod:`ecstore.store.stats`.
-
-The remote tier (``remote_url``, :mod:`ecstore.remote`) is shared across
-machines; its failures are misses, never errors (see docs/remote.md).
-
-A handle is bound to one (model, dtype). Several handles, threads and
-processes may use one ``local_disk`` directory at once.
+:mod:`ecstore.store.read_path`, the put path in :mod:`ecstore.store.put_path`,
+the background writer in :mod:`ecstore.store.writer`, the counters and
+refusal log lines in :mod:`ecstore.store.stats` (flows: docs/architecture.md).
+A handle is bound to one (model, dtype); the remote tier's failures are
+misses, never errors (docs/remote.md).
 
 Threading: every public method may be called from any thread, concurrently
-with the background writer, and with ``close``: a call that began before
-``close`` runs to its end on open tiers (``close`` waits for it), a call
-after it raises ECStoreError("store is closed"), and concurrent ``close``
-calls tear down once (see :mod:`ecstore.store.calls`). Processes: each process has its own memory tier
-and pending map; the LMDB tier is shared, so an entry committed by one
-process is visible to ``contains``/``get`` in every other. A handle must not
-be used in a child after ``fork()`` (ForkedStoreError), and a forked child
-cannot reopen a directory its parent had open (StoreOpenError): processes
-that need the store should be started with ``spawn``/``forkserver``.
+with the background writer and with ``close`` (see :mod:`ecstore.store.calls`).
+Processes: each has its own memory tier and pending map; the LMDB tier is
+shared, so an entry committed by one process is visible in every other. A
+handle must not be used after ``fork()`` (ForkedStoreError), and a forked
+child cannot reopen a directory its parent had open (StoreOpenError).
 """
 
 from __future__ import annotations
@@ -43,7 +29,7 @@ from ecstore.config import ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError, check_same_process
 from ecstore.format import codec, split_read
 from ecstore.format.record import Record
-from ecstore.identity import EncoderIdentity, library_identity, qualify
+from ecstore.identity import EncoderIdentity, library_identity, qualify, split_stored
 from ecstore.key import (
     ChunkHasher,
     check_device,
@@ -61,10 +47,11 @@ from ecstore.store.calls import CallGate
 from ecstore.store.put_path import PutPath
 from ecstore.store.read_path import ReadPath
 from ecstore.store.stats import Counters, StoreStats
+from ecstore.store.tiers import Tiers
 from ecstore.store.writer import Writer
 
 if TYPE_CHECKING:
-    from ecstore.remote.tier import RemoteTier
+    from ecstore.remote.tier import RemoteStats, RemoteTier
 
 #: Upper bound of a typical safetensors header (informational: put sizes each
 #: blob exactly with codec.blob_size).
@@ -136,35 +123,56 @@ class ECStore:
         self.namespace = self.identity.namespace
         self._hash = chunk_hasher or chunk_hash
         self._counters = Counters()
-        self.memory = MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None
-        self.disk: LMDBTier | None = None
-        self._writer: Writer | None = None
+        #: The handle's tiers: the one place they are held (reads, puts,
+        #: stats, verify, delete and close all go through it).
+        self._tiers = tiers = Tiers(memory=MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None)
         self._legacy = False
         if config.local_disk:
-            self.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
-                                 schema_target=_schema_target, map_size_bytes=_map_size_bytes,
-                                 file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
-                                 split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
-            self._legacy = self.disk.record_version == codec.LEGACY_RECORD_VERSION
+            tiers.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
+                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes,
+                                  file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
+                                  split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
+            self._legacy = tiers.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
-                self._writer = Writer(self.disk, self.model, config.write_queue_bytes,
+                tiers.writer = Writer(tiers.disk, self.model, config.write_queue_bytes,
                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
                                       namespace=(self.namespace, self.identity.canonical()))
-                self._writer.start()
-        self._reads = ReadPath(memory=self.memory, writer=self._writer, disk=self.disk,
-                               model=self.model, dtype=dtype)
-        self._puts = PutPath(self._reads, self._counters, pooled=config.pooled_blobs)
-        self.remote: RemoteTier | None = None
+                tiers.writer.start()
+        self._reads = ReadPath(tiers, model=self.model, dtype=dtype)
+        self._puts = PutPath(tiers, self._reads, self._counters, pooled=config.pooled_blobs)
         if config.remote_url:
             from ecstore.remote import open_remote
 
             try:
-                self.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
-                                          clock=_remote_clock or time.monotonic)
+                tiers.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
+                                           clock=_remote_clock or time.monotonic)
             except BaseException:
                 self.close()
                 raise
-            self._reads.remote = self.remote
+
+    # ------------------------------------------------------------------ tiers
+    # Read-only views of the tiers, for the handle's own methods and for tests
+    # and tools that test a tier; nothing outside ecstore.store uses them
+    # (the connector calls the handle's methods).
+    @property
+    def memory(self) -> MemoryTier | None:
+        """This process's memory tier (None: ``local_cpu`` off)."""
+        return self._tiers.memory
+
+    @property
+    def disk(self) -> LMDBTier | None:
+        """The LMDB tier (None: no ``local_disk``)."""
+        return self._tiers.disk
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier (None: no ``remote_url``, or the handle is closed)."""
+        return self._tiers.remote
+
+    @property
+    def _writer(self) -> Writer | None:
+        """The background writer (None: no disk tier, or read-only)."""
+        return self._tiers.writer
 
     # ----------------------------------------------------------------- basics
     def __enter__(self) -> ECStore:
@@ -274,10 +282,8 @@ class ECStore:
         failing a check is logged and dropped, as by :meth:`get`. False
         without a disk tier. The vLLM scheduler verifies before it promises
         an entry that vLLM could not compute instead."""
-        if self.disk is None:
-            return False
         name = self.stored_name(mm_hash)
-        return self.disk.get(self._key_of(name), name, model=self.model, dtype=self.dtype) is not None
+        return self._reads.verify(self._key_of(name), name)
 
     # ----------------------------------------------------------------- writes
     @_gated
@@ -323,18 +329,7 @@ class ECStore:
         if self.readonly:
             raise ECStoreError("store is open read-only")
         name = self.stored_name(mm_hash)
-        key = self._key_of(name)
-        found = False
-        if self._writer is not None:
-            found = self._writer.lookup(key, name) is not None
-            self._writer.cancel(key, name)
-        if self.memory is not None and self.memory.contains(key, name):
-            found = self.memory.delete(key) or found
-        if self.disk is not None and self.disk.contains(key, name):
-            found = self.disk.delete(key) or found
-        if self.remote is not None:
-            self.remote.delete(key)
-        return found
+        return self._tiers.delete(self._key_of(name), name)
 
     @_gated
     def flush(self) -> None:
@@ -375,10 +370,7 @@ class ECStore:
         self._wait_committed()
 
     def _wait_committed(self, durable: bool = False) -> None:
-        if self._writer is not None:
-            self._writer.drain(durable)
-        if self.remote is not None:
-            self.remote.drain()
+        self._tiers.wait_written(durable)
 
     def close(self) -> None:
         """Write pending puts and LRU updates, make them durable and release
@@ -402,21 +394,7 @@ class ECStore:
 
     def _teardown(self) -> None:
         """Flush and release the tiers: :meth:`close`, once, with no call running."""
-        try:
-            if self._writer is not None:
-                self._writer.drain(durable=True)
-                self._writer.stop()
-                if self.disk is not None:
-                    self.disk.sync()
-                self._writer.log_untaken_errors()  # logged, not raised: see close()
-        finally:
-            remote, self.remote = getattr(self, "remote", None), None
-            if getattr(self, "_reads", None) is not None:
-                self._reads.remote = None
-            if remote is not None:
-                remote.close()
-            if self.disk is not None:
-                self.disk.close()
+        self._tiers.close()
 
     # ----------------------------------------------------------------- leases
     @_gated
@@ -479,8 +457,101 @@ class ECStore:
             return self.disk.release([self.key(h) for h in mm_hashes], wait=wait)
         return True
 
+    # ------------------------------------------------- what the connector asks
+    @property
+    def has_disk_tier(self) -> bool:
+        """Whether the handle has a disk tier (``local_disk``; fixed at open)."""
+        return self._tiers.disk is not None
+
+    @property
+    def has_remote_tier(self) -> bool:
+        """Whether the handle has a remote tier (``remote_url``): from open
+        until :meth:`close` begins releasing the tiers."""
+        return self._tiers.remote is not None
+
+    def on_memory_eviction(self, callback: Callable[[str, torch.Tensor], None] | None) -> bool:
+        """Have ``callback(mm_hash, tensor)`` called for each entry the memory
+        tier evicts to make room (LRU; not for :meth:`delete`), with the
+        identifier it was put under and the tensor it held; None: no more
+        calls. It runs in the thread whose put or promotion made room, under
+        the memory tier's lock: it must be quick and must not call this
+        handle. False (nothing registered) without a memory tier."""
+        memory = self._tiers.memory
+        if memory is None:
+            return False
+        memory.on_evict = None if callback is None else (
+            lambda key, item: callback(split_stored(item.identifier).identifier, item.tensor))
+        return True
+
+    @_gated
+    def forget_if_lost_from_disk(self, mm_hash: str) -> bool:
+        """Whether the disk tier, the file every process on ``local_disk``
+        shares, no longer holds ``mm_hash``'s entry (another process evicted
+        or deleted it). If so, this process's memory-tier copy is dropped, so
+        that a :meth:`put` stores the entry again instead of answering
+        "already present". False without a disk tier (nothing is shared) and
+        while it holds the entry. One short LMDB read."""
+        name = self.stored_name(mm_hash)
+        key = self._key_of(name)
+        disk, memory = self._tiers.disk, self._tiers.memory
+        if disk is None or disk.contains(key, name):
+            return False
+        if memory is not None:
+            memory.delete(key)  # stale copy: put would skip it
+        return True
+
+    def disk_evictions(self) -> int:
+        """How many entries this handle evicted from the disk tier since it
+        opened (to stay under the cap, or to make room in a full map; this
+        process only; 0 without a disk tier). A counter read: no I/O, never
+        blocks, any thread."""
+        disk = self._tiers.disk
+        return 0 if disk is None else disk.evictions
+
+    @_gated
+    def entry_tag(self, mm_hash: str) -> tuple[int, int] | None:
+        """(checksum, creation time in ns) of the disk tier's entry of
+        ``mm_hash`` from its record (no blob read), or None: no such entry
+        (or no disk tier). Entries are never rewritten in place, so an
+        unchanged tag means the same blob: what :meth:`verify` found good
+        stays good. CorruptEntryError for an unreadable record."""
+        disk = self._tiers.disk
+        if disk is None:
+            return None
+        name = self.stored_name(mm_hash)
+        rec = disk.record(self._key_of(name))
+        return None if rec is None or rec.identifier != name else (rec.checksum, rec.created_ns)
+
+    @_gated
+    def namespace_descriptions(self) -> dict[str, bytes]:
+        """namespace -> identity description (JSON bytes) of every encoder
+        identity registered in the disk tier (its ``namespaces`` table);
+        empty without a disk tier. One short LMDB read."""
+        disk = self._tiers.disk
+        return {} if disk is None else disk.namespace_descriptions()
+
+    @_gated
+    def holds_foreign(self, namespace: str, dtype: str, mm_hash: str) -> bool:
+        """Whether the disk tier holds ``mm_hash``'s entry as another encoder
+        identity of this model wrote it: namespace ``namespace``, dtype name
+        ``dtype`` (see :meth:`namespace_descriptions`). It stays a miss here
+        (reads see this handle's identity only). One short LMDB read; False
+        without a disk tier."""
+        disk = self._tiers.disk
+        if disk is None:
+            return False
+        name = qualify(namespace, mm_hash)
+        return disk.contains(make_key(self.model, self._hash(name), dtype), name)
+
+    def remote_stats(self) -> RemoteStats | None:
+        """The remote tier's counters now (this process; see
+        :class:`~ecstore.remote.tier.RemoteStats`), or None without a remote
+        tier. No I/O, any thread."""
+        remote = self._tiers.remote
+        return None if remote is None else remote.stats()
+
     # ------------------------------------------------------------------ stats
     @_gated
     def stats(self) -> StoreStats:
         """A snapshot of this handle's counters and the tiers' occupancy."""
-        return self._counters.snapshot(memory=self.memory, disk=self.disk, writer=self._writer, remote=self.remote)
+        return self._counters.snapshot(self._tiers)

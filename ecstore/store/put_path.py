@@ -1,12 +1,10 @@
-"""The put path of an :class:`~ecstore.store.ECStore` handle.
+"""The put path of an :class:`~ecstore.store.ECStore` handle: checks
+(storable, dtype, fits a tier, not held), one copy into the blob, then the
+memory tier (a view of the blob's data), the writer queue (back-pressure by
+bytes) and the remote tier's writer, if configured.
 
-    put ──► checks (storable, dtype, fits a tier, not held) ──► one copy into the blob
-        ──► memory tier (a view of the blob's data)
-        ──► writer queue (the blob as is; back-pressure by bytes) ──► LMDB
-        ──► remote tier's writer, if configured
-
-:class:`PutPath` works on the tiers of a :class:`~ecstore.store.read_path.ReadPath`
-(the same objects the reads use; no reference to the handle). Thread-safe as
+:class:`PutPath` works on the handle's :class:`~ecstore.store.tiers.Tiers` (the
+object the reads use; no reference to the handle). Thread-safe as
 far as the tiers are; ``put`` may block in the writer's back-pressure.
 """
 
@@ -18,11 +16,12 @@ import torch
 
 from ecstore.errors import InvalidEntryError
 from ecstore.format import codec
+from ecstore.format.put import PendingPut
 from ecstore.key import dtype_name
 from ecstore.pool import POOL
 from ecstore.store.read_path import ReadPath
 from ecstore.store.stats import Counters
-from ecstore.store.writer import PendingPut
+from ecstore.store.tiers import Tiers
 
 log = logging.getLogger("ecstore")
 
@@ -31,11 +30,12 @@ class PutPath:
 
     ``pooled``: build each blob in :data:`ecstore.pool.POOL` (memory faulted
     in before, reused once nothing references an earlier blob) instead of
-    fresh ``torch.empty`` memory, whose page faults cost ~3-6x memcpy on the
-    benchmark VM (the ``pooled_blobs`` setting, on by default).
+    fresh ``torch.empty`` memory, whose page faults cost more than the copy
+    (the ``pooled_blobs`` setting, on by default).
     """
 
-    def __init__(self, reads: ReadPath, counters: Counters, *, pooled: bool = True) -> None:
+    def __init__(self, tiers: Tiers, reads: ReadPath, counters: Counters, *, pooled: bool = True) -> None:
+        self.tiers = tiers
         self.reads = reads
         self.counters = counters
         self.pooled = pooled
@@ -47,7 +47,7 @@ class PutPath:
         :class:`InvalidEntryError` (nothing changed) for a tensor that cannot
         be stored or whose dtype is not the handle's."""
         r = self.reads
-        memory, disk, writer, remote = r.memory, r.disk, r.writer, r.remote
+        memory, disk, writer, remote = self.tiers.memory, self.tiers.disk, self.tiers.writer, self.tiers.remote
         codec.check_storable(tensor)
         dtype, shape = tensor.dtype, tensor.shape
         if dtype != r.dtype:
@@ -91,7 +91,7 @@ class PutPath:
         # writer thread when it takes the put (off this thread), else here.
         prefault = blob is not None and self.pooled
         if writer is not None and fits_disk:
-            writer.submit(key, PendingPut(name, cpu, nbytes, blob=blob, mm_hash=mm_hash, prefault=prefault))
+            writer.submit(PendingPut(key, name, cpu, blob=blob, mm_hash=mm_hash, prefault=prefault))
             prefault = False
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)

@@ -1,9 +1,9 @@
-"""The read path of an :class:`~ecstore.store.ECStore` handle.
+"""The read path of an :class:`~ecstore.store.ECStore` handle: memory tier,
+pending writes, LMDB tier (a hit promoted to memory), then the remote tier (a
+hit promoted to memory and LMDB).
 
-    find ──► memory tier ─► pending writes ─► LMDB tier ─(hit)─► promote to memory
-                                                        └(miss)─► remote tier ─► promote to memory + LMDB
-
-:class:`ReadPath` holds the tiers of one handle (not the handle) and answers
+:class:`ReadPath` reads the tiers of one handle (its
+:class:`~ecstore.store.tiers.Tiers`, not the handle) and answers
 in stored names and keys; the handle checks its arguments, counts the result
 and records the LRU touch. Every method is thread-safe as far as the tiers
 are (they are: each guards its own state); a tier may be ``None`` (disabled).
@@ -19,15 +19,12 @@ import torch
 
 from ecstore.errors import CorruptEntryError
 from ecstore.format import codec
+from ecstore.format.put import PendingPut
 from ecstore.format.record import Record
 from ecstore.store.stats import HitTier
-from ecstore.store.writer import PendingPut
 
 if TYPE_CHECKING:
-    from ecstore.lmdb import LMDBTier
-    from ecstore.memory import MemoryTier
-    from ecstore.remote.tier import RemoteTier
-    from ecstore.store.writer import Writer
+    from ecstore.store.tiers import Tiers
 
 
 @dataclass(frozen=True)
@@ -45,41 +42,34 @@ class Hit:
 class ReadPath:
     """memory -> pending writes -> LMDB -> remote, with promotion upwards.
 
+    ``tiers``: the handle's tiers (the object itself: its remote is set after
+    construction, the handle opens it last, and cleared at close).
     ``model``/``dtype``: what an LMDB entry must claim to be served (else a
-    miss, see :func:`blob_check.check_entry`). ``remote`` may be set after
-    construction (the handle opens it last) and cleared at close.
+    miss, see :func:`blob_check.check_entry`).
     """
 
-    def __init__(self, *, memory: MemoryTier | None, writer: Writer | None, disk: LMDBTier | None,
-                 model: str, dtype: torch.dtype) -> None:
-        self.memory = memory
-        self.writer = writer
-        self.disk = disk
-        self.remote: RemoteTier | None = None
+    def __init__(self, tiers: Tiers, *, model: str, dtype: torch.dtype) -> None:
+        self.tiers = tiers
         self.model = model
         self.dtype = dtype
 
     def identifier_at(self, key: str) -> str | None:
         """The identifier held under ``key`` by any local tier (memory,
         pending, disk), or None."""
-        for tier in (self.memory, self.writer, self.disk):
-            if tier is not None:
-                held = tier.identifier_at(key)
-                if held is not None:
-                    return held
-        return None
+        return self.tiers.identifier_at(key)
 
     def contains(self, key: str, name: str) -> bool:
         """Would :meth:`find` hit? A dict lookup, or one short LMDB read
         transaction (µs), or (remote tier) a bounded remote query. No LRU
         change, no counting."""
-        if self.memory is not None and self.memory.contains(key, name):
+        memory, writer, disk, remote = self.tiers.memory, self.tiers.writer, self.tiers.disk, self.tiers.remote
+        if memory is not None and memory.contains(key, name):
             return True
-        if self.writer is not None and self.writer.lookup(key, name) is not None:
+        if writer is not None and writer.lookup(key, name) is not None:
             return True
-        if self.disk is not None and self.disk.contains(key, name):
+        if disk is not None and disk.contains(key, name):
             return True
-        return self.remote is not None and self.remote.contains(key)
+        return remote is not None and remote.contains(key)
 
     def find(self, key: str, name: str, mm_hash: str, *, wait_for_room: bool = False) -> Hit | None:
         """The tensor stored under ``key`` for stored name ``name``, or None.
@@ -91,21 +81,22 @@ class ReadPath:
         skipped and counted, see :meth:`Writer.offer`), or, with
         ``wait_for_room``, once it has. Corrupt entries are misses.
         """
-        if self.memory is not None:
-            t = self.memory.get(key, name)
+        memory, writer, disk, remote = self.tiers.memory, self.tiers.writer, self.tiers.disk, self.tiers.remote
+        if memory is not None:
+            t = memory.get(key, name)
             if t is not None:
                 return Hit(t, HitTier.MEMORY, False)
-        if self.writer is not None:
-            t = self.writer.lookup(key, name)
+        if writer is not None:
+            t = writer.lookup(key, name)
             if t is not None:
                 return Hit(t, HitTier.MEMORY, False)
-        if self.disk is not None:
-            t = self.disk.get(key, name, model=self.model, dtype=self.dtype)
+        if disk is not None:
+            t = disk.get(key, name, model=self.model, dtype=self.dtype)
             if t is not None:
-                promoted = self.memory is not None and self.memory.put(key, name, t, codec.tensor_nbytes(t))
+                promoted = memory is not None and memory.put(key, name, t, codec.tensor_nbytes(t))
                 return Hit(t, HitTier.DISK, promoted)
-        if self.remote is not None:
-            entry = self.remote.get(key, name)
+        if remote is not None:
+            entry = remote.get(key, name)
             if entry is not None:
                 return Hit(entry.tensor, HitTier.REMOTE, self._promote(
                     key, name, mm_hash, entry.tensor, entry.blob, wait_for_room))
@@ -122,18 +113,19 @@ class ReadPath:
         pending LMDB write, whose blob ``t`` views): the caller must then
         hand out a copy, or a change to it would be committed to LMDB under
         a fresh checksum."""
+        memory, writer, disk = self.tiers.memory, self.tiers.writer, self.tiers.disk
         nbytes = codec.tensor_nbytes(t)
         held = False
-        if self.memory is not None and nbytes <= self.memory.capacity_bytes:
-            held = self.memory.put(key, name, t, nbytes)
-        if self.writer is not None and self.disk is not None and len(blob) <= self.disk.capacity_bytes \
+        if memory is not None and nbytes <= memory.capacity_bytes:
+            held = memory.put(key, name, t, nbytes)
+        if writer is not None and disk is not None and len(blob) <= disk.capacity_bytes \
                 and self.identifier_at(key) in (None, name):
-            item = PendingPut(name, t, nbytes, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
+            item = PendingPut(key, name, t, blob=np.frombuffer(blob, dtype=np.uint8), mm_hash=mm_hash)
             if wait_for_room:
-                self.writer.submit(key, item)
+                writer.submit(item)
                 held = True
             else:
-                held = self.writer.offer(key, item) or held
+                held = writer.offer(item) or held
         return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:
@@ -145,13 +137,22 @@ class ReadPath:
         """The LMDB tier's record under ``key`` (no blob read), if it is
         ``name``'s; else None. An unreadable record is a miss: logged and
         removed, like a corrupt entry met by :meth:`find`."""
-        if self.disk is None:
+        disk = self.tiers.disk
+        if disk is None:
             return None
         try:
-            rec = self.disk.record(key)
+            rec = disk.record(key)
         except CorruptEntryError as e:  # a miss, dropped as get drops it
-            self.disk.drop_corrupt(key, e)
+            disk.drop_corrupt(key, e)
             return None
-        if rec is None or rec.identifier != name or rec.version != self.disk.record_version:
+        if rec is None or rec.identifier != name or rec.version != disk.record_version:
             return None
         return rec
+
+    def verify(self, key: str, name: str) -> bool:
+        """Whether the LMDB tier holds ``name``'s entry under ``key`` and it
+        passes every check :meth:`find` makes (the whole blob read, its
+        checksum compared); no promotion. A failing entry is dropped, as by
+        :meth:`find`. False without an LMDB tier."""
+        disk = self.tiers.disk
+        return disk is not None and disk.get(key, name, model=self.model, dtype=self.dtype) is not None

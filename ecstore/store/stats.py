@@ -16,10 +16,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ecstore.lmdb import LMDBTier
-    from ecstore.memory import MemoryTier
-    from ecstore.remote.tier import RemoteTier
-    from ecstore.store.writer import Writer
+    from ecstore.store.tiers import Tiers
 
 log = logging.getLogger("ecstore")
 
@@ -126,10 +123,10 @@ class Counters:
         with self._lock:
             self._s.puts_refused += 1
 
-    def snapshot(self, *, memory: MemoryTier | None, disk: LMDBTier | None, writer: Writer | None,
-                 remote: RemoteTier | None) -> StoreStats:
-        """The counters plus what each given tier holds now (one short LMDB
+    def snapshot(self, tiers: Tiers) -> StoreStats:
+        """The counters plus what each of ``tiers`` holds now (one short LMDB
         read transaction for the disk tier's totals)."""
+        memory, disk, writer, remote = tiers.memory, tiers.disk, tiers.writer, tiers.remote
         with self._lock:
             s = StoreStats(**{f.name: getattr(self._s, f.name) for f in fields(StoreStats)})
         if memory is not None:

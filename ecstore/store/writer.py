@@ -1,48 +1,35 @@
 """The background writer of an :class:`~ecstore.store.ECStore` handle.
 
-    ECStore.put --> Writer.submit --> queue ----> writer thread --> LMDBTier.write_batch
-    ECStore.get --> Writer.touch  --> touches --/   (one transaction per batch)
+Typed operations: a :class:`~ecstore.format.put.PendingPut` per queued put
+(the record every write queue uses), a :class:`~ecstore.lmdb.batch.Touch` per
+key read since the last commit; typed results: the LMDB tier's
+:class:`~ecstore.lmdb.batch.BatchPut` with a :class:`~ecstore.format.put.PutOutcome`
+per put. One thread per handle commits a batch in one LMDB write transaction;
+the writer holds the LMDB tier, never the store.
 
-Typed operations: a :class:`PendingPut` per queued put, a :class:`Touch` per
-key read since the last commit; typed results: a :class:`WriteResult` with a
-:class:`PutOutcome` per put. The writer holds the LMDB tier, never the store:
-the store reads the writer's counters (``write_errors``, queue sizes) and
-takes its errors at ``flush``.
-
-Tickets: every put and every read (touch) takes the next number of one
-counter (``ticket``). :meth:`Writer.drain` (``wait_committed``) waits until
-nothing numbered at or before its call is still uncommitted, and with
-``durable=True`` (``flush``) until it is durable too, so puts and reads made
-after the call, however many, never hold it up.
-
-Visible first, durable next: a batch's blob files are written whole (into the
-page cache) before its commit, which makes the entries visible to every
-process; their ``fdatasync`` follows the commit, on this thread, before the
-next batch. A killed process loses nothing of a committed entry (the page
-cache survives it); a power loss before that sync can tear a committed
-entry's file, which its read finds by size, header and checksum (a miss,
-never garbage). ``flush`` returns only after the sync, which also covers the
-files of entries another handle stored first (a put found present, or
-skipped: :meth:`Writer.vouch`). After :meth:`Writer.stop` (``close``)
-a put is refused with "store is closed"; everything queued before is written
-before the thread exits.
+Tickets: every put and touch takes the next number of one counter;
+:meth:`Writer.drain` (``wait_committed``) waits until nothing numbered at or
+before its call is uncommitted, and with ``durable=True`` (``flush``) until it
+is durable too (blob files ``fdatasync``ed right after their commit, on this
+thread: visible first, durable next; docs/architecture.md). After
+:meth:`Writer.stop` a put is refused with "store is closed"; everything
+queued before is written before the thread exits.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import replace
 
 import torch
 
 from ecstore.errors import ECStoreError, StoreFullError
-from ecstore.format import codec
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
+from ecstore.lmdb.batch import Touch
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
@@ -55,68 +42,9 @@ TOUCH_DELAY_S = 1.0
 #: loads) writes the pending touches at once, but no sooner than this many
 #: seconds after the previous commit of touches: a consumer loading in every
 #: step makes at most ~5 LRU commits a second, not one per step, and a step's
-#: load does not run beside the commit the previous step asked for (measured:
-#: 1 MB connector loads back to back 190 -> 90 µs).
+#: load does not run beside the commit the previous step asked for
+#: (measured: docs/benchmarks.md, "Figures behind constants").
 TOUCH_SOON_GAP_S = 0.2
-
-
-@dataclass
-class PendingPut:
-    """A put waiting for (or in) an LMDB commit. ``nbytes``: the tensor's data
-    bytes (what back-pressure counts); ``blob``: the safetensors blob when
-    ``put`` already encoded it (None: the writer encodes ``tensor``);
-    ``prefault``: the blob is a slab of :data:`~ecstore.pool.POOL`, and the
-    writer thread asks the pool for a spare slab of its size (for the next
-    save of that size) when it takes the put, instead of the caller's
-    thread paying for that hand-off."""
-
-    identifier: str
-    tensor: torch.Tensor
-    nbytes: int
-    blob: codec.Blob | None = None
-    order: int = 0  # position among this handle's puts and touches (writer ticket)
-    mm_hash: str = ""  # the caller's identifier, for logs (``identifier`` is the stored name)
-    since: int = 0  # ticket of the oldest put this one stands for (it may replace a queued one)
-    prefault: bool = False
-
-
-class Touch(NamedTuple):
-    """The LRU update of one key made by reads not yet written: the
-    identifier read, the hits to add, the newest read time (ns since the
-    epoch), and ``orders``: the tickets of the reads between two puts, so the
-    LMDB tier replays reads and puts in the order they were made (see
-    :meth:`LMDBTier.write_batch`). ``since``: a ticket no later than the
-    oldest read counted in ``hits`` (what :meth:`Writer.drain` waits for).
-    ``counts``: the reads behind each of ``orders`` (reads with no put
-    between them share one order), so that a split keeps each part's hits."""
-
-    identifier: str
-    hits: int
-    last_access_ns: int
-    orders: tuple[int, ...]
-    since: int = 0
-    counts: tuple[int, ...] = ()
-
-
-class PutOutcome(enum.Enum):
-    """What became of one put (:class:`WriteResult`)."""
-
-    STORED = "stored"
-    PRESENT = "present"  # the same identifier was already stored
-    COLLISION = "collision"  # the key holds another identifier (64-bit hash collision)
-    FAILED = "failed"  # not stored: see the error (disk or map full, pinned store...)
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    """The outcome of one put the writer committed (or failed to)."""
-
-    key: str
-    identifier: str
-    nbytes: int
-    outcome: PutOutcome
-    error: BaseException | None = None
-    mm_hash: str = ""  # the caller's identifier (``identifier``: the stored name)
 
 
 class Writer(threading.Thread):
@@ -153,9 +81,9 @@ class Writer(threading.Thread):
         self.cv = threading.Condition()
         self.queue: OrderedDict[str, PendingPut] = OrderedDict()  # key -> not yet written
         self.inflight: dict[str, PendingPut] = {}  # key -> being written now
-        # key -> (identifier, hits, last_access_ns, orders): ``orders`` holds the
+        # key -> the reads of it not yet written (see Touch: ``orders`` holds the
         # ticket of the last read of the key between two consecutive puts, so
-        # the LMDB tier can replay reads and puts in the order they were made.
+        # the LMDB tier can replay reads and puts in the order they were made)
         self.touches: dict[str, Touch] = {}
         self.ticket = 0  # orders puts and touches as they were made
         self.last_put_ticket = 0
@@ -180,8 +108,8 @@ class Writer(threading.Thread):
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
         self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
-    def submit(self, key: str, item: PendingPut) -> None:
-        """Queue ``item`` under ``key``; blocks while the bytes not yet
+    def submit(self, item: PendingPut) -> None:
+        """Queue ``item`` (under ``item.key``); blocks while the bytes not yet
         written (queued, and the batch being written) plus ``item.nbytes``
         would exceed ``max_bytes`` (back-pressure; an item larger than
         ``max_bytes`` waits until nothing else is pending), and while an
@@ -189,6 +117,7 @@ class Writer(threading.Thread):
         ECStoreError "store is closed" once :meth:`stop` began (the thread
         might not write it any more): a put that returns was queued before,
         and the thread writes it."""
+        key = item.key
         with self.cv:
             # First come, first admitted: a put waiting for room holds back
             # every later one, even one that would fit (else a steady stream
@@ -208,7 +137,7 @@ class Writer(threading.Thread):
             if self.stopping:
                 raise ECStoreError("store is closed")
             self.ticket += 1
-            item.order = item.since = self.last_put_ticket = self.ticket
+            item.ticket = item.since = self.last_put_ticket = self.ticket
             replaced = self.queue.pop(key, None)  # re-queued at the end: queue order is ``order``
             if replaced is not None:  # two puts of one key passed the presence check at once
                 self.queued_bytes -= replaced.nbytes
@@ -217,21 +146,22 @@ class Writer(threading.Thread):
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
 
-    def offer(self, key: str, item: PendingPut) -> bool:
-        """Queue ``item`` under ``key`` if that needs no wait: nothing is in
+    def offer(self, item: PendingPut) -> bool:
+        """Queue ``item`` (under ``item.key``) if that needs no wait: nothing is in
         line in :meth:`submit` and the bytes not yet written leave room for
         it (as :meth:`submit` would admit it at once); else, or once
         :meth:`stop` began, refuse it (False; counted in :attr:`offers_refused`).
         Never blocks beyond ``cv``: for writes a caller may skip (a remote
         hit's promotion into LMDB), which must not wait for another
         process's write lock behind a full queue."""
+        key = item.key
         with self.cv:
             if self.stopping or self.in_line or key in self.queue or (
                     self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes):
                 self.offers_refused += 1
                 return False
             self.ticket += 1
-            item.order = item.since = self.last_put_ticket = self.ticket
+            item.ticket = item.since = self.last_put_ticket = self.ticket
             self.queue[key] = item
             self.queued_bytes += item.nbytes
             self.cv.notify_all()
@@ -276,10 +206,10 @@ class Writer(threading.Thread):
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
             self.ticket += 1
-            held, hits, _, orders, since, counts = self.touches.get(
-                key, Touch(identifier, 0, 0, (), self.ticket, ()))
-            if held != identifier:  # the key changed hands (delete + put of another identifier)
-                hits, orders, since, counts = 0, (), self.ticket, ()
+            held = self.touches.get(key)
+            if held is None or held.identifier != identifier:  # none, or the key changed hands
+                held = Touch(identifier, 0, 0, (), self.ticket, ())  # (delete + put of another identifier)
+            hits, orders, since, counts = held.hits, held.orders, held.since, held.counts
             if orders and orders[-1] > self.last_put_ticket:
                 # No put since: only the latest read's position matters.
                 orders = orders[:-1] + (self.ticket,)
@@ -336,7 +266,7 @@ class Writer(threading.Thread):
                 del self.queue[key]
                 self.queued_bytes -= item.nbytes
             touch = self.touches.get(key)
-            if touch is not None and touch[0] == identifier:
+            if touch is not None and touch.identifier == identifier:
                 del self.touches[key]
             while key in self.inflight:
                 self.cv.wait()
@@ -387,25 +317,25 @@ class Writer(threading.Thread):
         later batch, reads made after them wait for that batch too."""
         if not self.queue:
             return self.touches, {}
-        cutoff = next(iter(self.queue.values())).order
+        cutoff = next(iter(self.queue.values())).ticket
         now: dict[str, Touch] = {}
         later: dict[str, Touch] = {}
-        for key, (identifier, hits, last_ns, orders, since, counts) in self.touches.items():
-            early = tuple(o for o in orders if o < cutoff)
-            late = orders[len(early):]
+        for key, t in self.touches.items():
+            early = tuple(o for o in t.orders if o < cutoff)
+            late = t.orders[len(early):]
             if not late:
-                now[key] = Touch(identifier, hits, last_ns, orders, since, counts)
+                now[key] = t
                 continue
             # Each part with its own reads' hits (reads sharing an order have no
             # put between them, so none straddles the cutoff). The reads kept
             # for later were all made after the put at ``cutoff``: that ticket
             # bounds them from below, so a drain that began before that put
             # does not wait for them, and one after it does.
-            late_hits = sum(counts[len(early):])
+            late_hits = sum(t.counts[len(early):])
             if early:
-                now[key] = Touch(identifier, hits - late_hits, last_ns, early, since, counts[:len(early)])
-            later[key] = Touch(identifier, late_hits, last_ns, late, cutoff if early else since,
-                               counts[len(early):])
+                now[key] = replace(t, hits=t.hits - late_hits, orders=early, counts=t.counts[:len(early)])
+            later[key] = replace(t, hits=late_hits, orders=late, since=cutoff if early else t.since,
+                                 counts=t.counts[len(early):])
         return now, later
 
     def stop(self) -> None:
@@ -462,11 +392,11 @@ class Writer(threading.Thread):
                 if self.stopping and not (self.queue or self.touches or self.vouches):
                     self.cv.notify_all()
                     return
-                batch: list[tuple[str, PendingPut]] = []
+                batch: list[PendingPut] = []
                 size = 0
                 while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
                     key, item = self.queue.popitem(last=False)
-                    batch.append((key, item))
+                    batch.append(item)
                     size += item.nbytes
                     self.inflight[key] = item
                 touches, self.touches = self._split_touches()
@@ -478,7 +408,7 @@ class Writer(threading.Thread):
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
             try:
-                for _, item in batch:
+                for item in batch:
                     if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
                         t = item.tensor
                         POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
@@ -492,12 +422,12 @@ class Writer(threading.Thread):
                 self.add_error(e)
             finally:
                 with self.cv:  # committed: visible to every process (wait_committed returns)
-                    for key, item in batch:
-                        self.inflight.pop(key, None)
+                    for item in batch:
+                        self.inflight.pop(item.key, None)
                         self.queued_bytes -= item.nbytes
                     self.busy = False
                     self.busy_since = None
-                    self.syncing_since = min([item.since for _, item in batch]
+                    self.syncing_since = min([item.since for item in batch]
                                              + ([] if vouched_since is None else [vouched_since])) if to_sync else None
                     self.progress += 1
                     self.cv.notify_all()
@@ -526,7 +456,7 @@ class Writer(threading.Thread):
                 self.progress += 1
                 self.cv.notify_all()
 
-    def _write(self, batch: list[tuple[str, PendingPut]], touches: dict[str, Touch],
+    def _write(self, batch: list[PendingPut], touches: dict[str, Touch],
                vouches: dict[str, tuple[str, int]] | None = None) -> list[str]:
         """Writer thread: one LMDB transaction for ``batch`` and ``touches``;
         returns the blob files still to be synced: those of the stored puts,
@@ -542,18 +472,16 @@ class Writer(threading.Thread):
             except ECStoreError as e:
                 log.warning("ecstore: could not record the encoder identity of namespace %s: %s",
                             namespace[0], e)
-        reqs = [PutRequest(key, it.identifier, self.model, it.tensor, blob=it.blob, order=it.order)
-                for key, it in batch]
+        reqs = [BatchPut(it, self.model) for it in batch]
         try:
             if reqs or touches:  # not for vouches alone: a commit of nothing still costs an fsync
                 self.disk.write_batch(reqs, dict(touches), sync_files=False)
         except ECStoreError as e:  # disk full, map full, schema changed underneath
             log.error("ecstore: %s", e)
-        for (key, it), r in zip(batch, reqs):
-            outcome = PutOutcome.FAILED if r.result == "pending" else PutOutcome(r.result)
-            self._report(WriteResult(key, it.identifier, it.nbytes, outcome, r.error, it.mm_hash or it.identifier))
-        names = [r.ref.name for r in reqs if r.ref is not None and r.result == "stored"]
-        names += [r.present_file for r in reqs if r.result == "present" and r.present_file is not None]
+        for r in reqs:
+            self._report(r)
+        names = [r.ref.name for r in reqs if r.ref is not None and r.outcome is PutOutcome.STORED]
+        names += [r.present_file for r in reqs if r.outcome is PutOutcome.PRESENT and r.present_file is not None]
         for key, (identifier, _) in (vouches or {}).items():
             try:
                 name = self.disk.file_of(key, identifier)
@@ -567,14 +495,19 @@ class Writer(threading.Thread):
                 names.append(name)
         return list(dict.fromkeys(names))
 
-    def _report(self, res: WriteResult) -> None:
-        if res.outcome is PutOutcome.STORED:
-            log.info("EC put: stored %d bytes for mm_hash=%s", res.nbytes, res.mm_hash)
-        elif res.outcome is PutOutcome.COLLISION:
+    def _report(self, res: BatchPut) -> None:
+        """Log what became of one put of a batch (``EC put:`` lines) and
+        record a failure; a put the batch left PENDING (it raised before
+        reaching it) failed."""
+        put, mm_hash = res.put, res.put.mm_hash or res.put.identifier
+        outcome = PutOutcome.FAILED if res.outcome is PutOutcome.PENDING else res.outcome
+        if outcome is PutOutcome.STORED:
+            log.info("EC put: stored %d bytes for mm_hash=%s", put.nbytes, mm_hash)
+        elif outcome is PutOutcome.COLLISION:
             log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
-                        "(64-bit hash collision)", res.mm_hash, res.key)
-        elif res.outcome is PutOutcome.FAILED:
-            log.error("ecstore: could not store mm_hash=%s: %s", res.mm_hash, res.error)
+                        "(64-bit hash collision)", mm_hash, put.key)
+        elif outcome is PutOutcome.FAILED:
+            log.error("ecstore: could not store mm_hash=%s: %s", mm_hash, res.error)
             with self.cv:
                 self.write_errors += 1
                 self.errors.append(res.error or StoreFullError("write failed"))

@@ -68,7 +68,7 @@ def corrupt_entry(tier: LMDBTier, key: str, part: str) -> None:
         raise ValueError(f"part must be 'record', 'blob', 'file', 'truncate' or 'pointer', got {part!r}")
     k = key.encode()
     with tier._write_txn() as txn:
-        db = tier._entries if part == "record" else tier._blobs
+        db = tier._dbs.entries if part == "record" else tier._dbs.blobs
         raw = txn.get(k, db=db)
         assert raw is not None, f"no {part} under {key!r}"
         if part == "pointer":
@@ -172,14 +172,14 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
     a = Audit()
     try:
         with tier.snapshot() as (txn, dbs):
-            raw_total = txn.get(b"total_bytes", db=dbs["meta"])
+            raw_total = txn.get(b"total_bytes", db=dbs.meta)
             a.total_bytes = _U64.unpack(raw_total)[0] if raw_total is not None else -1
-            n_blobs = txn.stat(dbs["blobs"])["entries"]
-            n_entries = txn.stat(dbs["entries"])["entries"]
-            n_lru = txn.stat(dbs["lru"])["entries"] if dbs["lru"] is not None else n_entries
+            n_blobs = txn.stat(dbs.blobs)["entries"]
+            n_entries = txn.stat(dbs.entries)["entries"]
+            n_lru = txn.stat(dbs.lru)["entries"] if dbs.lru is not None else n_entries
             sum_rec = sum_blob = 0
             referenced: set[str] = set()
-            with txn.cursor(db=dbs["entries"]) as cur:
+            with txn.cursor(db=dbs.entries) as cur:
                 for k, raw in cur:
                     key = bytes(k).decode("utf-8", "replace")
                     try:
@@ -187,7 +187,7 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                     except CorruptEntryError as e:
                         a.problems.append(f"{key}: unreadable record ({e})")
                         continue
-                    blob = txn.get(k, db=dbs["blobs"])
+                    blob = txn.get(k, db=dbs.blobs)
                     sum_rec += rec.blob_size
                     a.entries[key] = (rec.mm_identifier, rec.blob_size)
                     if blob is None:
@@ -212,15 +212,15 @@ def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | N
                                 a.problems.append(f"{key}: blob identifier differs from record")
                         except CorruptEntryError as e:
                             a.problems.append(f"{key}: bad header ({e})")
-                    if dbs["lru"] is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs["lru"]) != bytes(k):
+                    if dbs.lru is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs.lru) != bytes(k):
                         a.problems.append(f"{key}: LRU row {rec.lru_seq} missing or pointing elsewhere")
             if n_blobs != n_entries or n_lru != n_entries:
                 a.problems.append(f"{n_entries} records, {n_blobs} blobs, {n_lru} LRU rows")
             if not (a.total_bytes == sum_rec == sum_blob):
                 a.problems.append(f"meta total_bytes {a.total_bytes} != sum of record sizes {sum_rec} "
                                   f"or of blob lengths {sum_blob}")
-            if dbs.get("files") is not None:
-                with txn.cursor(db=dbs["files"]) as cur:
+            if dbs.files is not None:
+                with txn.cursor(db=dbs.files) as cur:
                     index = {bytes(n).decode("ascii", "replace"): bytes(k) for n, k in cur}
                 if set(index) != referenced:
                     a.problems.append(f"files index {sorted(set(index) ^ referenced)[:5]} differs from the pointers")

@@ -228,9 +228,9 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
         barrier.wait(timeout=300)
         while not stop.is_set():
             with tier.snapshot() as (txn, dbs):
-                total = _u64(txn, b"total_bytes", dbs["meta"], spec["dir"])
+                total = _u64(txn, b"total_bytes", dbs.meta, spec["dir"])
                 recs = []
-                with txn.cursor(db=dbs["entries"]) as cur:
+                with txn.cursor(db=dbs.entries) as cur:
                     for k, raw in cur:
                         recs.append((bytes(k), fc.codec.unpack_record(raw)))
                 s = sum(r.blob_size for _, r in recs)
@@ -238,7 +238,7 @@ def reader(conn: Any, barrier: Any, stop: Any, spec: dict[str, Any]) -> None:
                 assert total <= spec["cap"], f"reader: {total} bytes stored, cap {spec['cap']}"
                 if recs:
                     k, rec = rng.choice(recs)
-                    blob = txn.get(k, db=dbs["blobs"])
+                    blob = txn.get(k, db=dbs.blobs)
                     assert blob is not None, "reader: record without blob"
                     ref = file_ref(blob)
                     if ref is not None:  # a blob file: its contents

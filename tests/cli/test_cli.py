@@ -183,7 +183,7 @@ def console(template: Template, tmp_path_factory: pytest.TempPathFactory) -> Con
     }
     results = dict(zip(cmds, dump_many(list(cmds.values()))))
     # stats alone: it reports the reader slots of other processes, and the
-    # commands above are such processes while they run (defect 8).
+    # commands above are such processes while they run.
     results["stats"] = dump("stats", "--json", "--config", cfg)
     return Console(results, d, cfg)
 

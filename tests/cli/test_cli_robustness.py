@@ -1,8 +1,9 @@
-"""``ecstore-dump`` against hostile store contents and odd arguments (issue 14,
-defects 10 (CLI side), 11 (export), 13): one clear line and exit status 2 (or
-a BAD report from ``verify``), never a traceback, a hang or a followed
-symlink. Real stores, real console-script subprocesses where argv bytes or
-hangs matter, in-process ``cli.main`` otherwise."""
+"""``ecstore-dump`` against hostile store contents and odd arguments (hostile
+headers, planted symlinks at export, odd arguments, output that cannot be
+written): one clear line and exit status 2 (or a BAD report from ``verify``),
+never a traceback, a hang or a followed symlink. Real stores, real
+console-script subprocesses where argv bytes or hangs matter, in-process
+``cli.main`` otherwise."""
 
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def one_line_error(err: str | bytes) -> str:
 
 
 # --------------------------------------------------------------------------
-# Defect 10 (CLI side): hostile safetensors headers
+# Hostile safetensors headers
 # --------------------------------------------------------------------------
 
 
@@ -211,7 +212,7 @@ def test_show_and_export_of_a_hostile_header(store: Path, tmp_path: Path, name: 
 
 
 # --------------------------------------------------------------------------
-# Defect 11: export never follows a planted symlink
+# Export never follows a planted symlink
 # --------------------------------------------------------------------------
 
 
@@ -321,7 +322,7 @@ def test_export_into_a_missing_directory_is_one_line(store: Path, tmp_path: Path
 
 
 # --------------------------------------------------------------------------
-# Defect 13: odd arguments
+# Odd arguments
 # --------------------------------------------------------------------------
 
 
@@ -399,7 +400,7 @@ def test_non_utf8_key_in_the_store_is_listed_shown_and_purged(store: Path) -> No
 
 
 # --------------------------------------------------------------------------
-# Output that cannot be written (issue 27, item 8)
+# Output that cannot be written
 # --------------------------------------------------------------------------
 NO_ROOM = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 

@@ -72,7 +72,7 @@ def test_purge_by_model_keeps_accounting_exact(tmp_path: Path) -> None:
     assert (res.removed, res.skipped) == (5, 0) and sorted(removed) == sorted(r.key for r in victims)
     assert res.freed == sum(r.rec.blob_size for r in victims if r.rec)
     with maintenance.open_readonly(str(store)) as tier:
-        st = maintenance.store_stats(tier)
+        st = maintenance.store_report(tier)
         assert maintenance.verify(tier).clean
     assert sorted(r.key for r in st.rows) == sorted(kept)
     assert [(g.model, g.dtype, g.entries) for g in st.by_model] == [("org/b", "float16", 3)]

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.maintenance import inspect
 from ecstore.maintenance.entries import read_entry
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
@@ -39,9 +40,9 @@ class Interleaved(LMDBTier):
 
 
 def _put(tier: LMDBTier, key: str, name: str, seed: int) -> None:
-    p = PutRequest(key, name, "org/model", tensor(seed, rows=64, cols=64))
+    p = BatchPut(PendingPut(key, name, tensor(seed, rows=64, cols=64)), "org/model")
     tier.write_batch([p])
-    assert p.result == "stored", p.error
+    assert p.outcome is PutOutcome.STORED, p.error
 
 
 @pytest.fixture

@@ -1,11 +1,10 @@
 """Config values the store cannot use are refused with a short, clear
-ConfigError (issue 14, defect 12): out-of-range sizes and lease times, NUL
-bytes, ``file:`` URIs without ``//``, URI queries/fragments, huge values in
-messages, LMCache keys ecstore does not support. Also the config review's
-defects: YAML numbers where text is meant (``ec_namespace: 1.10``), bounded
-messages for huge names, ``min_file_blob_size``'s limit, quotes after
-whitespace in the environment, YAML merge keys, sizes of a tier a shared
-level turned off."""
+ConfigError: out-of-range sizes and lease times, NUL bytes, ``file:`` URIs
+without ``//``, URI queries/fragments, huge values in messages, LMCache keys
+ecstore does not support, YAML numbers where text is meant
+(``ec_namespace: 1.10``), bounded messages for huge names,
+``min_file_blob_size``'s limit, quotes after whitespace in the environment,
+YAML merge keys, sizes of a tier a shared level turned off."""
 
 from __future__ import annotations
 

@@ -359,7 +359,7 @@ def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_qwen
         blob = bytearray(st.disk.blob_bytes(key))
         blob[-1] ^= 0xFF
         with st.disk.env.begin(write=True) as txn:
-            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+            txn.put(key.encode(), bytes(blob), db=st.disk._dbs.blobs)
     eng.scheduler.add_request(vo.make_request("r6", [A], max_tokens=3, inputs=False))
     out = eng.step()
     assert [s.req_id for s in out.ec_connector_metadata.loads] == ["r6"]
@@ -385,8 +385,8 @@ def test_entry_whose_record_is_damaged_past_its_identifier_is_computed_and_not_l
         key = st.key(A).encode()
         assert st.disk is not None
         with st.disk.env.begin(write=True) as txn:
-            raw = txn.get(key, db=st.disk._entries)
-            txn.put(key, raw + b"\x00", db=st.disk._entries)  # identifier intact, length wrong
+            raw = txn.get(key, db=st.disk._dbs.entries)
+            txn.put(key, raw + b"\x00", db=st.disk._dbs.entries)  # identifier intact, length wrong
         assert st.contains(A)
         with pytest.raises(CorruptEntryError):
             st.disk.record(st.key(A))

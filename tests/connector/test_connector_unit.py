@@ -358,7 +358,7 @@ def seed_damaged_record(sched: ECStoreConnector, identifier: str) -> None:
     with open_store(sched) as st:
         k = st.key(identifier).encode()
         with st.disk.env.begin(write=True) as txn:
-            txn.put(k, bytes(txn.get(k, db=st.disk._entries)) + b"\x00", db=st.disk._entries)
+            txn.put(k, bytes(txn.get(k, db=st.disk._dbs.entries)) + b"\x00", db=st.disk._dbs.entries)
         assert st.disk.contains(st.key(identifier), st.stored_name(identifier))  # the identifier still reads
 
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.engine_proc import EngineProcess
 
 from ecstore import ECStore, ECStoreConfig
 
@@ -33,71 +31,32 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "epd_engine.py"
 SEEDS = list(range(7))
-START_TIMEOUT_S = 900.0  # several engines start at once on 2 busy cores
-CMD_TIMEOUT_S = 600.0
 
 
-class Engine:
+class Engine(EngineProcess):
     """One engine process (tests/helpers/epd_engine.py)."""
 
     def __init__(self, model_dir: Path, log: Path, role: str | None = None, extra: dict | None = None):
         cmd = [sys.executable, str(HELPER), "--model", str(model_dir)]
         if role:
             cmd += ["--role", role, "--extra", json.dumps(extra or {})]
-        # No outside vLLM/LMCache settings; the platform choice stays (tools/vllm033.sh
-        # sets VLLM_TARGET_DEVICE=cpu: 0.33's Python package cannot tell it is on a CPU build).
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("LMCACHE_", "VLLM_")) or k == "VLLM_TARGET_DEVICE"}
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        self.log = log
-        self._log_file = open(log, "w")
-        self.proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log_file, start_new_session=True)
+        super().__init__(cmd, log)
 
-    def _read(self, timeout: float) -> dict:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.kill()
-            pytest.fail(f"engine gave no answer (rc={self.proc.poll()}):\n{self.log.read_text()[-6000:]}")
-        return json.loads(line)
-
-    def wait_ready(self) -> None:
-        assert self._read(START_TIMEOUT_S) == {"ready": True}
-
-    def send(self, images: list[int]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "generate", "images": images}) + "\n")
-        self.proc.stdin.flush()
+    def send_images(self, images: list[int]) -> None:
+        self.write({"op": "generate", "images": images})
 
     def answer(self) -> dict:
-        res = self._read(CMD_TIMEOUT_S)
+        res = self.read()
         res["m"] = {k: v for k, v in res.pop("metrics").items()}
         return res
 
     def generate(self, images: list[int]) -> dict:
-        self.send(images)
+        self.send_images(images)
         return self.answer()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-            self.proc.stdin.flush()
-            try:
-                assert self._read(CMD_TIMEOUT_S) == {"exited": True}
-                self.proc.wait(timeout=120)
-            finally:
-                self.kill()
-        self._log_file.close()
+        super().close()
         assert "Traceback" not in self.log.read_text(), self.log.read_text()[-6000:]
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def m(res: dict, key: str) -> float:
@@ -179,12 +138,12 @@ def test_two_producers_two_consumers_on_one_store(cluster, baseline, tiny_model_
 
     # Both producers at once, different images; then both consumers at once,
     # each taking one image from each producer.
-    P1.send([2, 3])
-    P2.send([4, 5])
+    P1.send_images([2, 3])
+    P2.send_images([4, 5])
     p1, p2 = P1.answer(), P2.answer()
     assert (p1["encoded"], m(p1, "saves"), p2["encoded"], m(p2, "saves")) == (2, 2, 2, 2)
-    C1.send([2, 4])
-    C2.send([5, 3])
+    C1.send_images([2, 4])
+    C2.send_images([5, 3])
     check_loaded(C1.answer(), [2, 4], baseline)
     check_loaded(C2.answer(), [5, 3], baseline)
 
@@ -195,15 +154,15 @@ def test_two_producers_two_consumers_on_one_store(cluster, baseline, tiny_model_
 
     # Both producers at once, the same new image: each either finds it stored
     # or encodes it and hands it over (both may, racing); one entry results.
-    P1.send([6])
-    P2.send([6])
+    P1.send_images([6])
+    P2.send_images([6])
     p1, p2 = P1.answer(), P2.answer()
     for p in (p1, p2):
         assert m(p, "hits") + m(p, "saves") + m(p, "save_skipped") == 1
         assert p["encoded"] == 1 - m(p, "hits")
     assert p1["encoded"] + p2["encoded"] >= 1
-    C1.send([6])
-    C2.send([6, 0])
+    C1.send_images([6])
+    C2.send_images([6, 0])
     check_loaded(C1.answer(), [6], baseline)
     check_loaded(C2.answer(), [6, 0], baseline)
     for name in ("P1", "P2", "C1", "C2"):

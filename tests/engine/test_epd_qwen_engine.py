@@ -26,14 +26,12 @@ Qwen2.5-VL), started together; every scenario runs on the same engines.
 from __future__ import annotations
 
 import json
-import os
-import select
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.engine_proc import EngineProcess
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.identity import EncoderIdentity
@@ -41,8 +39,6 @@ from ecstore.identity import EncoderIdentity
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "epd_qwen_engine.py"
-START_TIMEOUT_S = 900.0
-CMD_TIMEOUT_S = 600.0
 #: Image side per model giving an 8 x 8 patch grid (16 embeddings): 14- and 16-pixel patches.
 SIZE = {"qwen2_5_vl": 112, "qwen3_vl": 128, "qwen2_5_omni": 112}
 GRID = [1, 8, 8]
@@ -58,59 +54,27 @@ METADATA = {"image": {"modality": "image", "image_grid_thw": GRID},
             "qwen2_audio": {"modality": "audio", "audio_num_tokens": AUDIO_TOKENS},
             "qwen2_5_omni": {"modality": "audio", "audio_feature_lengths": MEL_FRAMES}}
 
-class Engine:
+class Engine(EngineProcess):
     """One engine process (tests/helpers/epd_qwen_engine.py)."""
 
     def __init__(self, name: str, model_dir: Path, role: str, extra: dict, log: Path, multiprocess: bool = False):
-        cmd = [sys.executable, str(HELPER), "--name", name, "--model", str(model_dir), "--role", role,
-               "--extra", json.dumps(extra)] + (["--multiprocess"] if multiprocess else [])
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "VLLM_"))}
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        self.log = log
-        self._log_file = open(log, "w")
-        self.proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log_file, start_new_session=True)
-
-    def _read(self, timeout: float) -> dict:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.kill()
-            pytest.fail(f"engine gave no answer (rc={self.proc.poll()}):\n{self.log.read_text()[-6000:]}")
-        return json.loads(line)
-
-    def _send(self, cmd: dict) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(CMD_TIMEOUT_S)
-
-    def wait_ready(self) -> None:
-        assert self._read(START_TIMEOUT_S) == {"ready": True}
+        super().__init__([sys.executable, str(HELPER), "--name", name, "--model", str(model_dir), "--role", role,
+                          "--extra", json.dumps(extra)] + (["--multiprocess"] if multiprocess else []), log)
 
     def generate(self, *items: dict) -> list[dict]:
-        results = self._send({"op": "generate", "requests": list(items)})["results"]
+        results = self.send({"op": "generate", "requests": list(items)})["results"]
         for r in results:
             assert "raised" not in r, f"the engine died: {r['raised']}\n{self.log.read_text()[-4000:]}"
         return results
 
     def reset_encoder_cache(self) -> None:
-        assert self._send({"op": "reset_encoder_cache"}) == {"ok": True}
+        assert self.send({"op": "reset_encoder_cache"}) == {"ok": True}
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._send({"op": "exit"})
-                self.proc.wait(timeout=120)
-            except Exception:  # noqa: BLE001
-                self.kill()
-        self._log_file.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        try:  # an engine that does not answer its exit is killed; the scenarios judged it already
+            super().close()
+        except Exception:  # noqa: BLE001
+            self.kill()
 
 
 def pixels(name: str, seed: int, uuid: str) -> list[dict]:
@@ -140,7 +104,7 @@ def damage(store_dir: Path, model_dir: Path, name: str, uuid: str) -> None:
             blob = bytearray(st.disk.blob_bytes(key))
             blob[-1] ^= 0xFF
             with st.disk.env.begin(write=True) as txn:
-                txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+                txn.put(key.encode(), bytes(blob), db=st.disk._dbs.blobs)
 
 
 def assert_failed_before_any_token(result: dict) -> None:

@@ -1,4 +1,4 @@
-"""Never a wrong encoder output, on the real engine (issue 11): ``vllm.LLM``
+"""Never a wrong encoder output, on the real engine: ``vllm.LLM``
 with the tiny BLIP-2, each run a fresh process (tests/helpers/engine_run.py).
 
 Every check compares the image embeddings that reach the language model

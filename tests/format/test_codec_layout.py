@@ -24,7 +24,7 @@ def json_header(tensor: torch.Tensor, identifier: str, model: str) -> bytes:
     """The header as json.dumps writes it (what codec wrote before it formatted
     the JSON itself), unpadded."""
     nbytes = tensor.numel() * tensor.element_size()
-    code = codec._ST_CODE.get(tensor.dtype)
+    code = codec.ST_CODE.get(tensor.dtype)
     header = {
         "ec": {"dtype": code or "U8", "shape": list(tensor.shape) if code else [nbytes],
                "data_offsets": [0, nbytes]},

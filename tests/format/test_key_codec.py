@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 import ecstore
 from ecstore import InvalidEntryError, key
 from ecstore.errors import CorruptEntryError
-from ecstore.format import blob_check, blob_read, codec
-from ecstore.format.codec import Record
+from ecstore.format import Record, blob_check, blob_read, codec
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 

@@ -1,5 +1,5 @@
 """ecstore.pool: LMDB-tier hits are copied into reused, already-faulted
-memory (issue 13), and a tensor handed out is never overwritten while
+memory, and a tensor handed out is never overwritten while
 anything still references it (the tensor, a view of it, or its storage).
 """
 

@@ -13,8 +13,7 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import CorruptEntryError
-from ecstore.format import blob_read, codec
-from ecstore.format.record import Record
+from ecstore.format import Record, blob_read, codec
 from ecstore.lmdb.txn import file_ref
 
 ROWS = 3 * blob_read.FUSED_CHUNK // (512 * 2) + 7  # > 3 chunks of data, not a multiple of one
@@ -42,10 +41,10 @@ def _tensor(seed: int = 0) -> torch.Tensor:
 
 def _flip(st: ECStore, mm_hash: str, pos: int) -> None:
     """Flip the byte at ``pos`` of the stored blob (negative: from its end)."""
-    tier = st._reads.disk
+    tier = st.disk
     k = tier._k(st.key(mm_hash))
     with tier._write_txn() as txn:
-        value = txn.get(k, db=tier._blobs)
+        value = txn.get(k, db=tier._dbs.blobs)
         ref = file_ref(value)
         if ref is not None:  # the blob file, in place
             with open(os.path.join(tier.files.dir, ref.name), "r+b") as f:
@@ -56,7 +55,7 @@ def _flip(st: ECStore, mm_hash: str, pos: int) -> None:
             return
         data = bytearray(value)
         data[pos] ^= 0x01
-        txn.put(k, bytes(data), db=tier._blobs)
+        txn.put(k, bytes(data), db=tier._dbs.blobs)
 
 
 def test_large_entry_round_trips(tmp_path, store_at):

@@ -29,4 +29,4 @@ def damage_blob(conn: ECStoreConnector, identifier: str) -> None:
         blob = bytearray(st.disk.blob_bytes(key))
         blob[-1] ^= 0xFF
         with st.disk.env.begin(write=True) as txn:
-            txn.put(key.encode(), bytes(blob), db=st.disk._blobs)
+            txn.put(key.encode(), bytes(blob), db=st.disk._dbs.blobs)

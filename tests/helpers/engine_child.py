@@ -127,6 +127,22 @@ def record_mm_embeds(model: Any, sink: list[Any], summary: Callable[[Any], Any])
     return True
 
 
+def count_and_record(model: Any, encoded: list[int], sink: list[Any]) -> bool:
+    """Count the items the model's encoders run for into ``encoded[0]`` (its
+    ``embed_multimodal`` is wrapped) and record what reaches its language model
+    into ``sink`` (:func:`record_mm_embeds` with :func:`sha256_summary`). For
+    ``llm.apply_model`` in a single-process engine (the worker is this process)."""
+    embed_multimodal = model.embed_multimodal
+
+    def counting_embed_multimodal(*args: Any, **kwargs: Any) -> Any:
+        out = embed_multimodal(*args, **kwargs)
+        encoded[0] += len(out) if out is not None else 0
+        return out
+
+    model.embed_multimodal = counting_embed_multimodal
+    return record_mm_embeds(model, sink, sha256_summary)
+
+
 def as_floats(t: Any) -> list[list[float]]:
     """The embedding itself, as nested lists of floats."""
     return t.detach().float().cpu().tolist()

@@ -8,9 +8,13 @@ ecstore/LMCache environment, and kills the whole process group afterwards
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,3 +55,66 @@ def run_engine(cmd: list[str], name: str, cwd: str | os.PathLike, env: dict[str,
     assert proc.returncode == 0, f"engine run {name!r} failed (rc={proc.returncode}):\n{console[-6000:]}"
     assert "Traceback" not in console, console[-6000:]
     return console
+
+
+class EngineProcess:
+    """A long-lived engine child speaking JSON lines: commands on its stdin,
+    one answer line each on its stdout, its log (stderr) in ``log``.
+
+    The environment drops the caller's LMCache/vLLM settings but keeps the
+    platform choice (tools/vllm033.sh sets ``VLLM_TARGET_DEVICE=cpu``: 0.33's
+    Python package cannot tell it is on a CPU build). A child that does not
+    answer within the timeout fails the test with its log's tail."""
+
+    start_timeout_s = 900.0  # several engines start at once on 2 busy cores
+    cmd_timeout_s = 600.0
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("LMCACHE_", "VLLM_")) or k == "VLLM_TARGET_DEVICE"}
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        self.log = log
+        self._log_file = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log_file, start_new_session=True)
+
+    def read(self, timeout: float | None = None) -> dict[str, Any]:
+        """The next answer line (``cmd_timeout_s`` by default)."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.cmd_timeout_s if timeout is None else timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.kill()
+            pytest.fail(f"engine gave no answer (rc={self.proc.poll()}):\n{self.log.read_text()[-6000:]}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def write(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def send(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send one command and return its answer."""
+        self.write(cmd)
+        return self.read()
+
+    def wait_ready(self) -> None:
+        assert self.read(self.start_timeout_s) == {"ready": True}
+
+    def close(self) -> None:
+        """Ask the child to exit, then kill its process group whatever it did."""
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "exit"})
+                self.proc.wait(timeout=120)
+            finally:
+                self.kill()
+        self._log_file.close()
+
+    def kill(self) -> None:
+        try:  # the whole group: engine-core and worker children too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()

@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 # This script's directory is sys.path[0] when it runs: engine_child is a sibling.
-from engine_child import add_engine_args, greedy_params, image_prompt, record_mm_embeds, sha256_summary, start_engine
+from engine_child import add_engine_args, count_and_record, greedy_params, image_prompt, start_engine
 
 #: Summaries of the multimodal embeddings of the current request (cleared before each).
 _EMBEDS: list[Any] = []
@@ -42,17 +42,7 @@ _ENCODED = [0]
 
 
 def _instrument(model: Any) -> bool:
-    """Wrap the model's vision tower and input embedding (runs in the worker,
-    which is this process)."""
-    embed_multimodal = model.embed_multimodal
-
-    def counting_embed_multimodal(*args: Any, **kwargs: Any) -> Any:
-        out = embed_multimodal(*args, **kwargs)
-        _ENCODED[0] += len(out) if out is not None else 0
-        return out
-
-    model.embed_multimodal = counting_embed_multimodal
-    return record_mm_embeds(model, _EMBEDS, sha256_summary)
+    return count_and_record(model, _ENCODED, _EMBEDS)
 
 
 def main() -> None:

@@ -34,22 +34,14 @@ import os
 import sys
 from typing import Any
 
-from engine_child import record_mm_embeds, sha256_summary
+from engine_child import count_and_record
 
 _EMBEDS: list[Any] = []
 _ENCODED = [0]
 
 
 def _instrument(model: Any) -> bool:
-    embed_multimodal = model.embed_multimodal
-
-    def counting_embed_multimodal(*args: Any, **kwargs: Any) -> Any:
-        out = embed_multimodal(*args, **kwargs)
-        _ENCODED[0] += len(out) if out is not None else 0
-        return out
-
-    model.embed_multimodal = counting_embed_multimodal
-    return record_mm_embeds(model, _EMBEDS, sha256_summary)
+    return count_and_record(model, _ENCODED, _EMBEDS)
 
 
 def _part(part: dict[str, Any]) -> tuple[str, Any]:

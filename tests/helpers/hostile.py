@@ -3,7 +3,7 @@ plant. Each entry is self-consistent (the record matches the blob, the
 checksum is recomputed, ``total_bytes`` is kept exact), so only ecstore's
 entry check (``blob_check.check_entry``) stands between it and the caller.
 
-Used by tests/store/test_store_hardening.py, in-process and in worker processes
+Used by tests/store/test_hostile_entries.py, in-process and in worker processes
 (``ecstore.testing.faults.run_forked``: a hostile entry may crash an unfixed reader).
 """
 
@@ -117,12 +117,12 @@ def plant(store: ECStore, identifier: str, blob: bytes) -> None:
     assert tier is not None
     k = store.key(identifier).encode()
     with tier._write_txn() as txn:
-        rec = codec.unpack_record(txn.get(k, db=tier._entries))
+        rec = codec.unpack_record(txn.get(k, db=tier._dbs.entries))
         new = consistent_record(rec, blob)
-        txn.put(k, blob, db=tier._blobs)
-        txn.put(k, codec.pack_record(new), db=tier._entries)
-        total = _U64.unpack(txn.get(b"total_bytes", db=tier._meta))[0]
-        txn.put(b"total_bytes", _U64.pack(total - rec.blob_size + len(blob)), db=tier._meta)
+        txn.put(k, blob, db=tier._dbs.blobs)
+        txn.put(k, codec.pack_record(new), db=tier._dbs.entries)
+        total = _U64.unpack(txn.get(b"total_bytes", db=tier._dbs.meta))[0]
+        txn.put(b"total_bytes", _U64.pack(total - rec.blob_size + len(blob)), db=tier._dbs.meta)
 
 
 def open_f32(path: str | Path) -> ECStore:

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 
 MiB = 1 << 20
@@ -56,9 +57,9 @@ sys.addaudithook(_hook)
 
 
 def _put(tier: LMDBTier, key: str, name: str, seed: int) -> None:
-    p = PutRequest(key, name, "org/model", tensor(seed, rows=256, cols=512))
+    p = BatchPut(PendingPut(key, name, tensor(seed, rows=256, cols=512)), "org/model")
     tier.write_batch([p])
-    assert p.result == "stored", p.error
+    assert p.outcome is PutOutcome.STORED, p.error
 
 
 @pytest.mark.skipif(sys.platform != "linux" or _NR_CACHESTAT is None, reason="cachestat is Linux-only")

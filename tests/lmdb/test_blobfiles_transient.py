@@ -9,7 +9,8 @@ import resource
 
 import torch
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing.tier_contract import KEY_A, NAME_A, tensor
 
 MiB = 1 << 20
@@ -19,9 +20,9 @@ def test_too_many_open_files_is_a_miss_that_keeps_the_entry(tmp_path):
     tier = LMDBTier(str(tmp_path / "store"), 16 * MiB, file_blobs_from=0)
     try:
         t = tensor(1, rows=64, cols=64)
-        p = PutRequest(KEY_A, NAME_A, "org/model", t)
+        p = BatchPut(PendingPut(KEY_A, NAME_A, t), "org/model")
         tier.write_batch([p])
-        assert p.result == "stored"
+        assert p.outcome is PutOutcome.STORED
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         lowest = os.open(os.devnull, os.O_RDONLY)
         os.close(lowest)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from ecstore.format.put import PendingPut
 from ecstore.key import make_key
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -70,7 +71,7 @@ def test_pin_if_present_is_a_miss_while_another_process_is_stopped_in_a_lease_wr
     path = tmp_path / "s"
     tier = LMDBTier(str(path), CAP)
     try:
-        tier.write_batch([PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, 4))])
+        tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
         assert tier.pin_if_present(key(1), name(1), 60)  # a free lease file: pinned as before
         tier.release([key(1)])
         with stopped_inside_a_lease_write(path) as other:
@@ -151,7 +152,7 @@ def test_pins_in_a_row_while_the_lock_stays_held_make_one_bounded_wait(tmp_path:
         return real_flock(fd, op)
 
     try:
-        tier.write_batch([PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4)) for i in range(8)])
+        tier.write_batch([BatchPut(PendingPut(key(i), name(i), fc.entry_tensor(i, 4)), fc.MODEL) for i in range(8)])
         with stopped_inside_a_lease_write(path):
             monkeypatch.setattr(leases.fcntl, "flock", counting_flock)
             finished, first = call_with_hang_guard(lambda: tier.pin(key(0), name(0), 60))
@@ -185,7 +186,7 @@ def test_a_forked_child_does_not_keep_a_dead_parents_lease_lock(tmp_path: Path) 
     proc = subprocess.Popen([sys.executable, str(HELPERS / "lease_txn_stopper.py"), str(path), str(CAP), key(99),
                              "fork"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        tier.write_batch([PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, 4))])
+        tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
         assert proc.stdout is not None and proc.stdin is not None
         lines = dict((proc.stdout.readline().split() + [""])[:2] for _ in range(2))
         assert set(lines) == {"child", "inside"}
@@ -262,7 +263,7 @@ def test_a_pins_cleanup_does_not_wait_for_a_busy_lease_file(tmp_path: Path, monk
     table = tier._leases
     assert table is not None
     try:
-        tier.write_batch([PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, 4))])
+        tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
         with contextlib.ExitStack() as stack:
             real_try_pin = table.try_pin
 
@@ -291,7 +292,7 @@ def test_an_entry_being_evicted_is_not_leased_at_all(tmp_path: Path) -> None:
     table = tier._leases
     assert table is not None
     try:
-        tier.write_batch([PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, 4))])
+        tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
         table.mark_evicting([key(1).encode()])
         assert tier.pin(key(1), name(1), 60) is Pin.ABSENT
         assert table.leased_keys() == set()

@@ -18,8 +18,9 @@ import lmdb
 import pytest
 import torch
 
+from ecstore.format.put import PendingPut, PutOutcome
 from ecstore.key import make_key
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -66,9 +67,9 @@ def test_aborted_eviction_never_clears_another_processes_tombstone(tmp_path: Pat
     evictor = None
     try:
         for i in range(2):
-            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+            req = BatchPut(PendingPut(key(i), name(i), fc.entry_tensor(i, 4)), fc.MODEL)
             a.write_batch([req])
-            assert req.result == "stored"
+            assert req.outcome is PutOutcome.STORED
         evictor = subprocess.Popen([sys.executable, str(HELPERS / "paused_evictor.py"), path, str(CAP)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         _expect(evictor, "ready")
@@ -119,9 +120,9 @@ def test_lease_taken_while_expired_rows_are_collected_survives(tmp_path: Path,
     a = LMDBTier(path, CAP)
     try:
         for i in range(2):
-            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+            req = BatchPut(PendingPut(key(i), name(i), fc.entry_tensor(i, 4)), fc.MODEL)
             a.write_batch([req])
-            assert req.result == "stored"
+            assert req.outcome is PutOutcome.STORED
         a.lease([key(0)], 0)  # expired at once: its row is collected by the next leased_keys
         a.lease([key(1)], 60)  # a live lease (read after key(0)'s row: keys in byte order)
         assert key(0).encode() < key(1).encode()
@@ -222,9 +223,9 @@ def _finish(proc: subprocess.Popen[str]) -> None:
 def _two_entries_first_pinned(path: str) -> LMDBTier:
     a = LMDBTier(path, CAP)
     for i in range(2):
-        req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4))
+        req = BatchPut(PendingPut(key(i), name(i), fc.entry_tensor(i, 4)), fc.MODEL)
         a.write_batch([req])
-        assert req.result == "stored"
+        assert req.outcome is PutOutcome.STORED
     assert a.pin_if_present(key(0), name(0), 600)
     return a
 
@@ -333,9 +334,9 @@ def test_a_lease_file_error_clearing_tombstones_never_undoes_a_committed_put(tmp
     a = LMDBTier(path, cap, file_blobs_from=0)
     try:
         for i in range(3):  # ~4 MiB each: the third put fills the cap
-            req = PutRequest(key(i), name(i), fc.MODEL, fc.entry_tensor(i, 4096))
+            req = BatchPut(PendingPut(key(i), name(i), fc.entry_tensor(i, 4096)), fc.MODEL)
             a.write_batch([req])
-            assert req.result == "stored"
+            assert req.outcome is PutOutcome.STORED
         table = a._leases
         assert table is not None
         real_clear = table.clear_tombstones
@@ -348,10 +349,10 @@ def test_a_lease_file_error_clearing_tombstones_never_undoes_a_committed_put(tmp
             real_clear()
 
         monkeypatch.setattr(table, "clear_tombstones", clear_fails_once)
-        req = PutRequest(key(3), name(3), fc.MODEL, fc.entry_tensor(3, 4096))
+        req = BatchPut(PendingPut(key(3), name(3), fc.entry_tensor(3, 4096)), fc.MODEL)
         a.write_batch([req])  # evicts key(0): tombstone written, data committed, clearing fails
         assert failed, "the put evicted nothing: the test's sizes no longer reach the cap"
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
         got = a.get(key(3), name(3))
         assert got is not None and torch.equal(got.view(torch.int16), fc.entry_tensor(3, 4096).view(torch.int16))
         assert not a.contains(key(0), name(0))

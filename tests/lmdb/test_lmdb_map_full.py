@@ -27,8 +27,9 @@ from helpers.fault_fs import find_all as fc_find_all
 from helpers.tensors import assert_same
 
 from ecstore import StoreFullError
+from ecstore.format.put import PendingPut, PutOutcome
 from ecstore.key import make_key
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc
 
 MiB = 1 << 20
@@ -50,10 +51,10 @@ def name(idx: int) -> str:
     return f"{0:032x}/img-{idx}"
 
 
-def _put(tier: LMDBTier, idx: int, rows: int = ROWS) -> PutRequest:
+def _put(tier: LMDBTier, idx: int, rows: int = ROWS) -> BatchPut:
     """Put entry ``idx`` (``rows`` KiB: by default a ~2.5 MiB blob) through
     ``tier.write_batch``."""
-    req = PutRequest(key(idx), name(idx), fc.MODEL, fc.entry_tensor(idx, rows))
+    req = BatchPut(PendingPut(key(idx), name(idx), fc.entry_tensor(idx, rows)), fc.MODEL)
     tier.write_batch([req])
     return req
 
@@ -67,7 +68,7 @@ def _exhaust_the_map(tier: LMDBTier) -> int:
     while size >= 1:
         try:
             with tier._write_txn() as txn:  # raw: fails at once when no page is left
-                txn.put(f"pad{n}".encode(), bytes(size), db=tier._namespaces)
+                txn.put(f"pad{n}".encode(), bytes(size), db=tier._dbs.namespaces)
             n += 1
         except lmdb.MapFullError:
             size //= 2
@@ -90,7 +91,7 @@ def test_write_keeps_retrying_while_other_writers_commit(tmp_path: Path, monkeyp
 
     def b_puts() -> None:  # B's writer: a new entry (it reuses the pages B's removal freed)
         idx = 100 + len(b_keys)
-        assert _put(b, idx).result == "stored"
+        assert _put(b, idx).outcome is PutOutcome.STORED
         b_keys.append(key(idx))
 
     real_write_once, real_evict_to = a._write_once, a._evict_to
@@ -111,7 +112,7 @@ def test_write_keeps_retrying_while_other_writers_commit(tmp_path: Path, monkeyp
     monkeypatch.setattr(a, "_evict_to", evict_to)
     try:
         req = _put(a, 1)
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
         assert seen["emptied"] == rounds and seen["attempts"] > rounds  # the interleaving happened
         assert_same(a.get(key(1), name(1)), fc.entry_tensor(1, ROWS))
         assert a.total_bytes() == len(req.encoded)
@@ -129,7 +130,7 @@ def test_live_data_filling_the_map_still_fails_clearly(tmp_path: Path):
     path = str(tmp_path / "s")
     a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
-        assert _put(a, 7).result == "stored"
+        assert _put(a, 7).outcome is PutOutcome.STORED
         a.lease([key(7)], ttl_s=3600)
         with pytest.raises(StoreFullError, match="full and nothing more can be evicted"):
             _put(a, 8)
@@ -137,7 +138,7 @@ def test_live_data_filling_the_map_still_fails_clearly(tmp_path: Path):
         assert_same(a.get(key(7), name(7)), fc.entry_tensor(7, ROWS))
         a.release([key(7)])
         req = _put(a, 8)  # evicts the no longer pinned entry
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
         fc.audit(path, CAP, tier=a).check()
     finally:
         a.close()
@@ -179,8 +180,8 @@ def test_delete_while_a_reader_pins_the_free_pages_waits_for_it(tmp_path: Path,
     a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
-        assert _put(b, 100).result == "stored"
-        assert _put(b, 101, rows=4).result == "stored"
+        assert _put(b, 100).outcome is PutOutcome.STORED
+        assert _put(b, 101, rows=4).outcome is PutOutcome.STORED
         with _exhausted_by_a_reader(b, 100) as reader:
             _end_reader_at_first_retry(a, reader, monkeypatch)
             assert a.delete(key(101))
@@ -201,7 +202,7 @@ def test_namespace_recorded_while_a_reader_pins_the_free_pages(tmp_path: Path,
     a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
-        assert _put(b, 100).result == "stored"
+        assert _put(b, 100).outcome is PutOutcome.STORED
         with _exhausted_by_a_reader(b, 100) as reader:
             _end_reader_at_first_retry(a, reader, monkeypatch)
             a.register_namespace("ns-new", b'{"model": "m"}')
@@ -221,14 +222,14 @@ def test_open_with_a_smaller_cap_while_the_map_is_exhausted_opens(tmp_path: Path
     b = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     small_cap = 6 * KiB
     try:
-        assert _put(b, 100).result == "stored"
-        assert _put(b, 101, rows=8).result == "stored"  # ~8 KiB: over the small cap
+        assert _put(b, 100).outcome is PutOutcome.STORED
+        assert _put(b, 101, rows=8).outcome is PutOutcome.STORED  # ~8 KiB: over the small cap
         with _exhausted_by_a_reader(b, 100):
             small = LMDBTier(path, small_cap, file_blobs_from=INLINE)
         try:
             assert small.total_bytes() > small_cap  # could not evict at open
             req = _put(small, 102, rows=4)  # ~4 KiB: evicts 101 to fit
-            assert req.result == "stored", req.error
+            assert req.outcome is PutOutcome.STORED, req.error
             assert small.identifier_at(key(101)) is None
             assert small.total_bytes() <= small_cap
             fc.audit(path, small_cap, tier=small).check()
@@ -254,8 +255,8 @@ def test_eviction_that_finds_the_map_exhausted_waits_instead_of_failing(tmp_path
     reader = contextlib.ExitStack()
     seen = {"evict_map_full": 0, "pads": 0}
     try:
-        assert _put(b, 100).result == "stored"  # X: ~2.5 MiB, A's entry cannot fit beside it
-        assert _put(b, 101, rows=4).result == "stored"  # Z: small, evictable
+        assert _put(b, 100).outcome is PutOutcome.STORED  # X: ~2.5 MiB, A's entry cannot fit beside it
+        assert _put(b, 101, rows=4).outcome is PutOutcome.STORED  # Z: small, evictable
         real_evict_to = a._evict_to
 
         def evict_to(target, extra=0):
@@ -272,7 +273,7 @@ def test_eviction_that_finds_the_map_exhausted_waits_instead_of_failing(tmp_path
 
         monkeypatch.setattr(a, "_evict_to", evict_to)
         req = _put(a, 1, rows=ROWS - 160)  # a little smaller than X: fits in X's pages
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
         assert seen["evict_map_full"] == 1 and seen["pads"] > 0  # the interleaving happened
         assert_same(a.get(key(1), name(1)), fc.entry_tensor(1, ROWS - 160))
         fc.audit(path, CAP, tier=a).check()
@@ -294,7 +295,7 @@ def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path:
 
     path = str(tmp_path / "s")
     a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
-    assert _put(a, 0).result == "stored"
+    assert _put(a, 0).outcome is PutOutcome.STORED
     seq = a.record(key(0)).lru_seq
     a.close()
     data_file = Path(path) / "data.mdb"
@@ -305,11 +306,11 @@ def test_damaged_page_met_by_the_map_full_eviction_is_an_ecstore_error(tmp_path:
         fh.write(b"\xff\x7f")
     a = LMDBTier(path, CAP, map_size_bytes=MAP, file_blobs_from=INLINE)
     try:
-        req = PutRequest(key(1), name(1), fc.MODEL, fc.entry_tensor(1, ROWS))
+        req = BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, ROWS)), fc.MODEL)
         with pytest.raises(ECStoreError) as info:
             a.write_batch([req])  # the map holds one such blob: full, so it evicts
         assert isinstance(info.value, StoreOpenError) and "damaged" in str(info.value), info.value
-        assert req.result == "failed" and req.error is info.value
+        assert req.outcome is PutOutcome.FAILED and req.error is info.value
         assert not a.contains(key(1), name(1))
     finally:
         a.close()
@@ -330,7 +331,7 @@ def _nested_txn_while_another_thread_adopts_a_grown_map(path: str) -> list[str]:
     out: list[str] = []
     t = LMDBTier(path, 1 * MiB, file_blobs_from=INLINE)
     try:
-        assert _put(t, 0, rows=64).result == "stored"
+        assert _put(t, 0, rows=64).outcome is PutOutcome.STORED
         gate = t._shared.gate
         with t.snapshot():
             cp = subprocess.run([sys.executable, str(helpers / "grow_store.py"), path, "8"], capture_output=True,

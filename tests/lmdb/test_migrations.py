@@ -89,7 +89,7 @@ def test_schema_target_1_creates_and_keeps_a_v1_store(tmp_store_dir):
     assert b"lru" not in db_names(tmp_store_dir)
     with open_store(tmp_store_dir, _schema_target=1) as store:  # reopen: stays at 1
         assert store.disk.schema_version == 1
-        assert store.disk._lru is None
+        assert store.disk._dbs.lru is None
         for h in IDS[:4]:
             assert_same(store.get(h), ts[h])
     assert b"lru" not in db_names(tmp_store_dir)

@@ -1,4 +1,4 @@
-"""The security model of issue 16 (docs/security.md), on real files and real
+"""The security model (docs/security.md), on real files and real
 processes of other users (the suite runs as root; children drop to
 ``nobody`` after start-up, see helpers/as_user.py).
 
@@ -28,9 +28,10 @@ import torch
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.config import load_config
-from ecstore.config.redact import is_secret_key, mask_secrets, short_repr
+from ecstore.config.redact import is_secret_key, short_repr
 from ecstore.errors import ConfigError, StoreOpenError
 from ecstore.lmdb.env import _SharedEnv
+from ecstore.remote.url import mask_secrets
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 NOBODY = 65534
@@ -250,6 +251,9 @@ def test_group_mode_on_purpose_shares_the_store(reachable: Path) -> None:
     ("valkey://default:p%40ss@10.0.0.1/2?ssl=true", "p%40ss"),
     ("redis://host:6379/0?password=s3cret&db=1", "s3cret"),
     ("see redis://a:b3c@h and http://x:y7z@w/path", "b3c"),
+    ("redis://us@er:s3cret@host:6379/0", "s3cret"),  # an '@' in the user name
+    ("redis://user:s3 cret@host/0", "cret"),  # a space in the password
+    ("redis://user:ab/s3cret@host:1/0", "s3cret"),  # an unencoded '/' in the password
 ])
 def test_mask_secrets(text: str, secret: str) -> None:
     masked = mask_secrets(text)

@@ -1,4 +1,4 @@
-"""Odd, planted or tampered store files (issue 14, defects 11, 14, 16).
+"""Odd, planted or tampered store files.
 
 Each case is a real store directory prepared the way an attacker with write
 access, a damaged disk or another user would leave it; opening it must give
@@ -64,7 +64,7 @@ def open_fails(path: Path, *needles: str) -> str:
 
 
 # --------------------------------------------------------------------------
-# Defect 11: symlinked store files are refused, never followed
+# Symlinked store files are refused, never followed
 # --------------------------------------------------------------------------
 
 
@@ -86,7 +86,7 @@ def test_symlinked_store_file_is_refused(tmp_path: Path, name: str, existing: bo
 
 
 # --------------------------------------------------------------------------
-# Defect 14: odd file types, tampered meta
+# Odd file types, tampered meta
 # --------------------------------------------------------------------------
 
 
@@ -159,7 +159,7 @@ def test_tampered_meta_is_a_clear_error_and_nothing_is_rewritten(tmp_path: Path,
 
 
 # --------------------------------------------------------------------------
-# Defect 16: read-only tools for a user who may not write; bounded leases
+# Read-only tools for a user who may not write; bounded leases
 # --------------------------------------------------------------------------
 
 
@@ -289,10 +289,10 @@ def test_schema_version_damaged_while_open_is_an_ecstore_error(tmp_path: Path, v
         tier = s.disk
         assert tier is not None
         with tier._write_txn() as txn:  # the damage, by a raw write
-            txn.put(b"schema_version", value, db=tier._meta)
+            txn.put(b"schema_version", value, db=tier._dbs.meta)
         def meta() -> dict[bytes, bytes]:
             with tier.snapshot() as (txn, dbs):
-                return {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs["meta"])}
+                return {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs.meta)}
 
         before = meta()
         with pytest.raises(ECStoreError, match="schema_version"):
@@ -300,7 +300,7 @@ def test_schema_version_damaged_while_open_is_an_ecstore_error(tmp_path: Path, v
         assert s.contains("img-0")
         assert meta() == before
         with tier._shared.write_lock, tier._begin(write=True) as txn:  # repaired: the handle works again
-            txn.put(b"schema_version", str(tier.schema_version).encode(), db=tier._meta)
+            txn.put(b"schema_version", str(tier.schema_version).encode(), db=tier._dbs.meta)
         assert s.delete("img-0")
 
 

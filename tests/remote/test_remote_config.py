@@ -10,7 +10,7 @@ import pytest
 from ecstore.config import ConfigWarning, ECStoreConfig, describe_config, load_config
 from ecstore.errors import ConfigError
 from ecstore.remote.breaker import BreakerState, CircuitBreaker
-from ecstore.remote.url import mask_url, parse_remote_url
+from ecstore.remote.url import mask_secrets, parse_remote_url
 
 SECRET = "hunter2-xyz"
 
@@ -52,9 +52,9 @@ def test_credentials_from_url_or_key_and_masked_everywhere() -> None:
     assert SECRET not in repr(t) and SECRET not in t.masked
     assert parse_remote_url("redis://h:1", password=SECRET).password == SECRET
     assert parse_remote_url(f"redis://:{SECRET}@h:1", password="other").password == SECRET  # URL wins
-    assert mask_url(f"rediss://u:{SECRET}@h:1/0") == "rediss://u:***@h:1/0"
-    assert mask_url(f"unix:///s.sock?db=0&password={SECRET}") == "unix:///s.sock?db=0&password=***"
-    assert mask_url(f"redis://:{SECRET}@a:1,b:2") == "redis://:***@a:1,b:2"
+    assert mask_secrets(f"rediss://u:{SECRET}@h:1/0") == "rediss://u:***@h:1/0"
+    assert mask_secrets(f"unix:///s.sock?db=0&password={SECRET}") == "unix:///s.sock?db=0&password=***"
+    assert mask_secrets(f"redis://:{SECRET}@a:1,b:2") == "redis://:***@a:1,b:2"
     with pytest.raises(ConfigError) as info:
         ECStoreConfig(remote_url=f"redis://:{SECRET}@h:notaport")
     assert SECRET not in str(info.value) and "***" in str(info.value)
@@ -210,7 +210,7 @@ def test_password_with_url_delimiters_parses_and_is_masked(userinfo: str, passwo
     assert t.password == password and t.hosts == (("127.0.0.1", 1),)
     backend = RedisBackend(t, 0.1)
     try:
-        for shown in (mask_url(url), t.masked, backend.description):
+        for shown in (mask_secrets(url), t.masked, backend.description):
             assert not any(p in shown for p in PIECES), shown
             assert shown.endswith("***@127.0.0.1:1/0")
         assert not any(p in repr(t) for p in PIECES)
@@ -237,7 +237,7 @@ def test_password_with_an_unencoded_delimiter_never_shows_in_the_error(delimiter
             ECStoreConfig(remote_url=url)
         assert not any(p in str(info.value) for p in PIECES), str(info.value)
         assert "percent-encode" in str(info.value)
-        assert not any(p in mask_url(url) for p in PIECES), mask_url(url)
+        assert not any(p in mask_secrets(url) for p in PIECES), mask_secrets(url)
 
 
 @pytest.mark.parametrize("url, why", [

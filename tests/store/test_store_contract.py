@@ -1,4 +1,4 @@
-"""The store contract (tests/store_contract.py) for each tier layout, plus
+"""The store contract (:mod:`ecstore.testing.store_contract`) for each tier layout, plus
 checks specific to one layout."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import safetensors.torch
 import torch
 from conftest import gib
 from helpers.tensors import assert_same, make_tensor
-from store_contract import BIG, MODEL, StoreContract
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.format import codec
+from ecstore.testing.store_contract import BIG, MODEL, StoreContract
 
 
 def _open(cfg: ECStoreConfig, caps: dict[str, Any]) -> ECStore:
@@ -121,7 +121,7 @@ class TestLMDBOnly(StoreContract):
             blob = bytearray(store.disk.blob_bytes(key))
             blob[-1] ^= 0xFF
             with store.disk.env.begin(write=True) as txn:
-                txn.put(key.encode(), bytes(blob), db=store.disk._blobs)
+                txn.put(key.encode(), bytes(blob), db=store.disk._dbs.blobs)
             assert store.get("c") is None
             assert not store.contains("c")
             st = store.stats()

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 
@@ -39,10 +40,10 @@ def test_blob_files_follow_a_store_moved_under_a_running_process(tmp_path: Path)
     path, moved = tmp_path / "store", tmp_path / "moved"
     tier = LMDBTier(str(path), 16 * MiB, file_blobs_from=0)
     try:
-        tier.write_batch([PutRequest(KEY_A, NAME_A, "org/model", tensor(1, rows=256, cols=512))])
+        tier.write_batch([BatchPut(PendingPut(KEY_A, NAME_A, tensor(1, rows=256, cols=512)), "org/model")])
         os.rename(path, moved)
         _open_elsewhere(path)  # a new store at the old path
-        tier.write_batch([PutRequest(KEY_B, NAME_B, "org/model", tensor(2, rows=256, cols=512))])
+        tier.write_batch([BatchPut(PendingPut(KEY_B, NAME_B, tensor(2, rows=256, cols=512)), "org/model")])
         _open_elsewhere(path)  # the new store opened again: it sweeps dead writers' files
         assert not [n for n in os.listdir(path / "blobs") if n.endswith(".ecb")], \
             "the moved store's blob file went into the new store's blobs/"

@@ -303,7 +303,7 @@ def _answer_within(child: Child, seconds: float) -> Any:
 @pytest.mark.parametrize("torn", [False, True], ids=["killed", "killed-then-file-torn"])
 def test_entry_is_visible_before_its_blob_file_is_synced_and_a_kill_there_loses_nothing(
         tmp_store_dir, children, torn):
-    """Issue 30: wait_committed (an encode-only producer's step end) returns
+    """wait_committed (an encode-only producer's step end) returns
     once the entry is committed, without waiting for its blob file's
     fdatasync (before: the file was synced before the commit, so it waited
     for the disk; this test then hung in wait_committed). SIGKILLed right

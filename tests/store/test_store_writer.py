@@ -152,10 +152,10 @@ def test_put_racing_close_is_written_or_refused(tmp_path):
     real_submit = w.submit
     at_submit, closed = threading.Event(), threading.Event()
 
-    def hooked(key, item):
+    def hooked(item):
         at_submit.set()
         assert closed.wait(BOUND_S)
-        return real_submit(key, item)
+        return real_submit(item)
 
     w.submit = hooked
     outcome: list[object] = []
@@ -204,8 +204,8 @@ def _held_in_batch_of_a(s: ecstore.ECStore, bound: int):
     batches: list[list[str]] = []
 
     def hooked(puts, touches=None, **kw):
-        batches.append([p.identifier.rsplit("/", 1)[-1] for p in puts])
-        if any(p.identifier.endswith("/a") for p in puts):
+        batches.append([p.put.identifier.rsplit("/", 1)[-1] for p in puts])
+        if any(p.put.identifier.endswith("/a") for p in puts):
             in_batch.set()
             assert go.wait(BOUND_S)
         return real_write(puts, touches, **kw)

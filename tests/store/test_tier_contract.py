@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ecstore.lmdb import LMDBTier, PutRequest
+from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.memory import MemoryTier
 from ecstore.testing.faults import corrupt_entry
 from ecstore.testing.tier_contract import DamageTests, TierTests
@@ -33,9 +34,9 @@ class TestLMDBTier(DamageTests):
         tier.close()
 
     def insert(self, tier: LMDBTier, key: str, identifier: str, t: torch.Tensor) -> None:
-        req = PutRequest(key, identifier, "org/model", t)
+        req = BatchPut(PendingPut(key, identifier, t), "org/model")
         tier.write_batch([req])
-        assert req.result == "stored", req.error
+        assert req.outcome is PutOutcome.STORED, req.error
 
     @pytest.mark.parametrize("part", ["record", "blob"])
     def test_damaged_record_or_blob_is_a_miss_and_dropped(self, tier: LMDBTier, part: str) -> None:
@@ -106,7 +107,7 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         same size, another dtype) must fail that check, a miss and dropped."""
         import dataclasses
 
-        from ecstore.format.record import pack_record
+        from ecstore.format import pack_record
         from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 
         t = tensor(1, rows=64, cols=64)
@@ -122,7 +123,7 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
                   # overflow): RuntimeError escaped get() instead of a miss
                   "no element, huge dimensions": dataclasses.replace(rec, shape=(0, 1 << 47, 1 << 47), nbytes=0)}[lie]
         with tier._write_txn() as txn:
-            txn.put(KEY_A.encode(), pack_record(forged), db=tier._entries)
+            txn.put(KEY_A.encode(), pack_record(forged), db=tier._dbs.entries)
         assert tier.get(KEY_A, NAME_A) is None
         assert tier.identifier_at(KEY_A) is None
         assert torch.equal(tier.get(KEY_B, NAME_B).view(torch.int16), tensor(2, rows=64, cols=64).view(torch.int16))
@@ -142,7 +143,7 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         assert tier.get(KEY_A, NAME_A) is None
         assert tier.identifier_at(KEY_A) is None
         with tier.snapshot() as (txn, dbs):
-            assert txn.get(bad_row, db=dbs["files"]) is None
+            assert txn.get(bad_row, db=dbs.files) is None
         assert [n for n in os.listdir(tier.files.dir) if n.endswith(".ecb")] == []
 
     def test_a_fifo_or_directory_in_place_of_the_file_is_a_miss_never_a_hang(self, tier: LMDBTier) -> None:
@@ -163,7 +164,7 @@ class TestLMDBTierFileBlobs(TestLMDBTier):
         from ecstore.lmdb.txn import file_ref
 
         with tier.snapshot() as (txn, dbs):
-            ref = file_ref(txn.get(key.encode(), db=dbs["blobs"]))
+            ref = file_ref(txn.get(key.encode(), db=dbs.blobs))
         assert ref is not None
         return ref.name
 

@@ -135,7 +135,7 @@ def test_every_target_is_evaluated(quick_run: tuple[Path, str]) -> None:
 
 def test_runs_without_matplotlib(tmp_path: Path) -> None:
     """Without matplotlib the harness still finishes, writes bench.json and
-    bench.md, exits 0 and says how to get the chart (issue 13)."""
+    bench.md, exits 0 and says how to get the chart."""
     pytest.importorskip("diskcache")
     blocker = tmp_path / "block"
     (blocker / "matplotlib").mkdir(parents=True)
@@ -170,7 +170,7 @@ def test_bench_remote_smallest_form_runs(tmp_path: Path, tiny_model_dir: Path) -
     """tools/bench_remote.py with one small size and a few lookups, against
     the real redis-server it starts: every section gives numbers. Its lookups
     section stopped with an AttributeError from a scheduler side made without
-    a VllmConfig (issue 30)."""
+    a VllmConfig."""
     pytest.importorskip("redis")
     out = tmp_path / "remote.json"
     _run_tool([str(REPO / "tools" / "bench_remote.py"), "--reps", "1", "--sizes", "1", "--lookups", "20",

@@ -1,8 +1,9 @@
-"""The ECStore contract, written once and run against every tier layout.
+"""Contract tests of :class:`ecstore.ECStore`, shipped with the package: the
+behaviour every tier layout must have, to run against your own configuration.
 
-In the style of cachetools'/zarr's ``StoreTests``: :class:`StoreContract` is a
-mixin holding the tests; ``tests/store/test_store_contract.py`` subclasses it once per
-configuration (memory only, LMDB only, both) and implements the hooks:
+In the style of zarr's ``StoreTests``: :class:`StoreContract` is a mixin
+holding the tests; subclass it in a test module (name the class ``Test...``)
+and implement the hooks:
 
 * ``make_store(tmp_path, **caps)`` -> an open :class:`ecstore.ECStore`.
   ``caps``: ``cap_bytes`` (the byte bound of the tier that decides which
@@ -12,8 +13,11 @@ configuration (memory only, LMDB only, both) and implements the hooks:
 * ``used_bytes(stats)`` / ``tier_entries(store)``: its occupancy and its keys
   from least to most recently used.
 
-The class name does not start with ``Test`` so pytest collects it only
-through the subclasses.
+``tests/store/test_store_contract.py`` runs it for memory only, LMDB only and
+both. The class name does not start with ``Test`` so pytest collects it only
+through the subclasses. For pytest's assertion messages, call
+``pytest.register_assert_rewrite("ecstore.testing.store_contract")`` in your
+``conftest.py`` before importing it. Needs pytest (the ``test`` extra).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +34,11 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from helpers.tensors import assert_same, make_tensor, raw_bytes
 
 import ecstore
 import ecstore.store.handle
 from ecstore import ECStore, InvalidEntryError
+from ecstore.testing.tensors import assert_same, make_tensor, raw_bytes
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 BIG = 64 << 20  # default cap: nothing gets evicted
@@ -76,8 +82,21 @@ class StoreContract:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- helpers
+    @pytest.fixture(autouse=True)
+    def _ecstore_info_logs_to_caplog(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+        """Let INFO records of the ``ecstore`` logger reach ``caplog`` (the
+        ``EC put:`` line tests read them), whatever the caller's logging set-up."""
+        logger = logging.getLogger("ecstore")
+        old_level, old_propagate = logger.level, logger.propagate
+        logger.setLevel(logging.INFO)
+        logger.propagate = True
+        caplog.set_level(logging.INFO, logger="ecstore")
+        yield
+        logger.setLevel(old_level)
+        logger.propagate = old_propagate
+
     @pytest.fixture
-    def store(self, tmp_path: Path):
+    def store(self, tmp_path: Path) -> Iterator[ECStore]:
         s = self.make_store(tmp_path)
         yield s
         s.close()
@@ -87,7 +106,7 @@ class StoreContract:
         store.flush()
 
     @staticmethod
-    def one_batch(store: ECStore):
+    def one_batch(store: ECStore) -> AbstractContextManager[Any]:
         """Hold the background writer off while the body runs, so that all
         its puts and reads reach LMDB in one write transaction (the writer's
         condition is re-entrant: put/get still work from this thread)."""
@@ -102,8 +121,11 @@ class StoreContract:
         contents = {}
         for h in ids:  # read without touching any LRU order
             if store.contains(h):
-                t = (store.disk.get(store.key(h), store.stored_name(h)) if store.disk is not None
-                     else store.memory._items[store.key(h)].tensor)
+                if store.disk is not None:
+                    t = store.disk.get(store.key(h), store.stored_name(h))
+                else:
+                    assert store.memory is not None
+                    t = store.memory._items[store.key(h)].tensor
                 contents[h] = raw_bytes(t)
         return {
             "stats": st,
@@ -123,7 +145,7 @@ class StoreContract:
     # ------------------------------------------------------------- round trip
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
                                        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu])
-    def test_round_trip_is_bit_exact(self, tmp_path, dtype):
+    def test_round_trip_is_bit_exact(self, tmp_path: Path, dtype: torch.dtype) -> None:
         with self.make_store(tmp_path, dtype=dtype) as store:
             tensors = {f"img-{dtype}-{i}": make_tensor(i, rows, 24, dtype)
                        for i, rows in enumerate([1, 3, 17])}
@@ -140,7 +162,7 @@ class StoreContract:
                 for h, t in tensors.items():
                     assert_same(store.disk.get(store.key(h), store.stored_name(h)), t)
 
-    def test_nan_and_inf_survive(self, store):
+    def test_nan_and_inf_survive(self, store: ECStore) -> None:
         t = torch.tensor([[float("nan"), float("inf"), float("-inf"), -0.0]], dtype=torch.bfloat16)
         t = torch.cat([t, -t])
         # A NaN with a non-default payload must keep its exact bits.
@@ -149,9 +171,10 @@ class StoreContract:
         self.settle(store)
         got = store.get("specials")
         assert_same(got, t)
+        assert got is not None
         assert got.view(torch.int16)[0, 0].item() == 0x7FC1
 
-    def test_put_copies_input_and_accepts_non_contiguous(self, store):
+    def test_put_copies_input_and_accepts_non_contiguous(self, store: ECStore) -> None:
         base = make_tensor(7, 16, 8)
         src = base.t()  # non-contiguous view [8, 16]
         expected = src.contiguous().clone()
@@ -162,7 +185,7 @@ class StoreContract:
 
     # ----------------------------------------------------------- key format
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-    def test_key_format(self, tmp_path, dtype):
+    def test_key_format(self, tmp_path: Path, dtype: torch.dtype) -> None:
         with self.make_store(tmp_path, dtype=dtype) as store:
             h = "a1b2c3d4" * 8
             key = store.key(h)
@@ -178,7 +201,7 @@ class StoreContract:
             assert store.key(h + "x") != key
 
     # ------------------------------------------------------ contains/delete
-    def test_contains_and_delete(self, store):
+    def test_contains_and_delete(self, store: ECStore) -> None:
         t = make_tensor(1)
         assert not store.contains("a")
         assert store.get("a") is None
@@ -202,7 +225,7 @@ class StoreContract:
         self.settle(store)
         assert_same(store.get("a"), t2)
 
-    def test_delete_before_write_reaches_disk(self, store):
+    def test_delete_before_write_reaches_disk(self, store: ECStore) -> None:
         t = make_tensor(3)
         assert store.put("pending", t)
         assert store.delete("pending") is True  # possibly still queued for the writer
@@ -212,7 +235,7 @@ class StoreContract:
         st = store.stats()
         assert st.disk_entries == 0 and st.disk_bytes == 0 and st.memory_entries == 0
 
-    def test_put_twice_returns_false_and_keeps_first(self, store):
+    def test_put_twice_returns_false_and_keeps_first(self, store: ECStore) -> None:
         t1, t2 = make_tensor(1), make_tensor(2)
         assert store.put("dup", t1) is True
         assert store.put("dup", t2) is False  # still pending / in memory
@@ -222,7 +245,7 @@ class StoreContract:
         assert store.stats().puts == 1
 
     # ------------------------------------------------------------ eviction
-    def _eviction_setup(self, tmp_path, keep: int):
+    def _eviction_setup(self, tmp_path: Path, keep: int) -> tuple[ECStore, int, int]:
         probe = self.make_store(tmp_path / "probe")
         t0 = make_tensor(0)
         c = self.cost(probe, "img-0000", t0)
@@ -231,7 +254,7 @@ class StoreContract:
         store = self.make_store(tmp_path / "s", cap_bytes=cap)
         return store, c, cap
 
-    def test_eviction_is_lru_and_bytes_stay_bounded(self, tmp_path):
+    def test_eviction_is_lru_and_bytes_stay_bounded(self, tmp_path: Path) -> None:
         store, c, cap = self._eviction_setup(tmp_path, keep=4)
         with store:
             ids = [f"img-{i:04d}" for i in range(8)]
@@ -262,7 +285,7 @@ class StoreContract:
             assert self.used_bytes(st) == 4 * c <= cap
             assert st.evictions >= 2
 
-    def test_get_then_put_without_flush_keeps_the_entry_just_read(self, tmp_path):
+    def test_get_then_put_without_flush_keeps_the_entry_just_read(self, tmp_path: Path) -> None:
         """A get refreshes recency even when the put that evicts follows it
         before the writer ran: the entry just read must not be the victim."""
         store, c, cap = self._eviction_setup(tmp_path, keep=3)
@@ -279,7 +302,8 @@ class StoreContract:
             assert [h for h in ids if store.contains(h)] == [ids[0], ids[2], ids[3]]
             assert_same(store.get(ids[0]), ts[ids[0]])
 
-    def test_reads_keep_their_place_when_puts_span_several_batches(self, tmp_path, monkeypatch):
+    def test_reads_keep_their_place_when_puts_span_several_batches(self, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
         """A read made after a put that the writer commits in a later
         transaction is applied after that put, not before it."""
         monkeypatch.setattr(ecstore.store.handle, "MAX_BATCH_BYTES", 1)  # one put per LMDB transaction
@@ -299,7 +323,7 @@ class StoreContract:
             assert self.tier_entries(store) == [store.key(h) for h in ids[2:]]
             assert self.used_bytes(store.stats()) == 3 * c
 
-    def test_filling_far_past_the_cap_without_flush(self, tmp_path):
+    def test_filling_far_past_the_cap_without_flush(self, tmp_path: Path) -> None:
         """Many puts in a row (the writer may commit them in one batch): the
         last ones survive, nothing fails, the bound holds at every step."""
         store, c, cap = self._eviction_setup(tmp_path, keep=4)
@@ -322,7 +346,7 @@ class StoreContract:
             for h in ids[-4:]:
                 assert_same(store.get(h), ts[h])
 
-    def test_unequal_sizes_respect_the_byte_bound(self, tmp_path):
+    def test_unequal_sizes_respect_the_byte_bound(self, tmp_path: Path) -> None:
         store, c, cap = self._eviction_setup(tmp_path, keep=6)
         with store:
             puts = []
@@ -337,7 +361,8 @@ class StoreContract:
                 assert self.used_bytes(store.stats()) <= cap
             self.settle(store)
             # expected survivors: the longest suffix of puts that fits
-            expected, total = [], 0
+            expected: list[str] = []
+            total = 0
             for h, _, size in reversed(puts):
                 if total + size > cap:
                     break
@@ -350,7 +375,7 @@ class StoreContract:
                     assert_same(store.get(h), t)
 
     # ---------------------------------------------------------- collisions
-    def test_colliding_identifiers_are_never_confused(self, tmp_path):
+    def test_colliding_identifiers_are_never_confused(self, tmp_path: Path) -> None:
         with self.make_store(tmp_path, chunk_hasher=collide) as store:
             first, second = "image-first", "image-second"
             t1, t2 = make_tensor(1), make_tensor(2)
@@ -378,7 +403,7 @@ class StoreContract:
                 assert store.disk.record(store.key(first)).identifier == store.stored_name(first)
                 assert store.disk.record(store.key(first)).mm_identifier == first
 
-    def test_delete_of_colliding_identifier_keeps_queued_first(self, tmp_path):
+    def test_delete_of_colliding_identifier_keeps_queued_first(self, tmp_path: Path) -> None:
         """delete(second) must not cancel a not-yet-written put of first
         (same key, other identifier)."""
 
@@ -393,6 +418,7 @@ class StoreContract:
                 assert store.delete("second") is False
                 assert_same(store.get("first"), t1)
                 return
+            assert store.disk is not None  # a writer: an LMDB tier
             # Block the writer inside a commit of an unrelated entry, so that
             # "first" is still waiting in the queue when delete("second") runs.
             with store.disk._shared.write_lock:
@@ -412,7 +438,7 @@ class StoreContract:
             assert_same(store.get("first"), t1)
 
     # ------------------------------------------------------- refused inputs
-    REFUSED = {
+    REFUSED: dict[str, Callable[[torch.dtype], Any]] = {
         "list": lambda dt: [[1.0, 2.0]],
         "numpy": lambda dt: np.zeros((2, 4), dtype=np.float32),
         "scalar": lambda dt: torch.tensor(1.0, dtype=dt),
@@ -426,7 +452,8 @@ class StoreContract:
     }
 
     @pytest.mark.parametrize("case", sorted(REFUSED))
-    def test_invalid_put_raises_and_leaves_store_unchanged(self, tmp_path, case, caplog):
+    def test_invalid_put_raises_and_leaves_store_unchanged(self, tmp_path: Path, case: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
         with self.make_store(tmp_path) as store:
             existing = self.fill(store, ["keep-1", "keep-2"])
             ids = list(existing) + ["bad"]
@@ -440,7 +467,7 @@ class StoreContract:
             assert put_lines(caplog) == []
 
     @pytest.mark.parametrize("identifier", ["", "x" * (4096 + 1), "\ud800", 123, None, b"bytes"])
-    def test_invalid_identifier_raises_everywhere(self, store, identifier):
+    def test_invalid_identifier_raises_everywhere(self, store: ECStore, identifier: Any) -> None:
         t = make_tensor(1)
         ids = ["keep"]
         store.put("keep", t)
@@ -452,7 +479,7 @@ class StoreContract:
                 call()
         assert self.snapshot(store, ids) == before
 
-    def test_oversized_put_is_refused_with_a_warning(self, tmp_path, caplog):
+    def test_oversized_put_is_refused_with_a_warning(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         with self.make_store(tmp_path, cap_bytes=16 * 1024) as store:
             existing = self.fill(store, ["keep-1", "keep-2"])
             ids = list(existing) + ["huge"]
@@ -468,7 +495,8 @@ class StoreContract:
             assert len(warnings) == 1 and "huge" in warnings[0].getMessage()
             assert put_lines(caplog) == []
 
-    def test_entry_that_just_fits_is_stored_and_one_byte_more_is_refused(self, tmp_path, caplog):
+    def test_entry_that_just_fits_is_stored_and_one_byte_more_is_refused(self, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
         """The cap is in stored bytes: an entry of exactly the cap fits;
         whatever the identifier's length, one that fits no tier is refused at
         put (False), never accepted and then failed by the writer."""
@@ -501,7 +529,7 @@ class StoreContract:
                     assert put_lines(caplog) == []
 
     # ---------------------------------------------------------- log line
-    def test_put_logs_once_per_new_entry(self, tmp_path, caplog):
+    def test_put_logs_once_per_new_entry(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         with self.make_store(tmp_path) as store:
             t = make_tensor(1, 5, 32)
             caplog.clear()
@@ -524,7 +552,7 @@ class StoreContract:
             assert put_lines(caplog) == [(320, "logged"), (3 * 32 * 2, "other")]
 
     # --------------------------------------------------------------- stats
-    def test_stats_counters(self, tmp_path):
+    def test_stats_counters(self, tmp_path: Path) -> None:
         store, c, cap = self._eviction_setup(tmp_path, keep=3)
         with store:
             st = store.stats()
@@ -563,7 +591,7 @@ class StoreContract:
             d = st.as_dict()
             assert d["evictions"] == st.memory_evictions + st.disk_evictions
 
-    def test_closed_store_refuses_use(self, tmp_path):
+    def test_closed_store_refuses_use(self, tmp_path: Path) -> None:
         store = self.make_store(tmp_path)
         store.put("x", make_tensor(1))
         store.close()
