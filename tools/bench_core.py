@@ -56,11 +56,35 @@ def sync_device() -> None:
 
 
 def timed(fn: Callable[[], Any]) -> float:
-    """Seconds ``fn()`` takes, including the device work it queued."""
+    """Seconds ``fn()`` takes, including the device work it queued (and none
+    queued before: the device is synchronized before the clock starts too)."""
+    sync_device()
     t0 = time.perf_counter_ns()
     fn()
     sync_device()
     return (time.perf_counter_ns() - t0) * 1e-9
+
+
+#: The sections a ``--device cuda`` run measures (its default): those whose
+#: tensors live on the device. The others time lookups, disk footprint,
+#: durable writes of CPU tensors and the scheduler thread: nothing on a GPU.
+GPU_SECTIONS = ["floor", "save", "hit", "producer", "loadread"]
+
+
+def device_sections(device: torch.device, sections: str | None) -> list[str]:
+    """The sections to run on ``device`` for ``--sections`` (None: not given):
+    every section on the CPU, :data:`GPU_SECTIONS` on a GPU. ValueError with a
+    clear message for a section a GPU run cannot measure."""
+    if sections is None:
+        return list(GPU_SECTIONS if device.type == "cuda" else ALL_SECTIONS)
+    wanted = [s.strip() for s in sections.split(",") if s.strip()]
+    if device.type == "cuda":
+        other = [s for s in wanted if s not in GPU_SECTIONS]
+        if other:
+            raise ValueError(f"--device {device.type} measures the sections {','.join(GPU_SECTIONS)} only, "
+                             f"not {','.join(other)} (they involve no tensor on the device: run them "
+                             f"with --device cpu)")
+    return wanted
 
 
 def check_device(name: str) -> torch.device:
@@ -143,6 +167,8 @@ class Bench:
             return self.args.reps
         if self.quick:
             return 2
+        if self.on_gpu:  # fewer: a GPU run aims at five minutes (docs/benchmarks.md; not measured yet)
+            return 5 if nbytes >= 100e6 else 7 if nbytes >= 20e6 else 11
         if nbytes >= 100e6:
             return 7
         if nbytes >= 20e6:

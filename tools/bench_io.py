@@ -78,8 +78,8 @@ def settled_copies(b: Bench, src: torch.Tensor, reps: int) -> list[float]:
 
 def fill_ratios(b: Bench, section: str) -> None:
     """``x_memcpy`` of every row of ``section``: its median over the floor's
-    (on a GPU: D2H for saves, H2D for hits)."""
-    floor = "H2D" if b.on_gpu and section == "hit" else "memcpy"
+    (on a GPU: D2H for saves, H2D for loads)."""
+    floor = "H2D" if b.on_gpu and section in ("hit", "loadread") else "memcpy"
     for r in b.rows:
         if r["section"] != section or r["unit"] != "s" or r["median"] is None:
             continue

@@ -101,8 +101,7 @@ def cmd_save(args) -> None:
 
     def submit_quietly(item):  # queue without waking the writer (no GIL contention)
         with w.cv:
-            w.queue[item.key] = item
-            w.queued_bytes += item.nbytes
+            w.puts.add(item)
 
     tiny = torch.randn(1, 16).to(torch.bfloat16)
     ctr = [0]
@@ -236,8 +235,7 @@ def cmd_touch(args) -> None:
 
 def cmd_writer(args) -> None:
     import ecstore.lmdb.tier as lt
-    from ecstore.format import codec
-    from ecstore.format.put import PendingPut
+    from ecstore.format import PendingPut, codec
     from ecstore.lmdb import BatchPut
 
     print("# background writer, put(copy=False) x N + flush: time per stage (instrumented in-process)")

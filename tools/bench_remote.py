@@ -9,8 +9,11 @@ then for ``[n, 3584]`` bfloat16 entries of 1 / 34.3 / 130.8 MB measures:
 * floor: raw redis-py ``SET`` / ``GET`` of the same number of bytes;
 * ecstore put: ``ECStore.put`` + ``flush`` (encode, frame, checksum, pipelined
   SET NX) on a store with no local tiers, so only the remote is timed;
-* ecstore get: ``ECStore.get`` on a store with no local tiers (GET, verify
-  checksum/identity, decode into a fresh tensor);
+* ecstore get: ``ECStore.get`` on a store with no local tiers (GET, its reply
+  received in place into reused memory, checksum/identity verified, the tensor
+  a view of it);
+
+The ratios printed are raw time / ecstore time: above 1, ecstore is faster.
 * lookups (``--lookups N``): ``ECStore.contains`` and the scheduler
   connector's ``has_cache_item`` for a local LMDB hit and for an entry only
   the remote holds (one EXISTS), p50/p99 in microseconds.

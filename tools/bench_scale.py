@@ -18,7 +18,7 @@ from bench_core import DTYPE, ROW_BYTES, Bench, GiB, MiB, ids, log, now_ns, time
 
 def build_small_store(b: Bench, st, start: int, stop: int, prefix: str) -> float:
     """Write entries [start, stop) straight through ``store.disk.write_batch``."""
-    from ecstore.format.put import PendingPut, PutOutcome
+    from ecstore.format import PendingPut, PutOutcome
     from ecstore.lmdb import BatchPut
 
     t = torch.randn(1, 16, dtype=torch.float32).to(DTYPE)

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from ecstore.errors import ECStoreError
-from ecstore.format.record import Record
+from ecstore.format import Record
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")

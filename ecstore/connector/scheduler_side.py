@@ -35,7 +35,7 @@ from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import ECStoreConnectorStats, remote_deltas
 from ecstore.connector.vllm_identity import CLIENT_UUID_WARNING, kept_out
 from ecstore.errors import ECStoreError
-from ecstore.format.record import Record
+from ecstore.format import Record
 from ecstore.identity import EncoderIdentity
 from ecstore.lmdb.leases import Pin
 from ecstore.store import ECStore

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ecstore.format import codec
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome, codec
 from ecstore.lmdb.blobfiles import FileRef
 
 

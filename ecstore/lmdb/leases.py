@@ -84,7 +84,7 @@ from dataclasses import dataclass
 import lmdb
 
 from ecstore.errors import StoreOpenError
-from ecstore.format.record import Record
+from ecstore.format import Record
 
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
 #: Lease-file keys under this prefix are eviction tombstones (see the module docstring).

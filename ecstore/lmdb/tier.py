@@ -28,8 +28,7 @@ from ecstore.errors import (
     StoreFullError,
     StoreOpenError,
 )
-from ecstore.format import Record, codec
-from ecstore.format.put import PutOutcome
+from ecstore.format import PutOutcome, Record, codec
 from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint

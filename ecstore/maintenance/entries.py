@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecstore.errors import CorruptEntryError, ECStoreError, StoreOpenError
-from ecstore.format import Record, blob_check, codec
+from ecstore.format import Record, codec
 from ecstore.key import parse_key
 from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.check import entry_problem as entry_problem
 from ecstore.lmdb.txn import file_ref
 from ecstore.maintenance.progress import Ticker
 
@@ -129,35 +130,6 @@ def scan(tier: LMDBTier, progress: Ticker | None = None) -> Iterator[Row]:
             if progress is not None:
                 progress.advance()
             yield _row(k, raw)
-
-
-def entry_problem(key: str, rec: Record | None, blob: Any) -> str | None:
-    """None if the entry is sound, else a one-line reason.
-
-    A thin wrapper over :func:`ecstore.format.blob_check.check_entry` (the entry check
-    every ``get`` runs) with the entry's ``key``, adding what only tooling
-    sees: an unreadable record, a record without blob, the two checksums of
-    a mismatch, and ``bad safetensors header:`` before a header problem.
-    Never raises.
-    """
-    if rec is None:
-        return "unreadable entry record"
-    if blob is None:
-        return "record without blob"
-    try:
-        blob_check.check_entry(rec, blob, key=key)
-        return None
-    except CorruptEntryError as e:
-        reason = str(e)
-    if len(blob) == rec.blob_size:
-        actual = codec.checksum(blob)
-        if actual != rec.checksum:
-            return f"checksum mismatch (record {rec.checksum:016x}, blob {actual:016x})"
-        try:
-            blob_check.parse_header(blob)
-        except CorruptEntryError as e:
-            return f"bad safetensors header: {e}"
-    return reason
 
 
 def read_entry(tier: LMDBTier, key: str, with_blob: bool = True) -> tuple[Record | None, bytes | None, bool]:

@@ -9,96 +9,33 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lmdb
 
-from ecstore.errors import CorruptEntryError
-from ecstore.format import Record, codec
+from ecstore.format import Record
 from ecstore.lmdb import LMDBTier
-from ecstore.lmdb.txn import file_ref
+from ecstore.lmdb.check import BadEntry as BadEntry
+from ecstore.lmdb.check import StoreCheck, check_store
 from ecstore.maintenance import namespaces
-from ecstore.maintenance.entries import Row, entry_problem, key_bytes, scan
+from ecstore.maintenance.entries import Row, scan
 from ecstore.maintenance.progress import NO_PROGRESS, ProgressFactory
 
-
-@dataclass
-class BadEntry:
-    """An entry that failed the entry check."""
-
-    key: str
-    #: The entry's mm identifier, None when its record is unreadable.
-    identifier: str | None
-    #: One-line reason (:func:`.entries.entry_problem`).
-    error: str
-
-
-@dataclass
-class VerifyResult:
-    """What :func:`verify` found. ``checked`` counts entries read (``vanished``
-    ones were evicted or deleted between listing and reading them);
-    ``problems`` are store-level inconsistencies (database row counts)."""
-
-    checked: int = 0
-    vanished: int = 0
-    bad: list[BadEntry] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> int:
-        return self.checked - len(self.bad)
-
-    @property
-    def clean(self) -> bool:
-        return not self.bad and not self.problems
+#: What :func:`verify` found (:class:`ecstore.lmdb.check.StoreCheck`): ``checked``
+#: entries read (``vanished`` ones were evicted or deleted between listing and
+#: reading them), ``bad`` ones, store-level ``problems`` (database row counts).
+VerifyResult = StoreCheck
 
 
 def verify(tier: LMDBTier, progress: ProgressFactory = NO_PROGRESS) -> VerifyResult:
     """Check every entry (:func:`.entries.entry_problem`: the ``get`` entry
     check) in its own short read transaction, and the row counts of the
-    sub-databases against each other. Reads every blob once; changes nothing."""
-    result = VerifyResult()
-    with tier.snapshot() as (txn, dbs):
-        counts = {name: txn.stat(db)["entries"] for name, db in dbs.present("blobs", "entries", "lru", "files").items()}
-        if dbs.files is not None:  # schema 4: the index of blob files matches the pointers
-            with txn.cursor(db=dbs.blobs) as cur:
-                pointers = {ref.name for v in cur.iternext(keys=False) if (ref := file_ref(v)) is not None}
-            with txn.cursor(db=dbs.files) as cur:  # the same snapshot: other writers may commit meanwhile
-                indexed = {bytes(n).decode("ascii", "replace") for n in cur.iternext(keys=True, values=False)}
-            if pointers != indexed:
-                result.problems.append(f"the files index ({counts['files']} rows) does not match the "
-                                       f"{len(pointers)} blob-file pointers")
-    if counts["blobs"] != counts["entries"]:
-        result.problems.append(f"{counts['blobs']} blobs but {counts['entries']} entry records")
-    if "lru" in counts and counts["lru"] != counts["entries"]:
-        result.problems.append(f"{counts['lru']} LRU index rows but {counts['entries']} entry records")
+    sub-databases against each other: :func:`ecstore.lmdb.check.check_store`,
+    the check the test audit runs too. Reads every blob once; changes nothing."""
     keys = [r.key for r in scan(tier)]
     with progress("verifying", len(keys)) as prog:
-        for key in keys:
-            k = key_bytes(key)
-            with tier.snapshot() as (txn, dbs):  # one short transaction per entry
-                raw = txn.get(k, db=dbs.entries)
-                if raw is None:
-                    result.vanished += 1  # evicted or deleted since the key list was read
-                    prog.advance()
-                    continue
-                try:
-                    rec: Record | None = codec.unpack_record(raw)
-                except CorruptEntryError:
-                    rec = None
-                value = txn.get(k, db=dbs.blobs)
-                ref = None if value is None else file_ref(value)
-                problem = entry_problem(key, rec, None if value is None else tier.resolve_blob(value))
-            if problem and ref is not None and not tier.points_to(k, ref):
-                result.vanished += 1  # removed after our snapshot, its file deleted: no damage
-                prog.advance()
-                continue
-            result.checked += 1
-            if problem:
-                result.bad.append(BadEntry(key, rec.mm_identifier if rec else None, problem))
-            prog.advance()
-    return result
+        return check_store(tier, keys=keys, on_entry=prog.advance)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ecstore.errors import ConfigError, ECStoreError
 from ecstore.remote.deadline import deadline, deadline_class
+from ecstore.remote.reply import BadReply, read_bulk
 from ecstore.remote.url import RemoteTarget, mask_secrets
 
 log = logging.getLogger("ecstore")
@@ -58,6 +59,14 @@ def _pack_set(key: str, parts: Sequence[Any], px: int | None) -> list[Any]:
     head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(tail), len(k), k, sum(len(v) for v in views))
     end = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in tail)
     return [head, *views, end]
+
+
+def _parse_error(text: str) -> Exception:
+    """The exception redis-py raises for the error reply ``text`` (e.g.
+    ``AuthenticationError`` for ``NOAUTH ...``, else ``ResponseError``)."""
+    from redis._parsers.base import BaseParser
+
+    return BaseParser.parse_error(text)
 
 
 def _cluster_client(target: RemoteTarget, common: dict[str, Any]) -> Any:
@@ -105,7 +114,7 @@ class RemoteBackend(Protocol):
 
     description: str  # for messages: the URL with its password masked
 
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str) -> bytes | memoryview | None: ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -119,7 +128,7 @@ class RemoteBackend(Protocol):
 
     def delete(self, key: str) -> None: ...
 
-    def delete_if_unchanged(self, key: str, value: bytes) -> bool:
+    def delete_if_unchanged(self, key: str, value: bytes | memoryview) -> bool:
         """Delete ``key`` only if it still holds exactly ``value``."""
         ...
 
@@ -155,6 +164,7 @@ class RedisBackend:
         common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                                   "username": target.username, "password": target.password}
         self.is_cluster = target.cluster
+        self._zero_copy_get = not target.cluster  # GET replies read in place (ecstore.remote.reply)
         self._client: Any = None
         self._delete_script: Any = None
         self._connect_lock = threading.Lock()
@@ -199,6 +209,8 @@ class RedisBackend:
         try:
             with deadline(self.timeout_s):
                 return fn()
+        except RemoteBadReply:
+            raise
         except Exception as e:  # noqa: BLE001  (cluster topology errors, malformed replies...)
             raise self.error_of(e) from None
 
@@ -216,10 +228,16 @@ class RedisBackend:
             return RemoteRefused(f"{self.description}: {text}")
         return RemoteUnavailable(f"{self.description}: {type(e).__name__}: {text}")
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | memoryview | None:
         """The value under ``key`` (None: absent). A reply that is not a bulk
         string raises :class:`RemoteBadReply` at once: nothing is built from
-        what it holds (``bytes(8000000000)`` from a 14-byte integer reply)."""
+        what it holds (``bytes(8000000000)`` from a 14-byte integer reply).
+
+        On a single server (every URL but a cluster's) the reply is read by
+        :func:`ecstore.remote.reply.read_bulk` straight into reused memory (a
+        memoryview of it); from a cluster (redirects) by redis-py."""
+        if self._zero_copy_get:
+            return self._call(lambda: self._get_zero_copy(KEY_PREFIX + key))
         value = self._call(lambda: self.client.get(KEY_PREFIX + key))
         if value is None or isinstance(value, bytes):
             return value
@@ -227,6 +245,38 @@ class RedisBackend:
             return bytes(value)
         raise RemoteBadReply(f"{self.description}: GET answered with {type(value).__name__} reply, "
                              f"not a string")
+
+    def _get_zero_copy(self, key: str) -> memoryview | None:
+        """``GET key`` on one pooled connection, its reply read in place
+        (:func:`~ecstore.remote.reply.read_bulk`). One reconnect if the
+        pooled connection was stale (a connection error, never a timeout);
+        a connection whose reply was not read whole is dropped."""
+        r = self._redis
+        pool = self.client.connection_pool
+        k = key.encode()
+        command = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command([command], check_health=False)
+                try:
+                    return read_bulk(conn._sock, _parse_error, r.ConnectionError)
+                except BadReply as e:
+                    raise RemoteBadReply(f"{self.description}: GET answered with {e}") from None
+                except TimeoutError:  # socket.timeout: redis-py's name for it
+                    raise r.TimeoutError("Timeout reading from socket") from None
+                except OSError as e:
+                    raise r.ConnectionError(f"Error while reading from the socket: {e}") from None
+            except r.ConnectionError:
+                conn.disconnect()
+                if attempt:
+                    raise
+            except BaseException:
+                conn.disconnect()  # part of the reply may be unread: never reuse it
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
 
     def exists(self, key: str) -> bool:
         return bool(self._call(lambda: self.client.exists(KEY_PREFIX + key)))
@@ -278,7 +328,7 @@ class RedisBackend:
     def delete(self, key: str) -> None:
         self._call(lambda: self.client.delete(KEY_PREFIX + key))
 
-    def delete_if_unchanged(self, key: str, value: bytes) -> bool:
+    def delete_if_unchanged(self, key: str, value: bytes | memoryview) -> bool:
         digest = hashlib.sha1(value).hexdigest()
         def run() -> Any:
             _ = self.client  # builds the client and its script

@@ -293,7 +293,7 @@ def _verify(backend: RedisBackend, delete_bad: bool, bound: TimeBound | None, re
                 result.deleted += 1
 
 
-def _delete_if_unchanged(backend: RedisBackend, raw_key: bytes, key: str, value: bytes) -> bool:
+def _delete_if_unchanged(backend: RedisBackend, raw_key: bytes, key: str, value: bytes | memoryview) -> bool:
     """``backend.delete_if_unchanged``; False, not an error, for a key whose
     type changed since it was read (the script's STRLEN fails on it)."""
     try:

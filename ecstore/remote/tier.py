@@ -37,8 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import codec
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut, codec
 from ecstore.remote import frame
 from ecstore.remote.backend import RemoteBackend, RemoteBadReply, RemoteRefused, RemoteUnavailable
 from ecstore.remote.breaker import BreakerState, CircuitBreaker, Transition

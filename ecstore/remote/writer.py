@@ -7,10 +7,14 @@ most BATCH_ITEMS entries / BATCH_BYTES bytes and hands each to ``send`` (one
 pipelined round trip); ``send`` must not raise (anything it does raise is
 logged and the batch counted by ``on_dropped``).
 
-Tickets: every queued write takes the next number of one counter. ``drain``
+Tickets: every queued write takes the next number of one counter (the
+queue's bookkeeping is the :class:`~ecstore.format.put.PutQueue` the store's
+writer keeps too; the waits are this module's). ``drain``
 (``ECStore.flush``/``wait_committed``) waits until no write numbered at or
 before its call is still queued or being sent, so writes submitted after the
-call, however many and however fast, never hold it up. After ``close`` began
+call, however many and however fast, never hold it up; while no batch is in
+flight it sends the oldest queued one itself rather than wait for the thread
+to wake (one batch in flight at a time, whoever sends it). After ``close`` began
 ``submit`` drops (counted, returns False); a write queued before is sent
 (or dropped, see ``drop_queued``) before the thread exits.
 
@@ -22,10 +26,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut, PutQueue
 
 log = logging.getLogger("ecstore")
 
@@ -57,10 +60,8 @@ class WriteQueue:
         self.max_bytes = max(1, max_bytes)
         self.wait_s = wait_s
         self._cv = threading.Condition()
-        self._queue: OrderedDict[str, PendingPut] = OrderedDict()
-        self._queued_bytes = 0
-        self._busy_since: int | None = None  # oldest ticket of the batch being sent (None: none)
-        self._ticket = 0  # the ticket of the newest queued write
+        # writes queued and being sent (the batch), their bytes, the tickets
+        self._puts = PutQueue()
         self.drainers = 0  # threads waiting in drain()
         self._stopping = False
         self._thread: threading.Thread | None = threading.Thread(
@@ -72,10 +73,9 @@ class WriteQueue:
         key = item.key
         deadline = time.monotonic() + self.wait_s
         with self._cv:
-            # _queued_bytes counts the batch being sent too (until it is sent):
+            # The bytes pending count the batch being sent too (until it is sent):
             # an empty queue with a batch in flight has no more room than that.
-            while ((self._queue or self._busy_since is not None)
-                   and self._queued_bytes + item.nbytes > self.max_bytes):
+            while not self._puts.room_for(item.nbytes, self.max_bytes):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopping or self._refusing():
                     self._on_dropped(1)
@@ -84,47 +84,48 @@ class WriteQueue:
             if self._refusing() or self._stopping:
                 self._on_dropped(1)
                 return False
-            if key not in self._queue:  # else the queued one (older ticket) stands for it
-                self._ticket += 1
-                item.ticket = item.since = self._ticket
-                self._queue[key] = item
-                self._queued_bytes += item.nbytes
+            if key not in self._puts.queued:  # else the queued one (older ticket) stands for it
+                self._puts.add(item)
                 self._cv.notify_all()
         return True
 
     def cancel(self, key: str) -> None:
         """Forget a queued (not yet taken) write of ``key``."""
         with self._cv:
-            item = self._queue.pop(key, None)
-            if item is not None:
-                self._queued_bytes -= item.nbytes
+            if self._puts.remove(key) is not None:
                 self._cv.notify_all()
 
     def drain(self) -> None:
         """Wait until every write queued before the call was sent or dropped.
         Writes queued after the call do not hold it up (see the module doc):
         batches are taken oldest first, so the last earlier write is sent
-        after a bounded number of batches."""
+        after a bounded number of batches.
+
+        While no batch is being sent and one of those writes is still queued,
+        the calling thread sends that batch itself (one batch in flight at a
+        time, as from the writer thread, bounded the same way): on a busy
+        machine waking the writer thread, then this one, cost more than a
+        small write (ms each)."""
         with self._cv:
-            target = self._ticket
+            target = self._puts.ticket
             self.drainers += 1
             try:
                 while True:
-                    oldest = self._oldest_pending()
+                    oldest = self._puts.oldest()
                     if oldest is None or oldest > target:
                         return
+                    if not self._puts.taken:  # oldest is a queued write of before the call
+                        batch = self._puts.take(BATCH_BYTES, BATCH_ITEMS)
+                        self._cv.release()
+                        try:
+                            self._send_batch(batch)
+                        finally:
+                            del batch
+                            self._cv.acquire()
+                        continue
                     self._cv.wait()
             finally:
                 self.drainers -= 1
-
-    def _oldest_pending(self) -> int | None:
-        """The smallest ticket of a write queued or being sent (None: none).
-        The queue is in ticket order and the batch being sent was taken from
-        its front, so that is the batch's first ticket, else the queue's.
-        Holds ``_cv``."""
-        if self._busy_since is not None:
-            return self._busy_since
-        return next(iter(self._queue.values())).ticket if self._queue else None
 
     def drop_queued(self) -> int:
         """Drop every write still queued (not the batch being sent), counted
@@ -132,9 +133,7 @@ class WriteQueue:
         because the remote is unreachable or too slow, so that ``drain`` and
         ``close`` wait for one timed-out batch, not for one per queued batch."""
         with self._cv:
-            n = len(self._queue)
-            self._queued_bytes -= sum(item.nbytes for item in self._queue.values())
-            self._queue.clear()
+            n = self._puts.drop_queued()
             self._cv.notify_all()
         if n:
             self._on_dropped(n)
@@ -143,7 +142,7 @@ class WriteQueue:
     @property
     def pending(self) -> int:
         with self._cv:
-            return len(self._queue)
+            return len(self._puts.queued)
 
     def close(self) -> None:
         """Send what is queued, then stop the thread. Idempotent."""
@@ -154,34 +153,30 @@ class WriteQueue:
             self._thread.join()
             self._thread = None
 
-    def _take_batch(self) -> Batch:
-        batch: Batch = []
-        size = 0
-        while self._queue and len(batch) < BATCH_ITEMS:
-            nxt = next(iter(self._queue.values()))
-            if batch and size + nxt.nbytes > BATCH_BYTES:
-                break
-            _, item = self._queue.popitem(last=False)
-            batch.append(item)
-            size += item.nbytes
-        return batch
-
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stopping:
+                # A batch in flight may be a drain()er's: one at a time.
+                while (not self._puts.queued or self._puts.taken) and not self._stopping:
                     self._cv.wait()
-                if not self._queue and self._stopping:
-                    return
-                batch = self._take_batch()
-                self._busy_since = batch[0].ticket
-            try:
-                self._send(batch)
-            except Exception as e:  # noqa: BLE001  (never let the writer die)
-                log.error("ecstore: remote write failed: %s", e)
-                self._on_dropped(len(batch))
-            finally:
-                with self._cv:
-                    self._queued_bytes -= sum(item.nbytes for item in batch)
-                    self._busy_since = None
-                    self._cv.notify_all()
+                while self._puts.taken:
+                    self._cv.wait()
+                if not self._puts.queued:
+                    if self._stopping:
+                        return
+                    continue
+                batch = self._puts.take(BATCH_BYTES, BATCH_ITEMS)
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: Batch) -> None:
+        """Send ``batch`` (taken from the queue; ``_cv`` not held), then mark
+        it done. Never raises an Exception."""
+        try:
+            self._send(batch)
+        except Exception as e:  # noqa: BLE001  (never let the writer die, nor fail a drain()er)
+            log.error("ecstore: remote write failed: %s", e)
+            self._on_dropped(len(batch))
+        finally:
+            with self._cv:
+                self._puts.done(batch)
+                self._cv.notify_all()

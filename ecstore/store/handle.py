@@ -21,14 +21,14 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
 from ecstore.config import ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError, check_same_process
-from ecstore.format import codec, split_read
-from ecstore.format.record import Record
+from ecstore.format import Record, codec, split_read
 from ecstore.identity import EncoderIdentity, library_identity, qualify, split_stored
 from ecstore.key import (
     ChunkHasher,
@@ -64,6 +64,27 @@ MAX_BATCH_BYTES = 256 << 20
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+@dataclass(frozen=True)
+class OpenSeams:
+    """How a handle opens its tiers beyond what its config says: seams for
+    tests, not settings (:mod:`ecstore.testing.stores` opens handles with
+    them; ``ECStore(...)`` always uses the defaults).
+
+    ``schema_target``: the LMDB schema a new store is created at and an
+    older one migrated to (None: the current one; see
+    :class:`~ecstore.lmdb.LMDBTier`). ``map_size_bytes``: the LMDB map size
+    (None: max(1.25 x cap, cap + 1 MiB)). ``remote_clock``: the monotonic
+    clock (seconds) of the remote tier's circuit breaker and negative cache.
+    """
+
+    schema_target: int | None = None
+    map_size_bytes: int | None = None
+    remote_clock: Callable[[], float] = time.monotonic
+
+
+DEFAULT_SEAMS = OpenSeams()
+
+
 def _gated(method: _F) -> _F:
     """A public method of :class:`ECStore` run inside the handle's
     :class:`~ecstore.store.calls.CallGate` (``close`` waits for it; after ``close``
@@ -96,19 +117,30 @@ class ECStore:
             ``(model, dtype)``, i.e. the caller vouches that they fix the encoder.
         chunk_hasher: override the 64-bit identifier hash (tests force
             collisions with it); must return 16 lower-case hex digits.
-        _map_size_bytes: test hook, the LMDB map size (see
-            :class:`~ecstore.lmdb.LMDBTier`); default max(1.25 x cap, cap + 1 MiB).
-        _remote_clock: test hook, the monotonic clock of the remote tier's
-            circuit breaker and negative cache.
 
     Use as a context manager, or call :meth:`close` (which flushes).
     """
 
     def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
                  readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
-                 identity: EncoderIdentity | None = None, _schema_target: int | None = None,
-                 _map_size_bytes: int | None = None,
-                 _remote_clock: Callable[[], float] | None = None) -> None:
+                 identity: EncoderIdentity | None = None) -> None:
+        self._open(config, model=model, dtype=dtype, readonly=readonly, chunk_hasher=chunk_hasher,
+                   identity=identity, seams=DEFAULT_SEAMS)
+
+    @classmethod
+    def _with_seams(cls, seams: OpenSeams, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
+                    readonly: bool = False, chunk_hasher: ChunkHasher | None = None,
+                    identity: EncoderIdentity | None = None) -> ECStore:
+        """A handle opened as ``ECStore(config, ...)`` would be, with ``seams``
+        (the internal seam of :mod:`ecstore.testing.stores`; not public API)."""
+        store = cls.__new__(cls)
+        store._open(config, model=model, dtype=dtype, readonly=readonly, chunk_hasher=chunk_hasher,
+                    identity=identity, seams=seams)
+        return store
+
+    def _open(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype, readonly: bool,
+              chunk_hasher: ChunkHasher | None, identity: EncoderIdentity | None, seams: OpenSeams) -> None:
+        """Open the tiers (the body of ``__init__``, with its seams)."""
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
         self._calls = CallGate()  # the running calls close() waits for
@@ -129,7 +161,7 @@ class ECStore:
         self._legacy = False
         if config.local_disk:
             tiers.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
-                                  schema_target=_schema_target, map_size_bytes=_map_size_bytes,
+                                  schema_target=seams.schema_target, map_size_bytes=seams.map_size_bytes,
                                   file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
                                   split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
             self._legacy = tiers.disk.record_version == codec.LEGACY_RECORD_VERSION
@@ -145,7 +177,7 @@ class ECStore:
 
             try:
                 tiers.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
-                                           clock=_remote_clock or time.monotonic)
+                                           clock=seams.remote_clock)
             except BaseException:
                 self.close()
                 raise

@@ -15,8 +15,7 @@ import logging
 import torch
 
 from ecstore.errors import InvalidEntryError
-from ecstore.format import codec
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut, codec
 from ecstore.key import dtype_name
 from ecstore.pool import POOL
 from ecstore.store.read_path import ReadPath

@@ -18,9 +18,7 @@ import numpy as np
 import torch
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import codec
-from ecstore.format.put import PendingPut
-from ecstore.format.record import Record
+from ecstore.format import PendingPut, Record, codec
 from ecstore.store.stats import HitTier
 
 if TYPE_CHECKING:

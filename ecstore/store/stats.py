@@ -144,8 +144,8 @@ class Counters:
             with writer.cv:
                 s.write_errors = writer.write_errors
                 s.sync_errors = writer.sync_errors
-                s.pending_writes = len(writer.queue) + len(writer.inflight)
-                s.pending_bytes = writer.queued_bytes
+                s.pending_writes = len(writer.puts.queued) + len(writer.puts.taken)
+                s.pending_bytes = writer.puts.bytes
                 s.remote_promotions_skipped = writer.offers_refused
         if remote is not None:
             r = remote.stats()

@@ -7,7 +7,9 @@ key read since the last commit; typed results: the LMDB tier's
 per put. One thread per handle commits a batch in one LMDB write transaction;
 the writer holds the LMDB tier, never the store.
 
-Tickets: every put and touch takes the next number of one counter;
+Tickets: every put and touch takes the next number of one counter (the
+``ticket`` of the :class:`~ecstore.format.put.PutQueue` that keeps the queued
+puts, as it does for the remote's write queue);
 :meth:`Writer.drain` (``wait_committed``) waits until nothing numbered at or
 before its call is uncommitted, and with ``durable=True`` (``flush``) until it
 is durable too (blob files ``fdatasync``ed right after their commit, on this
@@ -21,13 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import replace
 
 import torch
 
 from ecstore.errors import ECStoreError, StoreFullError
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome, PutQueue
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.lmdb.batch import Touch
 from ecstore.pool import POOL
@@ -79,15 +81,14 @@ class Writer(threading.Thread):
         self.touches_written_at = float("-inf")  # monotonic time touches were last taken for a commit
         self.drainers = 0  # threads waiting in drain()
         self.cv = threading.Condition()
-        self.queue: OrderedDict[str, PendingPut] = OrderedDict()  # key -> not yet written
-        self.inflight: dict[str, PendingPut] = {}  # key -> being written now
+        # puts queued and being written (the batch), their bytes, and the
+        # ticket counter that orders puts, touches and vouches as they were made
+        self.puts = PutQueue()
         # key -> the reads of it not yet written (see Touch: ``orders`` holds the
         # ticket of the last read of the key between two consecutive puts, so
         # the LMDB tier can replay reads and puts in the order they were made)
         self.touches: dict[str, Touch] = {}
-        self.ticket = 0  # orders puts and touches as they were made
         self.last_put_ticket = 0
-        self.queued_bytes = 0
         self.admissions = 0  # puts that came to submit (their turns in line)
         self.in_line: deque[int] = deque()  # turns of the puts in submit, oldest first
         self.stopping = False
@@ -117,7 +118,6 @@ class Writer(threading.Thread):
         ECStoreError "store is closed" once :meth:`stop` began (the thread
         might not write it any more): a put that returns was queued before,
         and the thread writes it."""
-        key = item.key
         with self.cv:
             # First come, first admitted: a put waiting for room holds back
             # every later one, even one that would fit (else a steady stream
@@ -126,8 +126,8 @@ class Writer(threading.Thread):
             turn = self.admissions
             self.in_line.append(turn)
             try:
-                while not self.stopping and (self.in_line[0] != turn or (
-                        self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes)):
+                while not self.stopping and (self.in_line[0] != turn or
+                                             not self.puts.room_for(item.nbytes, self.max_bytes)):
                     self.cv.wait()
             finally:
                 self.in_line.remove(turn)  # admitted, refused or interrupted: the next in line goes
@@ -136,14 +136,10 @@ class Writer(threading.Thread):
                 raise ECStoreError(f"the store's background writer stopped ({self.dead!r}); reopen the store")
             if self.stopping:
                 raise ECStoreError("store is closed")
-            self.ticket += 1
-            item.ticket = item.since = self.last_put_ticket = self.ticket
-            replaced = self.queue.pop(key, None)  # re-queued at the end: queue order is ``order``
-            if replaced is not None:  # two puts of one key passed the presence check at once
-                self.queued_bytes -= replaced.nbytes
-                item.since = replaced.since  # flushes waiting for the replaced put wait for this one
-            self.queue[key] = item
-            self.queued_bytes += item.nbytes
+            # A queued put of the same key (two puts of one key passed the
+            # presence check at once) is replaced: flushes waiting for it wait for this one.
+            self.puts.add(item)
+            self.last_put_ticket = item.ticket
             self.cv.notify_all()
 
     def offer(self, item: PendingPut) -> bool:
@@ -154,16 +150,13 @@ class Writer(threading.Thread):
         Never blocks beyond ``cv``: for writes a caller may skip (a remote
         hit's promotion into LMDB), which must not wait for another
         process's write lock behind a full queue."""
-        key = item.key
         with self.cv:
-            if self.stopping or self.in_line or key in self.queue or (
-                    self.queued_bytes and self.queued_bytes + item.nbytes > self.max_bytes):
+            if self.stopping or self.in_line or item.key in self.puts.queued or \
+                    not self.puts.room_for(item.nbytes, self.max_bytes):
                 self.offers_refused += 1
                 return False
-            self.ticket += 1
-            item.ticket = item.since = self.last_put_ticket = self.ticket
-            self.queue[key] = item
-            self.queued_bytes += item.nbytes
+            self.puts.add(item)
+            self.last_put_ticket = item.ticket
             self.cv.notify_all()
             return True
 
@@ -189,9 +182,9 @@ class Writer(threading.Thread):
         with self.cv:
             if self.stopping:
                 return
-            self.ticket += 1
+            ticket = self.puts.next_ticket()
             held = self.vouches.get(key)
-            self.vouches[key] = (identifier, self.ticket if held is None or held[0] != identifier else held[1])
+            self.vouches[key] = (identifier, ticket if held is None or held[0] != identifier else held[1])
 
     def log_untaken_errors(self) -> None:
         """``close``: log, in one line, the errors recorded since the last
@@ -205,17 +198,17 @@ class Writer(threading.Thread):
 
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
-            self.ticket += 1
+            ticket = self.puts.next_ticket()
             held = self.touches.get(key)
             if held is None or held.identifier != identifier:  # none, or the key changed hands
-                held = Touch(identifier, 0, 0, (), self.ticket, ())  # (delete + put of another identifier)
+                held = Touch(identifier, 0, 0, (), ticket, ())  # (delete + put of another identifier)
             hits, orders, since, counts = held.hits, held.orders, held.since, held.counts
             if orders and orders[-1] > self.last_put_ticket:
                 # No put since: only the latest read's position matters.
-                orders = orders[:-1] + (self.ticket,)
+                orders = orders[:-1] + (ticket,)
                 counts = counts[:-1] + (counts[-1] + 1,)
             else:
-                orders = orders + (self.ticket,)
+                orders = orders + (ticket,)
                 counts = counts + (1,)
             first = not self.touches
             if first:
@@ -246,12 +239,12 @@ class Writer(threading.Thread):
 
     def identifier_at(self, key: str) -> str | None:
         with self.cv:
-            item = self.queue.get(key) or self.inflight.get(key)
+            item = self.puts.get(key)
             return None if item is None else item.identifier
 
     def lookup(self, key: str, identifier: str) -> torch.Tensor | None:
         with self.cv:
-            item = self.queue.get(key) or self.inflight.get(key)
+            item = self.puts.get(key)
             if item is not None and item.identifier == identifier:
                 return item.tensor
             return None
@@ -261,14 +254,13 @@ class Writer(threading.Thread):
         ``key`` and wait until no write of ``key`` is in flight. A put of
         another identifier under the same key (hash collision) is kept."""
         with self.cv:
-            item = self.queue.get(key)
+            item = self.puts.queued.get(key)
             if item is not None and item.identifier == identifier:
-                del self.queue[key]
-                self.queued_bytes -= item.nbytes
+                self.puts.remove(key)
             touch = self.touches.get(key)
             if touch is not None and touch.identifier == identifier:
                 del self.touches[key]
-            while key in self.inflight:
+            while key in self.puts.taken:
                 self.cv.wait()
             self.progress += 1
             self.cv.notify_all()
@@ -282,7 +274,7 @@ class Writer(threading.Thread):
         after a bounded number of batches; while a drainer waits, the writer
         also writes pending touches at once."""
         with self.cv:
-            target = self.ticket
+            target = self.puts.ticket
             self.drainers += 1
             self.cv.notify_all()  # the writer writes pending touches now
             try:
@@ -301,8 +293,8 @@ class Writer(threading.Thread):
         """The smallest ticket of a put or touch not yet written (queued or
         in the batch being written; ``durable``: or whose blob files are
         being synced), None when there is none. Holds ``cv``."""
-        tickets = [it.since for it in self.queue.values()]
-        tickets += [it.since for it in self.inflight.values()]
+        oldest = self.puts.oldest()
+        tickets = [] if oldest is None else [oldest]
         tickets += [t.since for t in self.touches.values()]
         if self.busy_since is not None:
             tickets.append(self.busy_since)
@@ -315,9 +307,9 @@ class Writer(threading.Thread):
     def _split_touches(self) -> tuple[dict[str, Touch], dict[str, Touch]]:
         """(reads for this batch, reads to keep): when puts stay queued for a
         later batch, reads made after them wait for that batch too."""
-        if not self.queue:
+        if not self.puts.queued:
             return self.touches, {}
-        cutoff = next(iter(self.queue.values())).ticket
+        cutoff = next(iter(self.puts.queued.values())).ticket
         now: dict[str, Touch] = {}
         later: dict[str, Touch] = {}
         for key, t in self.touches.items():
@@ -362,16 +354,13 @@ class Writer(threading.Thread):
         with self.cv:
             self.dead = error
             self.stopping = True
-            lost = len(self.queue) + len(self.inflight)
+            lost = self.puts.clear()
             if lost:
                 self.errors.append(ECStoreError(f"{lost} put(s) not written: the background writer "
                                                 f"stopped ({error!r})"))
                 self.write_errors += lost
-            self.queue.clear()
-            self.inflight.clear()
             self.touches.clear()
             self.vouches.clear()
-            self.queued_bytes = 0
             self.busy = False
             self.busy_since = None
             self.syncing_since = None
@@ -381,7 +370,7 @@ class Writer(threading.Thread):
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not (self.queue or self.stopping or ((self.touches or self.vouches) and self.drainers)):
+                while not (self.puts.queued or self.stopping or ((self.touches or self.vouches) and self.drainers)):
                     if not self.touches:
                         self.cv.wait()
                         continue
@@ -389,16 +378,10 @@ class Writer(threading.Thread):
                     if due <= 0:
                         break
                     self.cv.wait(due)
-                if self.stopping and not (self.queue or self.touches or self.vouches):
+                if self.stopping and not (self.puts.queued or self.touches or self.vouches):
                     self.cv.notify_all()
                     return
-                batch: list[PendingPut] = []
-                size = 0
-                while self.queue and (not batch or size + next(iter(self.queue.values())).nbytes <= self.batch_bytes):
-                    key, item = self.queue.popitem(last=False)
-                    batch.append(item)
-                    size += item.nbytes
-                    self.inflight[key] = item
+                batch = self.puts.take(self.batch_bytes)
                 touches, self.touches = self._split_touches()
                 if touches:
                     self.touches_written_at = time.monotonic()
@@ -422,9 +405,7 @@ class Writer(threading.Thread):
                 self.add_error(e)
             finally:
                 with self.cv:  # committed: visible to every process (wait_committed returns)
-                    for item in batch:
-                        self.inflight.pop(item.key, None)
-                        self.queued_bytes -= item.nbytes
+                    self.puts.done(batch)
                     self.busy = False
                     self.busy_since = None
                     self.syncing_since = min([item.since for item in batch]

@@ -17,6 +17,8 @@
   settings. Shipped (not in tests/) because the tools and the suite share
   them, and because ``python -m ecstore.testing.stress_crash --dir DIR`` checks
   a deployment's own filesystem (SIGKILLed writers, concurrent processes).
+* :mod:`ecstore.testing.stores` -- store handles opened with test seams (an
+  older schema, a small LMDB map, a fake remote clock): not ECStore arguments.
 * :mod:`ecstore.testing.redis_server` -- a real redis-server (single, TLS,
   unix socket, or a three-master cluster) on 127.0.0.1 for the remote tier.
 

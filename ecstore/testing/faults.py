@@ -3,9 +3,10 @@ scripts (tools/stress_crash.py, tools/stress_concurrency.py).
 
 * :func:`entry_tensor` -- an entry's content as a pure function of an integer
   id and a size, so a parent can check bit for bit what a killed child wrote.
-* :func:`audit` -- a full consistency check of a store from one read
-  transaction: no partial entry, exact byte accounting, LRU index complete,
-  bound held, data file within the map.
+* :func:`audit` -- the store's integrity check (:mod:`ecstore.lmdb.check`,
+  the one ``ecstore-dump verify`` runs) from one read transaction: no
+  partial entry, exact byte accounting, LRU index complete, bound held,
+  data file within the map.
 * :func:`mp_context` -- a ``forkserver`` multiprocessing context that has
   imported torch and ecstore once: workers are real processes (their own
   pid, LMDB environment, reader slots and locks; killable with SIGKILL) that
@@ -31,17 +32,17 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ecstore.errors import CorruptEntryError
-from ecstore.format import blob_check, codec
+from ecstore.format import codec
 from ecstore.identity import library_identity, qualify
 from ecstore.lmdb import LMDBTier
-from ecstore.lmdb.txn import _SEQ, _U64, file_ref
+from ecstore.lmdb.check import StoreCheck, check_store
+from ecstore.lmdb.txn import file_ref
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 COLS = 512  # bf16 columns: one row is 1 KiB
@@ -133,110 +134,33 @@ def blob_size(idx: int, rows: int, model: str = MODEL) -> int:
 # Audit
 # --------------------------------------------------------------------------
 
-@dataclass
-class Audit:
-    """What :func:`audit` found (everything from one read transaction)."""
-
-    entries: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (identifier, blob_size)
-    total_bytes: int = 0
-    file_size: int = 0
-    #: Blob files in ``blobs/`` no entry references (left by a crash until a
-    #: read-write open sweeps them; not a problem by themselves).
-    unreferenced_files: list[str] = field(default_factory=list)
-    map_size: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def identifiers(self) -> dict[str, int]:
-        """identifier -> blob size."""
-        return {ident: size for ident, size in self.entries.values()}
+class Audit(StoreCheck):
+    """What :func:`audit` found (everything from one read transaction):
+    :class:`ecstore.lmdb.check.StoreCheck` with an asserting :meth:`check`."""
 
     def check(self) -> Audit:
-        assert not self.problems, "store audit failed:\n  " + "\n  ".join(self.problems[:20])
+        found = [f"{b.key}: {b.error}" for b in self.bad] + self.problems
+        assert not found, "store audit failed:\n  " + "\n  ".join(found[:20])
         return self
 
 
 def audit(path: str | os.PathLike, cap: int | None = None, *, tier: LMDBTier | None = None) -> Audit:
-    """Check a store's invariants; returns an :class:`Audit` (call ``.check()``).
-
-    Every entry has a record, a blob and exactly one LRU row; each blob's
-    length equals its record's ``blob_size`` and its checksum, header and
-    identifier match (no partial or torn entry); ``meta total_bytes`` ==
-    sum of record blob sizes == sum of blob lengths; total <= ``cap``;
-    data.mdb no larger than the LMDB map. Uses ``tier`` if given, else opens
+    """Check a store's invariants from one read transaction
+    (:func:`ecstore.lmdb.check.check_store` with ``one_snapshot``: what
+    ``ecstore-dump verify`` checks, plus the exact byte accounting, LRU rows,
+    ``total <= cap`` and the map size; keys need not be EC keys); returns an
+    :class:`Audit` (call ``.check()``). Uses ``tier`` if given, else opens
     the directory read-only (sharing this process's environment, if any).
     """
     own = tier is None
     if tier is None:
         tier = LMDBTier(str(path), cap or 1, readonly=True, create=False)
-    a = Audit()
     try:
-        with tier.snapshot() as (txn, dbs):
-            raw_total = txn.get(b"total_bytes", db=dbs.meta)
-            a.total_bytes = _U64.unpack(raw_total)[0] if raw_total is not None else -1
-            n_blobs = txn.stat(dbs.blobs)["entries"]
-            n_entries = txn.stat(dbs.entries)["entries"]
-            n_lru = txn.stat(dbs.lru)["entries"] if dbs.lru is not None else n_entries
-            sum_rec = sum_blob = 0
-            referenced: set[str] = set()
-            with txn.cursor(db=dbs.entries) as cur:
-                for k, raw in cur:
-                    key = bytes(k).decode("utf-8", "replace")
-                    try:
-                        rec = codec.unpack_record(raw)
-                    except CorruptEntryError as e:
-                        a.problems.append(f"{key}: unreadable record ({e})")
-                        continue
-                    blob = txn.get(k, db=dbs.blobs)
-                    sum_rec += rec.blob_size
-                    a.entries[key] = (rec.mm_identifier, rec.blob_size)
-                    if blob is None:
-                        a.problems.append(f"{key}: record without blob")
-                        continue
-                    ref = file_ref(blob)
-                    if ref is not None:
-                        referenced.add(ref.name)
-                        blob = tier.resolve_blob(blob)
-                        if len(blob) != ref.size:
-                            a.problems.append(f"{key}: blob file {ref.name} is {len(blob)} bytes, "
-                                              f"its pointer says {ref.size}")
-                    sum_blob += len(blob)
-                    if len(blob) != rec.blob_size:
-                        a.problems.append(f"{key}: blob {len(blob)} bytes, record says {rec.blob_size}")
-                    elif codec.checksum(blob) != rec.checksum:
-                        a.problems.append(f"{key}: checksum mismatch")
-                    else:
-                        try:
-                            hdr = blob_check.parse_header(blob)
-                            if hdr.identifier != rec.identifier:
-                                a.problems.append(f"{key}: blob identifier differs from record")
-                        except CorruptEntryError as e:
-                            a.problems.append(f"{key}: bad header ({e})")
-                    if dbs.lru is not None and txn.get(_SEQ.pack(rec.lru_seq), db=dbs.lru) != bytes(k):
-                        a.problems.append(f"{key}: LRU row {rec.lru_seq} missing or pointing elsewhere")
-            if n_blobs != n_entries or n_lru != n_entries:
-                a.problems.append(f"{n_entries} records, {n_blobs} blobs, {n_lru} LRU rows")
-            if not (a.total_bytes == sum_rec == sum_blob):
-                a.problems.append(f"meta total_bytes {a.total_bytes} != sum of record sizes {sum_rec} "
-                                  f"or of blob lengths {sum_blob}")
-            if dbs.files is not None:
-                with txn.cursor(db=dbs.files) as cur:
-                    index = {bytes(n).decode("ascii", "replace"): bytes(k) for n, k in cur}
-                if set(index) != referenced:
-                    a.problems.append(f"files index {sorted(set(index) ^ referenced)[:5]} differs from the pointers")
-            if os.path.isdir(tier.files.dir):
-                a.unreferenced_files = sorted(n for n in os.listdir(tier.files.dir)
-                                              if n.endswith(".ecb") and n not in referenced)
-        info = tier.env_info()
-        a.file_size, a.map_size = info["file_size"], info["map_size"]
+        found = check_store(tier, one_snapshot=True, ec_keys=False, cap=cap)
     finally:
         if own:
             tier.close()
-    if cap is not None and a.total_bytes > cap:
-        a.problems.append(f"total_bytes {a.total_bytes} exceeds the cap {cap}")
-    if a.file_size > a.map_size:
-        a.problems.append(f"data.mdb is {a.file_size} bytes, larger than the map ({a.map_size})")
-    return a
+    return Audit(**vars(found))
 
 
 def run_verify_cli(path: str | os.PathLike, timeout: float = 300) -> subprocess.CompletedProcess:

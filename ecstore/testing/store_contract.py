@@ -424,11 +424,11 @@ class StoreContract:
             with store.disk._shared.write_lock:
                 assert store.put("blocker", make_tensor(9))
                 with writer.cv:
-                    while not writer.inflight:
+                    while not writer.puts.taken:
                         writer.cv.wait(0.05)
                 assert store.put("first", t1)
                 with writer.cv:
-                    assert store.key("first") in writer.queue
+                    assert store.key("first") in writer.puts.queued
                 assert store.delete("second") is False
                 assert store.contains("first")
             store.flush()

@@ -1,4 +1,4 @@
-"""Tests of ``ecstore-dump`` (ecstore/cli.py) against real stores.
+"""Tests of ``ecstore-dump`` (the ecstore/cli package) against real stores.
 
 Stores are made with ecstore.ECStore (several models and dtypes, hundreds of
 small entries). Most checks run the real console script in a subprocess;
@@ -33,6 +33,7 @@ from safetensors import safe_open
 from ecstore import ECStore, ECStoreConfig, cli, maintenance
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.env import _SharedEnv
+from ecstore.testing.stores import open_store_at_schema
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 _SCRIPT = Path(sys.executable).parent / "ecstore-dump"
@@ -848,7 +849,7 @@ def test_progress_bar_only_on_a_terminal(template: Template) -> None:
 
 def test_schema_1_store_is_read_without_migrating(tmp_path: Path) -> None:
     path = tmp_path / "v1"
-    with ECStore(disk_cfg(path), model=M1, dtype=torch.bfloat16, _schema_target=1) as s:
+    with open_store_at_schema(disk_cfg(path), 1, model=M1, dtype=torch.bfloat16) as s:
         for i in range(5):
             s.put(ident(i), tensor_for(i, torch.bfloat16))
     doc = run("list", path, "--json", "--sort", "lru").json()

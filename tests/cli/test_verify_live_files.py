@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.maintenance import inspect
 from ecstore.maintenance.entries import read_entry

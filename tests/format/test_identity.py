@@ -26,6 +26,7 @@ from ecstore.identity import (
     split_stored,
 )
 from ecstore.lmdb import schema
+from ecstore.testing.stores import open_store_at_schema
 
 MODEL = "org/vlm"
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +36,10 @@ def ident(weights: str = "w1", **settings) -> EncoderIdentity:
     return EncoderIdentity(MODEL, "bfloat16", None, WeightsFingerprint("sampled", weights), settings)
 
 
-def open_store(path: Path, identity: EncoderIdentity | None = None, **kw) -> ECStore:
+def open_store(path: Path, identity: EncoderIdentity | None = None, schema_target: int | None = None,
+               **kw) -> ECStore:
     cfg = ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=gib(64 << 20))
-    return ECStore(cfg, model=MODEL, dtype=torch.bfloat16, identity=identity, **kw)
+    return open_store_at_schema(cfg, schema_target, model=MODEL, dtype=torch.bfloat16, identity=identity, **kw)
 
 
 def dump(*args: str) -> subprocess.CompletedProcess:
@@ -156,7 +158,7 @@ def test_foreign_namespace_check_reads_the_table_once_not_per_miss(tmp_store_dir
 # --------------------------------------------------------------------------- old stores
 def _legacy_store(path: Path) -> None:
     """A store as ecstore wrote it before identities (schema 2, records v1)."""
-    with open_store(path, _schema_target=2) as old:
+    with open_store(path, schema_target=2) as old:
         assert old.disk.schema_version == 2
         for i in range(3):
             assert old.put(f"img-{i}", make_tensor(i))

@@ -103,14 +103,17 @@ class EngineProcess:
         assert self.read(self.start_timeout_s) == {"ready": True}
 
     def close(self) -> None:
-        """Ask the child to exit, then kill its process group whatever it did."""
-        if self.proc.poll() is None:
-            try:
-                self.send({"op": "exit"})
-                self.proc.wait(timeout=120)
-            finally:
-                self.kill()
-        self._log_file.close()
+        """Ask the child to exit (it must answer ``{"exited": True}``), then
+        kill its process group whatever it did."""
+        try:
+            if self.proc.poll() is None:
+                try:
+                    assert self.send({"op": "exit"}) == {"exited": True}
+                    self.proc.wait(timeout=120)
+                finally:
+                    self.kill()
+        finally:
+            self._log_file.close()
 
     def kill(self) -> None:
         try:  # the whole group: engine-core and worker children too

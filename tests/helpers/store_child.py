@@ -34,6 +34,7 @@ from tensors import make_tensor, same_tensor
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.identity import EncoderIdentity
+from ecstore.testing.stores import open_store_at_schema
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -50,10 +51,9 @@ def main() -> None:
                 cpu = cmd.get("cpu_bytes", 0)
                 cfg = ECStoreConfig(local_cpu=cpu > 0, max_local_cpu_size=cpu / 2**30,
                                     local_disk=cmd["dir"], max_local_disk_size=cmd["disk_bytes"] / 2**30)
-                store = ECStore(cfg, model=cmd.get("model", MODEL),
-                                dtype=getattr(torch, cmd.get("dtype", "bfloat16")),
-                                _schema_target=cmd.get("schema_target"),
-                                identity=(EncoderIdentity.from_description(cmd["identity"])
+                store = open_store_at_schema(cfg, cmd.get("schema_target"), model=cmd.get("model", MODEL),
+                                             dtype=getattr(torch, cmd.get("dtype", "bfloat16")),
+                                             identity=(EncoderIdentity.from_description(cmd["identity"])
                                           if cmd.get("identity") else None))
                 result = {"pid": os.getpid(), "schema": store.disk.schema_version}
             elif op == "put":

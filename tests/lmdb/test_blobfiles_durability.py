@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor
 

@@ -9,7 +9,7 @@ import resource
 
 import torch
 
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing.tier_contract import KEY_A, NAME_A, tensor
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut
 from ecstore.key import make_key
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc

@@ -18,7 +18,7 @@ import lmdb
 import pytest
 import torch
 
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.key import make_key
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc

@@ -27,7 +27,7 @@ from helpers.fault_fs import find_all as fc_find_all
 from helpers.tensors import assert_same
 
 from ecstore import StoreFullError
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.key import make_key
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc

@@ -16,6 +16,7 @@ import ecstore
 from ecstore import ECStore, ECStoreConfig, SchemaError, StoreOpenError
 from ecstore.format import codec
 from ecstore.lmdb import schema
+from ecstore.testing.stores import open_store_at_schema
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 IDS = [f"mig-{i:03d}" for i in range(6)]
@@ -25,9 +26,9 @@ def blob_cost(ident: str, t: torch.Tensor) -> int:
     return len(codec.encode(t, identifier=ident, model=MODEL))
 
 
-def open_store(path: Path, cap: int = 64 << 20, **kw) -> ECStore:
+def open_store(path: Path, cap: int = 64 << 20, schema_target: int | None = None, **kw) -> ECStore:
     cfg = ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=gib(cap))
-    return ECStore(cfg, model=MODEL, dtype=torch.bfloat16, **kw)
+    return open_store_at_schema(cfg, schema_target, model=MODEL, dtype=torch.bfloat16, **kw)
 
 
 def db_names(path: Path) -> set[bytes]:
@@ -72,7 +73,7 @@ def test_new_store_is_at_the_current_version(tmp_store_dir):
 def _fill_v1(path: Path, cap: int) -> dict[str, torch.Tensor]:
     """A schema-1 store holding IDS[:4], with IDS[0] and IDS[2] read last."""
     ts = {h: make_tensor(i) for i, h in enumerate(IDS)}
-    with open_store(path, cap, _schema_target=1) as store:
+    with open_store(path, cap, schema_target=1) as store:
         assert store.disk.schema_version == 1
         for h in IDS[:4]:
             assert store.put(h, ts[h])
@@ -87,7 +88,7 @@ def _fill_v1(path: Path, cap: int) -> dict[str, torch.Tensor]:
 def test_schema_target_1_creates_and_keeps_a_v1_store(tmp_store_dir):
     ts = _fill_v1(tmp_store_dir, 64 << 20)
     assert b"lru" not in db_names(tmp_store_dir)
-    with open_store(tmp_store_dir, _schema_target=1) as store:  # reopen: stays at 1
+    with open_store(tmp_store_dir, schema_target=1) as store:  # reopen: stays at 1
         assert store.disk.schema_version == 1
         assert store.disk._dbs.lru is None
         for h in IDS[:4]:
@@ -100,7 +101,7 @@ def test_v1_store_evicts_in_lru_order(tmp_store_dir):
     c = blob_cost(IDS[0], t)
     cap = 4 * c + c // 2
     ts = _fill_v1(tmp_store_dir, cap)
-    with open_store(tmp_store_dir, cap, _schema_target=1) as store:
+    with open_store(tmp_store_dir, cap, schema_target=1) as store:
         assert store.put(IDS[4], ts[IDS[4]])
         store.flush()
         assert [h for h in IDS if store.contains(h)] == [IDS[0], IDS[2], IDS[3], IDS[4]]
@@ -114,11 +115,11 @@ def test_upgrade_to_2_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
     c = blob_cost(IDS[0], t)
     cap = 4 * c + c // 2
     ts = _fill_v1(tmp_store_dir, cap)
-    with open_store(tmp_store_dir, cap, _schema_target=1) as store:
+    with open_store(tmp_store_dir, cap, schema_target=1) as store:
         order_v1 = store.disk.lru_keys()
         records_v1 = {k: store.disk.record(k) for k in order_v1}
         bytes_v1 = store.stats().disk_bytes
-    with open_store(tmp_store_dir, cap, _schema_target=2) as store:  # migrate to 2
+    with open_store(tmp_store_dir, cap, schema_target=2) as store:  # migrate to 2
         assert store.disk.schema_version == 2
         assert schema.read_version(store.disk.env) == 2
         assert store.disk.lru_keys() == order_v1
@@ -140,7 +141,7 @@ def test_upgrade_to_2_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
         assert store.stats().disk_bytes == 4 * c <= cap
     assert b"lru" in db_names(tmp_store_dir)
     # the lru index matches the records exactly
-    with open_store(tmp_store_dir, cap, _schema_target=2) as store:
+    with open_store(tmp_store_dir, cap, schema_target=2) as store:
         by_seq = sorted((r.lru_seq, k) for k, r in store.disk.iter_records())
         assert [k for _, k in by_seq] == store.disk.lru_keys()
         assert store.disk.schema_version == 2
@@ -149,7 +150,7 @@ def test_upgrade_to_2_keeps_entries_and_eviction_order(tmp_store_dir, caplog):
 def test_reopening_a_current_store_with_schema_target_1_keeps_it_current(tmp_store_dir):
     with open_store(tmp_store_dir) as store:
         store.put("x", make_tensor(1))
-    with open_store(tmp_store_dir, _schema_target=1) as store:
+    with open_store(tmp_store_dir, schema_target=1) as store:
         assert store.disk.schema_version == schema.current_version()
         assert_same(store.get("x"), make_tensor(1))
 
@@ -160,7 +161,7 @@ def test_readonly_open_of_an_old_store_refuses_and_does_not_migrate(tmp_store_di
     with pytest.raises(SchemaError, match="older"):
         open_store(tmp_store_dir, readonly=True)
     assert file_state(tmp_store_dir) == before
-    with open_store(tmp_store_dir, _schema_target=1) as store:
+    with open_store(tmp_store_dir, schema_target=1) as store:
         assert store.disk.schema_version == 1
 
 
@@ -172,7 +173,7 @@ def test_newer_schema_is_refused_and_the_file_is_untouched(tmp_store_dir, readon
     newer = cur + 1
     set_meta(tmp_store_dir, b"schema_version", str(newer).encode())
     before = file_state(tmp_store_dir)
-    for kw in ({}, {"_schema_target": 1}):
+    for kw in ({}, {"schema_target": 1}):
         with pytest.raises(SchemaError) as ei:
             open_store(tmp_store_dir, readonly=readonly, **kw)
         msg = str(ei.value)
@@ -238,10 +239,10 @@ def test_handle_opened_before_a_migration_refuses_to_write(tmp_path):
     import ecstore
 
     cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=0.001)
-    old = ecstore.ECStore(cfg, model="m", dtype=torch.float32, _schema_target=1)
+    old = open_store_at_schema(cfg, 1, model="m", dtype=torch.float32)
     old.put("a", torch.ones(2, 2))
     old.flush()
-    new = ecstore.ECStore(cfg, model="m", dtype=torch.float32, _schema_target=2)
+    new = open_store_at_schema(cfg, 2, model="m", dtype=torch.float32)
     assert new.disk.schema_version == 2
     old.put("b", torch.ones(2, 2))
     with pytest.raises(ecstore.StoreFullError, match="migrated to schema 2"):
@@ -260,7 +261,7 @@ def test_upgrade_to_4_keeps_large_inline_entries_and_puts_new_ones_in_files(tmp_
     schema 3 keeps being served from there; a new one of that size goes to a
     file, listed in the ``files`` index; deleting each cleans up its own."""
     big_old, big_new = make_tensor(1, rows=1024, cols=512), make_tensor(2, rows=1024, cols=512)
-    with open_store(tmp_store_dir, _schema_target=3) as store:
+    with open_store(tmp_store_dir, schema_target=3) as store:
         assert store.disk.schema_version == 3 and store.disk.file_blobs_from is None
         store.put("old", big_old)
         store.flush()

@@ -26,6 +26,7 @@ from ecstore.remote.backend import KEY_PREFIX
 from ecstore.remote.breaker import BreakerState
 from ecstore.remote.writer import WriteQueue
 from ecstore.testing.redis_server import RedisServer
+from ecstore.testing.stores import open_store_with_remote_clock
 
 MODEL = "org/tiny-vlm"
 DTYPE = torch.bfloat16
@@ -54,7 +55,7 @@ def cfg(tmp_path: Path, name: str, url: str | None, **kw) -> ECStoreConfig:
 
 def open_store(tmp_path: Path, name: str, url: str | None, *, model: str = MODEL,
                dtype: torch.dtype = DTYPE, clock=None, **kw) -> ECStore:
-    return ECStore(cfg(tmp_path, name, url, **kw), model=model, dtype=dtype, _remote_clock=clock)
+    return open_store_with_remote_clock(cfg(tmp_path, name, url, **kw), clock, model=model, dtype=dtype)
 
 
 def remote_keys(server: RedisServer) -> list[bytes]:
@@ -947,6 +948,78 @@ def test_wait_committed_returns_while_other_threads_keep_putting(tmp_path: Path,
             go_first.set()
     with open_store(tmp_path, "b", redis_server.url) as b:  # close sent the rest
         assert all(b.remote_contains(n) for n in ["p0", *fed])
+
+
+def test_flush_sends_a_batch_the_writer_thread_has_not_taken_itself(tmp_path: Path,
+                                                                   redis_server: RedisServer) -> None:
+    """A put's batch still queued when ``flush`` is called (the writer thread
+    not scheduled yet: on a busy machine waking it, then the caller, cost ms
+    each) is sent by the flushing thread itself. The test holds the queue's
+    lock (re-entrant) so that the writer thread cannot take the batch first;
+    before, flush waited in the queue's condition (which lets go of the lock)
+    and the writer thread sent it."""
+    import threading
+
+    t = make_tensor(3, rows=8, cols=32)
+    with open_store(tmp_path, None, redis_server.url) as a:
+        q = write_queue(a)
+        real_send = q._send
+        senders: list[threading.Thread] = []
+
+        def hooked(batch) -> None:
+            senders.append(threading.current_thread())
+            real_send(batch)
+
+        q._send = hooked
+        with q._cv:  # the writer thread cannot take anything meanwhile
+            assert a.put("p0", t)
+            a.flush()
+            assert senders == [threading.current_thread()]
+            assert q.pending == 0
+        assert redis_server.client().exists(KEY_PREFIX + a.key("p0")) == 1
+        assert a.stats().remote_puts == 1
+
+
+def test_flush_does_not_send_a_second_batch_while_one_is_in_flight(tmp_path: Path,
+                                                                  redis_server: RedisServer) -> None:
+    """One batch in flight at a time, whoever sends it: while the writer
+    thread's batch is held, a flush waits for it, and sends the put queued
+    behind it itself (before its call) once the first is done."""
+    import threading
+
+    t = make_tensor(3, rows=8, cols=32)
+    with open_store(tmp_path, None, redis_server.url) as a:
+        q = write_queue(a)
+        real_send = q._send
+        in_first, go = threading.Event(), threading.Event()
+        senders: list[threading.Thread] = []
+        in_flight = [0]
+        most = [0]
+
+        def hooked(batch) -> None:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            senders.append(threading.current_thread())
+            if len(senders) == 1:
+                in_first.set()
+                assert go.wait(60.0)
+            real_send(batch)
+            in_flight[0] -= 1
+
+        q._send = hooked
+        assert a.put("p0", t)
+        assert in_first.wait(60.0)  # the writer thread sends p0, held
+        with q._cv:
+            assert a.put("p1", t)  # queued behind it
+        flusher = threading.Thread(target=a.flush)
+        flusher.start()
+        with q._cv:  # the flush has begun (it waits in the queue's drain)
+            assert q._cv.wait_for(lambda: q.drainers == 1, timeout=60.0)
+        go.set()
+        flusher.join(60.0)
+        assert not flusher.is_alive()
+        assert most[0] == 1 and len(senders) == 2
+        assert all(redis_server.client().exists(KEY_PREFIX + a.key(n)) == 1 for n in ("p0", "p1"))
 
 
 def test_remote_back_pressure_counts_the_batch_being_sent(tmp_path: Path, redis_server: RedisServer) -> None:

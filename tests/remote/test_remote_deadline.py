@@ -24,6 +24,7 @@ from ecstore import ECStore
 from ecstore.config import ECStoreConfig
 from ecstore.remote import deadline as dl
 from ecstore.remote.breaker import BreakerState
+from ecstore.testing.stores import open_store_with_remote_clock
 
 MODEL = "org/tiny-vlm"
 T = 0.5  # remote_timeout_seconds of these tests
@@ -43,7 +44,7 @@ def open_store(tmp_path: Path, url: str, disk: str | None = None) -> ECStore:
     cfg = ECStoreConfig(local_disk=None if disk is None else str(tmp_path / disk),
                         max_local_disk_size=gib(64 << 20) if disk else 0,
                         remote_url=url, remote_timeout_seconds=T)
-    return ECStore(cfg, model=MODEL, dtype=torch.bfloat16, _remote_clock=FakeClock())
+    return open_store_with_remote_clock(cfg, FakeClock(), model=MODEL, dtype=torch.bfloat16)
 
 
 def test_a_reply_dripping_slower_than_the_timeout_is_a_failure(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from ecstore import ECStore, ECStoreError, ForkedStoreError, StoreFullError, Sto
 from ecstore.format import codec
 from ecstore.testing import faults as fc
 from ecstore.testing import stress_concurrency, stress_crash  # noqa: E402
+from ecstore.testing.stores import open_store_with_map_size
 
 MODEL = fc.MODEL
 MiB = 1 << 20
@@ -427,11 +428,11 @@ def test_damaged_or_foreign_store_fails_clearly_on_open(tmp_path, case):
 # ===========================================================================
 
 def test_full_map_evicts_and_proceeds(tmp_path):
-    """A map of 4 MiB under a cap of 64 MiB (``_map_size_bytes``): the map
+    """A map of 4 MiB under a cap of 64 MiB (``open_store_with_map_size``): the map
     fills long before the cap; puts evict and go on."""
     path = tmp_path / "s"
     cap, map_size = 64 * MiB, 4 * MiB
-    with ECStore(cfg(path, cap), model=MODEL, dtype=torch.bfloat16, _map_size_bytes=map_size) as s:
+    with open_store_with_map_size(cfg(path, cap), map_size, model=MODEL, dtype=torch.bfloat16) as s:
         assert s.disk.env_info()["map_size"] == map_size
         for i in range(48):  # 12 MiB of puts through a 4 MiB map
             assert s.put(f"m{i}", blob_tensor(i, 256))
@@ -451,7 +452,7 @@ def test_entry_larger_than_the_map_fails_cleanly_and_keeps_the_rest(tmp_path, ca
     path = tmp_path / "s"
     cap, map_size = 64 * MiB, 4 * MiB
     inline = dataclasses.replace(cfg(path, cap), min_file_blob_size=64.0)
-    with ECStore(inline, model=MODEL, dtype=torch.bfloat16, _map_size_bytes=map_size) as s:
+    with open_store_with_map_size(inline, map_size, model=MODEL, dtype=torch.bfloat16) as s:
         for i in range(4):
             s.put(f"m{i}", blob_tensor(i, 256))
         s.flush()
@@ -471,7 +472,7 @@ def test_entry_larger_than_the_map_is_stored_in_a_file(tmp_path):
     """The same entry with the default ``min_file_blob_size`` (4 MiB): its
     blob goes to a file of its own, so the LMDB map does not bound it."""
     path = tmp_path / "s"
-    with ECStore(cfg(path, 64 * MiB), model=MODEL, dtype=torch.bfloat16, _map_size_bytes=4 * MiB) as s:
+    with open_store_with_map_size(cfg(path, 64 * MiB), 4 * MiB, model=MODEL, dtype=torch.bfloat16) as s:
         s.put("huge", blob_tensor(99, 6 * 1024))
         s.flush()
         assert_same(s.get("huge"), blob_tensor(99, 6 * 1024))

@@ -28,7 +28,7 @@ def _hits(store, mm_hash):
 def _writer_idle(store) -> None:
     w = store._writer
     with w.cv:  # wait on the writer's own condition (no sleeps), bounded
-        assert w.cv.wait_for(lambda: not (w.touches or w.busy or w.queue or w.inflight), timeout=60)
+        assert w.cv.wait_for(lambda: not (w.touches or w.busy or w.puts.queued or w.puts.taken), timeout=60)
 
 
 def test_write_lru_soon_records_hits_without_a_flush(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ecstore.format.put import PendingPut
+from ecstore.format import PendingPut
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.testing import faults as fc
 from ecstore.testing.tier_contract import KEY_A, KEY_B, NAME_A, NAME_B, tensor

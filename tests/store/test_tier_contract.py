@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ecstore.format.put import PendingPut, PutOutcome
+from ecstore.format import PendingPut, PutOutcome
 from ecstore.lmdb import BatchPut, LMDBTier
 from ecstore.memory import MemoryTier
 from ecstore.testing.faults import corrupt_entry

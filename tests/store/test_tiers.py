@@ -50,3 +50,20 @@ def test_delete_of_another_name_keeps_the_entry_under_the_key(tmp_path: Path) ->
         assert not s._tiers.delete(key, s.stored_name("b"))
         assert_same(s.get("a"), make_tensor(2))
         assert s.disk is not None and s.disk.contains(key, s.stored_name("a"))
+
+
+def test_the_handles_signature_has_no_test_hooks(tmp_path: Path) -> None:
+    """Test seams (schema, map size, remote clock) are not ECStore arguments:
+    ecstore.testing.stores opens handles with them through an internal seam."""
+    import inspect
+
+    from ecstore.testing.stores import open_store_at_schema, open_store_with_map_size
+
+    assert list(inspect.signature(ECStore).parameters) == [
+        "config", "model", "dtype", "readonly", "chunk_hasher", "identity"]
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=gib(64 << 20))
+    with open_store_at_schema(cfg, 1, model=MODEL, dtype=torch.bfloat16) as s:
+        assert s.disk is not None and s.disk.schema_version == 1
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp_path / "b"), max_local_disk_size=gib(64 << 20))
+    with open_store_with_map_size(cfg, 4 << 20, model=MODEL, dtype=torch.bfloat16) as s:
+        assert s.disk is not None and s.disk.env_info()["map_size"] == 4 << 20

@@ -17,8 +17,8 @@ from ecstore.format import codec
 def test_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
     """Two puts of one key both reach the writer queue (two threads passed
     the presence check at once); the second replaces the first, and
-    ``queued_bytes`` must count it once and return to zero."""
-    from ecstore.format.put import PendingPut
+    the writer's pending bytes (``puts.bytes``) must count it once and return to zero."""
+    from ecstore.format import PendingPut
 
     with open_store(tmp_path / "s") as s:
         w = s._writer
@@ -28,7 +28,7 @@ def test_replacing_a_queued_put_keeps_queued_bytes_exact(tmp_path):
         with s.disk._shared.write_lock:  # the writer cannot commit meanwhile
             s.put("first", make_tensor(0))  # occupies the writer (waits for the lock)
             with w.cv:
-                while "first" not in [it.mm_hash for it in w.inflight.values()]:
+                while "first" not in [it.mm_hash for it in w.puts.taken.values()]:
                     w.cv.wait(0.05)  # the writer takes it without notifying
             name = s.stored_name("dup")
             w.submit(PendingPut(key, name, t))
