@@ -259,6 +259,17 @@ def sec_hit(b: Bench) -> None:
             p.get(h)
             b.add("hit", f"{label} get (warm)", [timed(lambda: p.get(h)) for _ in range(reps)],
                   workload=name, note="read into a fresh tensor")
+            if isinstance(p, peers.RawFileStore):
+                def raw_checked() -> None:
+                    import xxhash
+
+                    out = p.get(h)
+                    assert out is not None
+                    xxhash.xxh3_64_intdigest(peers.tensor_u8(out))
+
+                b.add("hit", "raw files get + checksum (warm)", [timed(raw_checked) for _ in range(reps)],
+                      workload=name, note="read into a fresh tensor plus xxh3-64 of its bytes (the check "
+                      "ecstore makes): the peer of the 1 MB disk-tier hit target")
             cold, resid = [], []
             for _ in range(reps):
                 files = p.files()

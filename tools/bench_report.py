@@ -138,6 +138,11 @@ def evaluate_targets(res: dict) -> list[dict]:
             r = m["median"] / mc["median"]
             add("LMDB-tier warm hit ≤ 1.5× memcpy", w, m["median"], "s", r, "≤ 1.5×", r <= 1.5,
                 f"memcpy {fmt_time(mc['median'])}")
+        raw = find(rows, section="hit", workload=w, system="raw files get + checksum (warm)")
+        if m and raw and (find(res["workloads"], name=w) or {}).get("nbytes", 0) < 2e6:
+            r = m["median"] / raw["median"]
+            add("1 MB disk-tier hit ≤ 1.3× the raw-file peer with checksum", w, m["median"], "s", r, "≤ 1.3×",
+                r <= 1.3, f"raw file read + xxh3 {fmt_time(raw['median'])}")
         c = find(rows, section="hit", workload=w, system="ecstore connector load (LMDB, warm)")
         exl = find(rows, section="hit", workload=w, system="ECExampleConnector load (warm)")
         if c and exl:

@@ -5,11 +5,12 @@ for items vLLM could not encode again (no processed inputs, or tensor
 parallelism) the scheduler verifies the entry before its yes (see
 ``SchedulerSide.ensure_cache_available``). :class:`VerifiedEntries` remembers
 the entries it verified, so that a popular entry is read once per scheduler
-process, not at every request. :class:`RemoteFetches` brings such an entry
-that only the remote tier holds into the local disk tier, verified, on a
-thread of its own: the scheduler defers the request meanwhile (it never waits
-for the network or for another process's write lock). Both are thread-safe.
-"""
+process, not at every request. The scheduler thread never reads a blob:
+:class:`Verifications` verifies on a thread of its own while the request
+waits a step, and :class:`RemoteFetches` brings such an entry that only the
+remote tier holds into the local disk tier, verified, on another (the
+scheduler never waits for a blob read, the network or another process's
+write lock). All are thread-safe."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from ecstore.errors import ECStoreError
+from ecstore.format import Record
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -59,6 +61,17 @@ class VerifiedEntries:
         self._tags: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()  # the scheduler thread and the fetch thread
 
+    def known(self, identifier: str, record: Record | None = None) -> bool:
+        """Whether ``identifier`` passed :meth:`check` (no read: a dict
+        lookup); with its current ``record`` (read by the caller), whether
+        that very entry did (same checksum and creation time)."""
+        with self._lock:
+            tag = self._tags.get(identifier)
+            if tag is None or (record is not None and tag != (record.checksum, record.created_ns)):
+                return False
+            self._tags.move_to_end(identifier)
+            return True
+
     def check(self, identifier: str) -> bool:
         """Whether ``identifier``'s disk-tier entry passes every check a load
         makes: the whole blob is read the first time (about a disk hit's
@@ -81,33 +94,28 @@ class VerifiedEntries:
         return True
 
 
-class Fetch:
-    """States of :class:`RemoteFetches` (plain strings, for logs)."""
+class _BackgroundJobs:
+    """Jobs on one identifier each, run one at a time on a background thread
+    (started at the first job; daemon), so that the scheduler thread never
+    waits for them: :meth:`start` queues one (no-op while one of it runs,
+    and for :data:`FETCH_RETRY_S` after one of it ended on the same ``tag``:
+    what the job was about, e.g. the entry's record), :meth:`state`
+    says how it went (the outcome, a plain string, kept until :meth:`forget`;
+    bounded: :data:`FETCH_RESULTS`). Subclasses give :meth:`_work` (the job:
+    its outcome), the outcome that asks a request to wait another moment
+    (``_ready``) and the thread's name. ``clock``: monotonic seconds (tests
+    pass their own). Thread-safe."""
 
     RUNNING = "running"
-    LOCAL = "local"  # committed to the local disk tier and verified there
-    REMOTE_ONLY = "remote-only"  # verified, but the local tier did not take it (too large, key taken)
-    FAILED = "failed"  # the remote lost it, it failed its checks, or the fetch failed
+    _ready = ""
+    _name = "ecstore-jobs"
 
-
-class RemoteFetches:
-    """Remote entries fetched into the local disk tier on one background
-    thread (started at the first fetch; daemon). :meth:`start` queues a
-    fetch (no-op while one runs); :meth:`state` says how it went. A fetch
-    gets the entry through the store (remote value verified, promoted to the
-    local tier), waits for that commit, and verifies the local entry. Its
-    result is kept until :meth:`forget` (bounded: :data:`FETCH_RESULTS`).
-    ``clock``: monotonic seconds (tests pass their own)."""
-
-    def __init__(self, store: ECStore, verified: VerifiedEntries,
-                 clock: Any = time.monotonic) -> None:
-        self.store = store
-        self.verified = verified
+    def __init__(self, clock: Any = time.monotonic) -> None:
         self.clock = clock
         self._cv = threading.Condition()
         self._todo: deque[str] = deque()
-        # identifier -> (state, when the fetch ended (clock); 0 while running)
-        self._states: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # identifier -> (state, when the job ended (clock); 0 while running, its tag)
+        self._states: OrderedDict[str, tuple[str, float, object]] = OrderedDict()
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -118,52 +126,70 @@ class RemoteFetches:
 
     def pending(self, identifier: str) -> bool:
         """Whether a request waiting for ``identifier`` should wait another
-        step: its fetch is running, or has just (within
-        :data:`FETCH_RETRY_S`) brought it into the local store, which the
-        next lookup pins (a fetch may end before its starter looks)."""
+        step: its job is running, or has just (within :data:`FETCH_RETRY_S`)
+        ended with the outcome that makes the next lookup a yes (a job may
+        end before its starter looks)."""
         with self._cv:
-            state, ended = self._states.get(identifier, (None, 0.0))
-            return state == Fetch.RUNNING or (state == Fetch.LOCAL and self.clock() - ended < FETCH_RETRY_S)
+            state, ended, _ = self._states.get(identifier, (None, 0.0, None))
+            return state == self.RUNNING or (state == self._ready and self.clock() - ended < FETCH_RETRY_S)
 
-    def start(self, identifier: str) -> None:
-        """Fetch ``identifier`` unless a fetch of it is running, found it
-        remote-only (the local tier would not take it), or ended less than
-        :data:`FETCH_RETRY_S` ago (failed, or its entry left the local tier
-        again): never fetched again at every step for one request."""
+    def _refused(self, state: str, ended: float) -> bool:
+        """Whether a job on the same tag must not start now, given the last one's outcome."""
+        return self.clock() - ended < FETCH_RETRY_S
+
+    def start(self, identifier: str, tag: object = None, *, now: bool = True) -> bool:
+        """Queue a job on ``identifier`` unless one runs, or one on the same
+        ``tag`` ended less than :data:`FETCH_RETRY_S` ago (never again at
+        every step for one request). Whether a request should wait for it:
+        one runs now, or that one ended with the outcome that makes the next
+        lookup a yes (it may end between a lookup and this call).
+        ``now=False``: queued, but the thread is only woken by :meth:`kick`
+        (the scheduler's step ends first: the thread does not compete with it)."""
         with self._cv:
-            state, ended = self._states.get(identifier, (None, 0.0))
-            if self._closed or state in (Fetch.RUNNING, Fetch.REMOTE_ONLY) or (
-                    state is not None and self.clock() - ended < FETCH_RETRY_S):
-                return
-            self._states[identifier] = (Fetch.RUNNING, 0.0)
+            state, ended, last = self._states.get(identifier, (None, 0.0, None))
+            if state == self.RUNNING or self._closed:
+                return state == self.RUNNING
+            if state is not None and tag == last and self._refused(state, ended):
+                return state == self._ready
+            self._states[identifier] = (self.RUNNING, 0.0, tag)
             self._states.move_to_end(identifier)
             self._todo.append(identifier)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ecstore-fetch", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+            if now:
+                self._wake()
+            return True
+
+    def kick(self) -> None:
+        """Wake the thread for the jobs queued with ``now=False``."""
+        with self._cv:
+            if self._todo and not self._closed:
+                self._wake()
+
+    def _wake(self) -> None:  # under self._cv
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
 
     def forget(self, identifier: str) -> None:
         with self._cv:
             entry = self._states.get(identifier)
-            if entry is not None and entry[0] != Fetch.RUNNING:
+            if entry is not None and entry[0] != self.RUNNING:
                 del self._states[identifier]
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Block until no fetch is queued or running (at most ``timeout_s``
+        """Block until no job is queued or running (at most ``timeout_s``
         seconds); whether that happened."""
         with self._cv:
             return self._cv.wait_for(
-                lambda: not self._todo and all(st != Fetch.RUNNING for st, _ in self._states.values()),
+                lambda: not self._todo and all(st[0] != self.RUNNING for st in self._states.values()),
                 timeout_s)
 
     def close(self) -> None:
-        """Stop the thread after the fetch it is in (bounded by the store's
-        remote timeout and its commit); queued fetches are dropped."""
+        """Stop the thread after the job it is in; queued jobs are dropped."""
         with self._cv:
             self._closed = True
             for identifier in self._todo:
-                self._states.pop(identifier, None)  # dropped, never fetched
+                self._states.pop(identifier, None)  # dropped, never run
             self._todo.clear()
             self._cv.notify_all()
             thread = self._thread
@@ -178,15 +204,85 @@ class RemoteFetches:
                 if self._closed:
                     return
                 identifier = self._todo.popleft()
-            outcome = self._fetch(identifier)
+            outcome = self._work(identifier)
             with self._cv:
-                self._states[identifier] = (outcome, self.clock())
+                tag = self._states.get(identifier, (None, 0.0, None))[2]
+                self._states[identifier] = (outcome, self.clock(), tag)
                 self._cv.notify_all()
                 while len(self._states) > FETCH_RESULTS:
                     oldest = next(iter(self._states))
-                    if self._states[oldest][0] == Fetch.RUNNING:
+                    if self._states[oldest][0] == self.RUNNING:
                         break
                     del self._states[oldest]
+
+    def _work(self, identifier: str) -> str:
+        raise NotImplementedError
+
+
+class Verify:
+    """Outcomes of :class:`Verifications` (plain strings, for logs)."""
+
+    RUNNING = _BackgroundJobs.RUNNING
+    PASSED = "passed"  # remembered by VerifiedEntries: the next lookup pins it and says yes
+    FAILED = "failed"  # gone, failed its checks (dropped, logged) or could not be read
+
+
+class Verifications(_BackgroundJobs):
+    """Entries verified (:meth:`VerifiedEntries.check`: the whole blob read)
+    on a background thread of their own, so that the scheduler thread reads
+    no blob: the scheduler answers "not yet" for an entry it must verify
+    first and the request waits a step (``ensure_cache_available``), as for
+    a remote fetch; once verified, the next lookup pins it and says yes
+    (a record read), and a failing one is dropped and a miss."""
+
+    _ready = Verify.PASSED
+    _name = "ecstore-verify"
+
+    def __init__(self, verified: VerifiedEntries, clock: Any = time.monotonic) -> None:
+        super().__init__(clock)
+        self.verified = verified
+
+    def _work(self, identifier: str) -> str:
+        try:
+            return Verify.PASSED if self.verified.check(identifier) else Verify.FAILED
+        except ECStoreError as e:
+            log.warning("ecstore: verifying %s failed, treated as a miss: %s", identifier, e)
+            return Verify.FAILED
+        except Exception as e:  # noqa: BLE001  (a defect must not stop later verifications)
+            log.error("ecstore: verifying %s failed: %r", identifier, e)
+            return Verify.FAILED
+
+
+class Fetch:
+    """States of :class:`RemoteFetches` (plain strings, for logs)."""
+
+    RUNNING = _BackgroundJobs.RUNNING
+    LOCAL = "local"  # committed to the local disk tier and verified there
+    REMOTE_ONLY = "remote-only"  # verified, but the local tier did not take it (too large, key taken)
+    FAILED = "failed"  # the remote lost it, it failed its checks, or the fetch failed
+
+
+class RemoteFetches(_BackgroundJobs):
+    """Remote entries fetched into the local disk tier on one background
+    thread (see :class:`_BackgroundJobs`). A fetch gets the entry through the
+    store (remote value verified, promoted to the local tier), waits for that
+    commit, and verifies the local entry. A fetch that found the entry
+    remote-only (the local tier would not take it) is never started again."""
+
+    _ready = Fetch.LOCAL
+    _name = "ecstore-fetch"
+
+    def __init__(self, store: ECStore, verified: VerifiedEntries,
+                 clock: Any = time.monotonic) -> None:
+        super().__init__(clock)
+        self.store = store
+        self.verified = verified
+
+    def _refused(self, state: str, ended: float) -> bool:
+        return state == Fetch.REMOTE_ONLY or super()._refused(state, ended)
+
+    def _work(self, identifier: str) -> str:
+        return self._fetch(identifier)
 
     def _fetch(self, identifier: str) -> str:
         try:

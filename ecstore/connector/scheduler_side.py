@@ -21,7 +21,13 @@ from dataclasses import replace
 from typing import Any
 
 from ecstore.config import ECStoreConfig
-from ecstore.connector.availability import Fetch, RemoteFetches, VerifiedEntries, placeholder_computed
+from ecstore.connector.availability import (
+    Fetch,
+    RemoteFetches,
+    Verifications,
+    VerifiedEntries,
+    placeholder_computed,
+)
 from ecstore.connector.features import EncoderInputs
 from ecstore.connector.foreign import ForeignNamespaces
 from ecstore.connector.metadata import ECStoreConnectorMetadata, ECStoreWorkerMetadata, LoadSpec
@@ -29,6 +35,7 @@ from ecstore.connector.shared_stats import SharedCounters, record_path
 from ecstore.connector.stats import ECStoreConnectorStats, remote_deltas
 from ecstore.connector.vllm_identity import CLIENT_UUID_WARNING, kept_out
 from ecstore.errors import ECStoreError
+from ecstore.format import Record
 from ecstore.identity import EncoderIdentity
 from ecstore.lmdb.leases import Pin
 from ecstore.store import ECStore
@@ -89,6 +96,11 @@ class SchedulerSide:
         self._inputs = EncoderInputs(vllm_config.model_config)  # "processed inputs": what the encoder reads
         self._verify_first: set[str] = set()  # this step: verify before a yes
         self._verified = VerifiedEntries(self.store) if self.store is not None else None
+        # ... verified off this thread (the request waits a step meanwhile).
+        self._verifications = Verifications(self._verified) if self._verified is not None else None
+        # Stored entries whose latest lookup started (or found running) their
+        # verification: a miss, but ensure_cache_available defers, not fails.
+        self._verifying: set[str] = set()
         self._step_verified: set[str] = set()  # this step: yeses that passed that check
         # Stored entries whose latest lookup met a busy lease write lock
         # (Pin.BUSY): a miss, but ensure_cache_available defers, not fails.
@@ -132,33 +144,46 @@ class SchedulerSide:
                 self._release([identifier])
         pinned = busy = False
         self._lease_busy.discard(identifier)
+        self._verifying.discard(identifier)
         if self.memory_only or self.store is None:
             found = local = identifier in self.mirror
         else:
             # One lease per yes that gets allocated: every request waiting
             # for this entry holds its own pin (see _finish_loads).
-            found = local = False
+            found = local = held = False
+            verified = self._verified if identifier in self._verify_first else None
             try:
-                answer = self.store.pin(identifier)
-                local = answer is Pin.HELD
-                if answer is Pin.BUSY:  # stored, but not pinnable now: a miss this time
-                    busy = True
-                    self._lease_busy.add(identifier)
-                    self.stats.add("lease_busy")
-                found = pinned = local and self._fits(identifier)
-                if found and identifier in self._verify_first:
-                    if self._is_verified(identifier):
-                        self._step_verified.add(identifier)
-                        if self._fetches is not None:
-                            self._fetches.forget(identifier)  # a fetch that brought it here is done
-                    else:
-                        self._release([identifier])  # dropped as corrupt by the check (logged)
-                        found = pinned = local = False
+                if verified is not None and not verified.known(identifier):
+                    # Never verified here: not pinned, and no blob is read on
+                    # this thread. The entry is verified in the background and
+                    # the request waits a step (see ensure_cache_available).
+                    rec = self.store.stored_record(identifier)
+                    local = rec is not None
+                    if rec is not None:
+                        self._start_verification(identifier, rec)
+                else:
+                    answer = self.store.pin_entry(identifier)
+                    local = held = answer.pin is Pin.HELD
+                    if answer.pin is Pin.BUSY:  # stored, but not pinnable now: a miss this time
+                        busy = True
+                        self._lease_busy.add(identifier)
+                        self.stats.add("lease_busy")
+                    found = pinned = local and self._fits(identifier, answer.record)
+                    held = False  # released by _fits unless it fits (then pinned)
+                    if found and verified is not None:
+                        if verified.known(identifier, answer.record):
+                            self._step_verified.add(identifier)
+                            if self._fetches is not None:
+                                self._fetches.forget(identifier)  # a fetch that brought it here is done
+                        else:  # another entry under the identifier since: verified again first
+                            self._release([identifier])
+                            found = pinned = False
+                            self._start_verification(identifier, answer.record)
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
-                if local:  # pinned, then found unusable: the pin must not outlive the answer
+                if held or pinned:  # pinned, then found unusable: the pin must not outlive the answer
                     self._release([identifier])
-                    local = False
+                found = pinned = local = False
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
         if not local and not busy and self.store is not None and self.store.has_remote_tier:
@@ -192,10 +217,16 @@ class SchedulerSide:
             log.warning(CLIENT_UUID_WARNING.format(identifier=identifier))
         return why is not None
 
-    def _is_verified(self, identifier: str) -> bool:
-        return self._verified is not None and self._verified.check(identifier)
+    def _start_verification(self, identifier: str, record: Record | None) -> None:
+        """Verify ``identifier``'s entry (of ``record``) on the verification
+        thread, unless that runs, or ended on this very entry under a second
+        ago; if it runs now, or has just passed (between our lookup and now:
+        the next lookup is a yes), the request waits (``_verifying``)."""
+        tag = None if record is None else (record.checksum, record.created_ns)
+        if self._verifications is not None and self._verifications.start(identifier, tag, now=False):
+            self._verifying.add(identifier)  # the thread starts when the step ends (build_connector_meta)
 
-    def _fits(self, identifier: str) -> bool:
+    def _fits(self, identifier: str, record: Record | None = None) -> bool:
         """Whether the pinned entry's shape fits what the request expects
         (rows, and the encoder width where vLLM measured it). A misfit (e.g.
         a client uuid reused for an image of another size) is a miss: the
@@ -203,7 +234,7 @@ class SchedulerSide:
         entry gone since the pin (its record unreadable: dropped; deleted),
         without counting as a misfit."""
         assert self.store is not None
-        shape = self.store.stored_shape(identifier)
+        shape = record.shape if record is not None else self.store.stored_shape(identifier)
         if shape is None:
             # Pinned, so not evicted: its record was unreadable (dropped by
             # stored_shape, a miss) or another process deleted it.
@@ -310,6 +341,9 @@ class SchedulerSide:
         # a yes; an item vLLM holds no inputs for must be available, or the
         # request is failed now, before any token (vLLM would find it missing
         # from its encoder cache and stop the engine).
+        # The check reads the whole entry: it runs on the verification thread,
+        # never here; the request waits (False: vLLM asks again next step)
+        # until it is done, as for a remote fetch.
         deferred = False
         for feature in pending:
             has_inputs = self._inputs.at_hand(feature)
@@ -317,8 +351,13 @@ class SchedulerSide:
                 continue
             identifier = feature.identifier
             self._verify_first.add(identifier)
-            if has_inputs or identifier in self._vllm_holds or self.has_cache_item(identifier):
+            if identifier in self._vllm_holds or self.has_cache_item(identifier):
                 continue
+            if identifier in self._verifying:
+                deferred = True  # stored, being verified off this thread: asked again next step
+                continue
+            if has_inputs:
+                continue  # tensor parallelism: vLLM encodes it
             if self._fetches is not None and self._fetches.pending(identifier):
                 deferred = True  # being fetched from the remote (or just fetched): asked again next step
                 continue
@@ -363,6 +402,8 @@ class SchedulerSide:
         self._verify_first.clear()
         self._step_verified.clear()
         self._step_widths.clear()
+        if self._verifications is not None:
+            self._verifications.kick()  # this step's verifications, now that its scheduling is done
         freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
         self._vllm_holds.difference_update(freed)
         if self._poisoned:
@@ -503,6 +544,8 @@ class SchedulerSide:
         return self.stats.snapshot_and_reset()
 
     def shutdown(self) -> None:
+        if self._verifications is not None:
+            self._verifications.close()
         if self._fetches is not None:
             self._fetches.close()
         if self._shared is not None:

@@ -32,8 +32,10 @@ before the lease ends" needs this protocol:
   meanwhile (a second :meth:`LeaseTable.leased_keys`), (4) commits the
   deletion, (5) clears the tombstones it wrote (:meth:`LeaseTable.clear_tombstones`,
   after the commit or abort of the data transaction);
-* the pinner (``LMDBTier.pin_if_present``) (a) leases, (b) checks for a live
-  tombstone (:meth:`LeaseTable.evicting`), (c) checks the entry.
+* the pinner (``LMDBTier.pin_entry``) (a) leases and (b) checks for a live
+  tombstone, both in one lease write transaction (:meth:`LeaseTable.try_pin`:
+  lease writers are serialised, so (b) sees every tombstone committed
+  before (a)), then (c) checks the entry.
 
 If (a) precedes (3) the evictor sees the lease and spares the entry;
 otherwise (2) precedes (b) and the pinner sees the tombstone, unless it was
@@ -77,10 +79,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import lmdb
 
 from ecstore.errors import StoreOpenError
+from ecstore.format import Record
 
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
 #: Lease-file keys under this prefix are eviction tombstones (see the module docstring).
@@ -112,6 +116,20 @@ class Pin(enum.Enum):
     #: process inside, or stopped inside, a lease write): nothing leased;
     #: ask again later.
     BUSY = "busy"
+
+
+@dataclass(frozen=True)
+class PinAnswer:
+    """A pin's answer with the entry's record: ``pin`` as :class:`Pin`;
+    ``record`` the entry's for ``HELD`` (read after the lease; None where the
+    tier keeps no records: memory-only stores), else None. A caller checks
+    the entry's shape or identity against it without another read."""
+
+    pin: Pin
+    record: Record | None = None
+
+
+PIN_ABSENT = PinAnswer(Pin.ABSENT)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -263,6 +281,27 @@ class LeaseTable:
         write lock for more than :data:`LEASE_LOCK_WAIT_S`: then nothing is
         leased and the answer is False."""
         return self._locked_write(lambda txn: self._lease_in(txn, keys, ttl_s, pid), wait=False)
+
+    def try_pin(self, k: bytes, ttl_s: float, pid: int) -> bool | None:
+        """Steps (a) and (b) of the protocol in one lease write transaction:
+        lease ``k`` unless it carries a live tombstone (True: leased; False:
+        being evicted, nothing leased). Writers of the lease file are
+        serialised, so the tombstone check sees every tombstone committed
+        before this lease, and an evictor whose tombstone comes later sees
+        this lease in its step (3). None (nothing leased) when the lease
+        write lock stays held, as for :meth:`try_lease`."""
+        leased = False
+
+        def body(txn: lmdb.Transaction) -> None:
+            nonlocal leased
+            tomb = txn.get(_TOMB + k)
+            if tomb is None or not self._tombstone_live(bytes(tomb)):
+                self._lease_in(txn, [k], ttl_s, pid)
+                leased = True
+
+        if not self._locked_write(body, wait=False):
+            return None
+        return leased
 
     def _lease_in(self, txn: lmdb.Transaction, keys: list[bytes], ttl_s: float, pid: int) -> None:
         now = time.time_ns()

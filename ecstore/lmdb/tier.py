@@ -20,13 +20,20 @@ import time
 
 import lmdb
 
-from ecstore.errors import ECStoreError, InvalidEntryError, SchemaError, StoreFullError, StoreOpenError
+from ecstore.errors import (
+    CorruptEntryError,
+    ECStoreError,
+    InvalidEntryError,
+    SchemaError,
+    StoreFullError,
+    StoreOpenError,
+)
 from ecstore.format import PutOutcome, Record, codec
 from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
-from ecstore.lmdb.leases import Pin
+from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.lmdb.reads import TierReads
 from ecstore.lmdb.txn import file_ref
 from ecstore.pool import POOL
@@ -151,13 +158,18 @@ class LMDBTier(TierReads):
         also while the lease write lock is busy (see :meth:`pin`)."""
         return self.pin(key, identifier, ttl_s) is Pin.HELD
 
-    @_lmdb_errors_as_store_errors
     def pin(self, key: str, identifier: str, ttl_s: float) -> Pin:
+        """:meth:`pin_entry`'s answer alone."""
+        return self.pin_entry(key, identifier, ttl_s).pin
+
+    @_lmdb_errors_as_store_errors
+    def pin_entry(self, key: str, identifier: str, ttl_s: float) -> PinAnswer:
         """Lease ``key`` if it holds ``identifier``, such that ``Pin.HELD``
         guarantees no process evicts the entry before the lease ends: steps
         (a) lease, (b) tombstone check, (c) entry check of the
         eviction-marker protocol written down in :mod:`ecstore.lmdb.leases`.
-        ``Pin.ABSENT``: not stored (or being evicted); nothing leased.
+        ``Pin.ABSENT``: not stored (or being evicted, or its record is
+        unreadable: logged and dropped, as by :meth:`get`); nothing leased.
         ``Pin.BUSY``: stored, but another process (or thread) held the lease
         write lock (a process stopped inside its transaction, say) for more
         than :data:`~ecstore.lmdb.leases.LEASE_LOCK_WAIT_S`, or did so just
@@ -165,24 +177,58 @@ class LMDBTier(TierReads):
         leased. Never waits longer than that for another process's lease
         write; the cleanup of a lease taken for an entry found gone does not
         wait either (a release the busy lock refuses is left to the lease's
-        expiry). InvalidEntryError for a ``ttl_s`` outside [0, 86400] s.
+        expiry). The answer carries the entry's record (read in step (c) for
+        ``HELD``): its shape needs no second read. One lease-file commit
+        (steps (a) and (b) together, :meth:`LeaseTable.try_pin`) and two short
+        reads of the data file; InvalidEntryError for a ``ttl_s`` outside
+        [0, 86400] s.
         """
         ttl_s = _check_ttl(ttl_s)
-        if not self.contains(key, identifier):
-            # A miss needs no pin: answering "no" is always safe, and the
-            # scheduler asks about every uncached item at every step, so the
-            # common miss costs one read instead of two lease-file commits.
-            return Pin.ABSENT
+        self._check()
+        k = self._k(key)
+        # A miss needs no pin: answering "no" is always safe, and the
+        # scheduler asks about every uncached item at every step, so the
+        # common miss costs one read instead of two lease-file commits.
+        if not self._holds(k, identifier):
+            return PIN_ABSENT
         leases = self._leases
         if leases is None:
-            return Pin.HELD
-        self._check()
-        if not leases.try_lease([self._k(key)], ttl_s, os.getpid()):
-            return Pin.BUSY
-        if leases.evicting(self._k(key)) or not self.contains(key, identifier):
-            self.release([key], wait=False)  # refused while busy: the lease expires
-            return Pin.ABSENT
-        return Pin.HELD
+            rec = self._record_of(key, k, identifier)
+            return PIN_ABSENT if rec is None else PinAnswer(Pin.HELD, rec)
+        leased = leases.try_pin(k, ttl_s, os.getpid())  # steps (a) and (b)
+        if leased is None:
+            return PinAnswer(Pin.BUSY)
+        if not leased:
+            return PIN_ABSENT  # being evicted
+        rec = None
+        try:
+            rec = self._record_of(key, k, identifier)  # step (c)
+        finally:
+            if rec is None:
+                self.release([key], wait=False)  # refused while busy: the lease expires
+        return PIN_ABSENT if rec is None else PinAnswer(Pin.HELD, rec)
+
+    def _holds(self, k: bytes, identifier: str) -> bool:
+        """Whether ``k`` holds ``identifier``'s entry of this handle's record
+        version (one read; only the record's identifier is decoded)."""
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(k, db=self._dbs.entries)
+            return raw is not None and codec.record_identifier(raw, self.record_version) == identifier
+
+    def _record_of(self, key: str, k: bytes, identifier: str) -> Record | None:
+        """``k``'s record if it is ``identifier``'s entry of this handle's
+        record version (one read); None otherwise, and for an unreadable
+        record (logged and dropped, as by :meth:`get`)."""
+        with self._begin(buffers=True) as txn:
+            raw = txn.get(k, db=self._dbs.entries)
+            if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
+                return None
+            try:
+                return codec.unpack_record(raw)
+            except CorruptEntryError as e:
+                err = e
+        self.drop_corrupt(key, err)
+        return None
 
     # ----------------------------------------------------------------- writes
     def _evict_to(self, target_bytes: int, extra: int = 0) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from ecstore.config import ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError, check_same_process
-from ecstore.format import codec, split_read
+from ecstore.format import Record, codec, split_read
 from ecstore.identity import EncoderIdentity, library_identity, qualify, split_stored
 from ecstore.key import (
     ChunkHasher,
@@ -41,7 +41,7 @@ from ecstore.key import (
     make_key,
 )
 from ecstore.lmdb import LMDBTier
-from ecstore.lmdb.leases import Pin
+from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.memory import MemoryTier
 from ecstore.store.calls import CallGate
 from ecstore.store.put_path import PutPath
@@ -298,6 +298,14 @@ class ECStore:
         return self._reads.stored_shape(self._key_of(name), name)
 
     @_gated
+    def stored_record(self, mm_hash: str) -> Record | None:
+        """The disk tier's record of ``mm_hash``'s entry (under this handle's
+        identity: shape, checksum, creation time; no blob read), as
+        :meth:`stored_shape` reads it; None likewise."""
+        name = self.stored_name(mm_hash)
+        return self._reads.stored_record(self._key_of(name), name)
+
+    @_gated
     def verify(self, mm_hash: str) -> bool:
         """Whether the disk tier holds ``mm_hash``'s entry (under this
         handle's identity) and it passes every check a :meth:`get` makes: the
@@ -452,12 +460,24 @@ class ECStore:
         :meth:`contains` (nothing to pin)."""
         return self._pin(mm_hash, ttl_s)
 
+    @_gated
+    def pin_entry(self, mm_hash: str, ttl_s: float | None = None) -> PinAnswer:
+        """:meth:`pin` with the disk tier's record of the entry (its shape,
+        checksum and creation time; see :class:`~ecstore.lmdb.leases.PinAnswer`),
+        read under the lease: no second read to check what was pinned.
+        Memory-only and read-only stores answer from :meth:`contains`, with
+        no record."""
+        return self._pin_entry(mm_hash, ttl_s)
+
     def _pin(self, mm_hash: str, ttl_s: float | None) -> Pin:
+        return self._pin_entry(mm_hash, ttl_s).pin
+
+    def _pin_entry(self, mm_hash: str, ttl_s: float | None) -> PinAnswer:
         name = self.stored_name(mm_hash)
+        key = self._key_of(name)
         if self.disk is None or self.readonly:
-            return Pin.HELD if self._reads.contains(self._key_of(name), name) else Pin.ABSENT
-        return self.disk.pin(self._key_of(name), name,
-                             self.config.lease_seconds if ttl_s is None else ttl_s)
+            return PinAnswer(Pin.HELD) if self._reads.contains(key, name) else PIN_ABSENT
+        return self.disk.pin_entry(key, name, self.config.lease_seconds if ttl_s is None else ttl_s)
 
     @_gated
     def release(self, mm_hashes: list[str], *, wait: bool = True) -> bool:

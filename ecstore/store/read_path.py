@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ecstore.errors import CorruptEntryError
-from ecstore.format import PendingPut, codec
+from ecstore.format import PendingPut, Record, codec
 from ecstore.store.stats import HitTier
 
 if TYPE_CHECKING:
@@ -127,10 +127,14 @@ class ReadPath:
         return held
 
     def stored_shape(self, key: str, name: str) -> tuple[int, ...] | None:
-        """The shape the LMDB tier's entry under ``key`` holds, from its
-        record only (no blob read), if it is ``name``'s; else None. An
-        unreadable record is a miss: logged and removed, like a corrupt
-        entry met by :meth:`find`."""
+        """The shape of :meth:`stored_record`'s record, if any."""
+        rec = self.stored_record(key, name)
+        return None if rec is None else rec.shape
+
+    def stored_record(self, key: str, name: str) -> Record | None:
+        """The LMDB tier's record under ``key`` (no blob read), if it is
+        ``name``'s; else None. An unreadable record is a miss: logged and
+        removed, like a corrupt entry met by :meth:`find`."""
         disk = self.tiers.disk
         if disk is None:
             return None
@@ -141,7 +145,7 @@ class ReadPath:
             return None
         if rec is None or rec.identifier != name or rec.version != disk.record_version:
             return None
-        return rec.shape
+        return rec
 
     def verify(self, key: str, name: str) -> bool:
         """Whether the LMDB tier holds ``name``'s entry under ``key`` and it

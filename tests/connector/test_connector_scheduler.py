@@ -10,6 +10,7 @@ step's ``ModelRunnerOutput`` goes back through ``update_from_output``.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,46 @@ def test_a_corrupt_entry_of_an_item_vllm_cannot_encode_fails_its_request_before_
     assert eng.totals()["loads"] >= 1
 
 
+def test_an_item_vllm_cannot_encode_is_verified_off_the_scheduler_thread_its_request_waiting_a_step(
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
+    """Verifying an entry before the yes reads the whole blob (8.6 ms at
+    34 MB): that ran inside ensure_cache_available / has_cache_item, on
+    vLLM's scheduler thread, holding up every request of the step. It runs
+    on the scheduler side's verification thread now: the request waits one
+    step (vLLM asks again, as for a remote fetch), then its verified entry
+    is pinned and loaded; a corrupt one is dropped there and its request
+    failed before any token, never loaded."""
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", disk_extra))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.put(B, encoder_output(B))
+        st.flush()
+    damage_blob(eng.connector, B)
+    side = eng.connector.scheduler_side
+    readers: list[int] = []  # the threads that read a blob to verify it
+    real_verify = side.store.verify
+
+    def verify(mm_hash: str) -> bool:
+        readers.append(threading.get_ident())
+        return real_verify(mm_hash)
+
+    side.store.verify = verify
+    eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1, inputs=False))
+    eng.scheduler.add_request(vo.make_request("r2", [B], max_tokens=1, inputs=False))
+    out = eng.step()
+    assert out.num_scheduled_tokens == {} and load_specs(out) == [] and eng.finished == {}  # both wait
+    assert len(readers) == 2 and threading.get_ident() not in readers  # verified off the scheduler thread
+    out = eng.step()
+    assert load_specs(out) == [("r1", A, *SHAPE)] and "r2" not in out.num_scheduled_tokens
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.LENGTH, "r2": FinishReason.ERROR} and not eng.tokens.get("r2")
+    assert threading.get_ident() not in readers
+    with open_store(eng.connector) as st:
+        assert st.contains(A) and not st.contains(B)  # the corrupt one dropped
+    assert leased(eng.connector, A, B) == set()
+
+
 def test_with_tensor_parallelism_a_corrupt_entry_is_a_miss_and_encoded_not_a_stand_in(
         tiny_model_dir, disk_extra, engines):
     """With tensor parallelism the worker cannot encode an item whose load
@@ -169,8 +210,9 @@ def test_with_tensor_parallelism_a_corrupt_entry_is_a_miss_and_encoded_not_a_sta
     and a request ending in that step (max_tokens=1: a P/D prefill) ended
     normally on zeros. The scheduler now verifies such entries before its
     yes: a corrupt one is a miss, and vLLM encodes the item on every rank.
-    (``_can_recompute`` is what both sides compute for tensor_parallel_size
-    > 1; the tiny model runs on one rank here.)"""
+    The check runs off the scheduler thread: the request waits one step
+    for it. (``_can_recompute`` is what both sides compute for
+    tensor_parallel_size > 1; the tiny model runs on one rank here.)"""
     eng = engines(vo.vllm_config(tiny_model_dir, "ec_both", disk_extra))
     eng.connector.scheduler_side._can_recompute = False
     eng.worker.worker_side._can_recompute = False
@@ -179,6 +221,8 @@ def test_with_tensor_parallelism_a_corrupt_entry_is_a_miss_and_encoded_not_a_sta
         st.flush()
     damage_blob(eng.connector, A)
     eng.scheduler.add_request(vo.make_request("r1", [A], max_tokens=1))
+    out = eng.step()
+    assert "r1" not in out.num_scheduled_tokens  # waits while its entry is verified
     out = eng.step()
     assert load_specs(out) == [] and out.scheduled_encoder_inputs == {"r1": [0]}
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))
@@ -302,6 +346,7 @@ def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_qwen
         st.put(A, encoder_output(A))
         st.flush()
     eng.scheduler.add_request(vo.make_request("r3", [A], max_tokens=20, inputs=False))  # verified
+    assert "r3" not in eng.step().num_scheduled_tokens  # waits a step: A is verified off the scheduler thread
     out = eng.step()
     assert [s.req_id for s in out.ec_connector_metadata.loads] == ["r3"]
     assert torch.equal(eng.encoder_cache[A], encoder_output(A))

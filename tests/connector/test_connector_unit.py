@@ -664,16 +664,53 @@ def test_a_yes_given_earlier_in_the_step_is_verified_before_a_request_that_needs
     """vLLM asked about A for a request with inputs (no verification needed:
     the worker can encode A again) and did not allocate it; a metadata-only
     request for A in the same step must not reuse that unverified yes for a
-    corrupt entry (its load would fail onto a zero stand-in): A is verified,
-    dropped, and that request failed before any token."""
+    corrupt entry (its load would fail onto a zero stand-in): A is verified
+    (off the scheduler thread: the request waits a step), dropped, and that
+    request failed before any token."""
     sched, _ = qwen_connectors("ec_both", disk_extra)
     seed_store(sched, {A: embedding(1)})
     damage_blob(sched, A)
     assert sched.has_cache_item(A)  # the request with inputs (then not allocated)
-    assert sched.ensure_cache_available(vo.make_request("r2", [A], inputs=False), 0) is False
+    r2 = vo.make_request("r2", [A], inputs=False)
+    assert sched.ensure_cache_available(r2, 0) is False  # waits for the verification
+    assert sched.scheduler_side.take_unavailable_requests() == set()
+    assert leased(sched, A) == set()
+    sched.build_connector_meta(empty_output())  # the step ends: the verification thread starts
+    assert sched.scheduler_side._verifications.wait_idle(60)
+    assert sched.ensure_cache_available(r2, 0) is False
     assert "r2" in sched.scheduler_side.take_unavailable_requests()
     assert leased(sched, A) == set()
 
+
+
+def test_a_verification_ending_between_the_lookup_and_its_start_keeps_the_request_waiting(
+        qwen_connectors, disk_extra):
+    """has_cache_item finds an entry not verified yet and starts its
+    verification; the verification thread may finish (passed) in between.
+    Starting it again must still answer "wait" (the next lookup is a yes):
+    it answered "not started", and a real engine failed the metadata-only
+    request of a good entry. A failed verification of the same entry is not
+    started again at once (the request fails instead of waiting at every
+    step); a new entry under the identifier is verified at once."""
+    sched, _ = qwen_connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    side = sched.scheduler_side
+    jobs = side._verifications
+    rec = side.store.stored_record(A)
+    assert rec is not None
+    tag = (rec.checksum, rec.created_ns)
+    assert jobs.start(A, tag) and jobs.wait_idle(60) and jobs.state(A) == "passed"
+    assert jobs.start(A, tag) is True  # passed just now: the request waits for its yes
+    assert side._verified.known(A, rec)
+    seed_store(sched, {B: embedding(2)})
+    damage_blob(sched, B)
+    rec_b = side.store.stored_record(B)
+    assert rec_b is not None
+    tag_b = (rec_b.checksum, rec_b.created_ns)
+    assert jobs.start(B, tag_b) and jobs.wait_idle(60) and jobs.state(B) == "failed"
+    assert jobs.start(B, tag_b) is False  # not again at every step
+    assert jobs.start(B, ("another", "entry")) is True  # another entry: verified at once
+    assert jobs.wait_idle(60)
 
 
 def test_a_consumers_stand_in_is_as_wide_as_the_stored_entry(tiny_qwen3_vl_dir, disk_extra):

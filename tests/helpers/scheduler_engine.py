@@ -73,7 +73,16 @@ class Engine:
             stats = outputs.scheduler_stats
             if stats is not None and stats.ec_connector_stats:
                 self.ec_stats.append(dict(stats.ec_connector_stats))
+        self.settle()
         return out
+
+    def settle(self) -> None:
+        """Wait until the scheduler side's background verifications (started
+        this step, off the scheduler thread) are done: a step is then
+        followed by the next as if the verification thread kept pace, and
+        a request waiting for one waits exactly one step (no timing in tests)."""
+        jobs = self.connector.scheduler_side._verifications
+        assert jobs is None or jobs.wait_idle(60), "a background verification did not end"
 
     def run(self, max_steps: int = 50) -> list:
         outs = []

@@ -248,13 +248,14 @@ def test_a_metadata_only_request_is_deferred_not_failed_while_the_lease_file_is_
 
 
 def test_a_pins_cleanup_does_not_wait_for_a_busy_lease_file(tmp_path: Path, monkeypatch) -> None:
-    """The pin leased an entry, then found it being evicted (a live
-    tombstone): it drops its lease again. If another process has begun a
-    lease write in between (and is stopped in it), that cleanup used to wait
-    for it (``release`` with wait=True): the scheduler's step hung. It now
-    gives up at once (ABSENT; the lease is left to its expiry). The only
-    hook orders real events: right after this process's real lease, the
-    other process is started and seen stopped inside its lease write."""
+    """The pin leased an entry, then found it gone (step (c): evicted or
+    deleted by another process in between): it drops its lease again. If
+    another process has begun a lease write in between (and is stopped in
+    it), that cleanup used to wait for it (``release`` with wait=True): the
+    scheduler's step hung. It now gives up at once (ABSENT; the lease is
+    left to its expiry). The only hook orders real events: right after this
+    process's real lease, the entry is deleted and the other process is
+    started and seen stopped inside its lease write."""
     from ecstore.lmdb.leases import Pin
 
     path = tmp_path / "s"
@@ -263,20 +264,40 @@ def test_a_pins_cleanup_does_not_wait_for_a_busy_lease_file(tmp_path: Path, monk
     assert table is not None
     try:
         tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
-        table.mark_evicting([key(1).encode()])  # a real tombstone: this process evicts it
         with contextlib.ExitStack() as stack:
-            real_try_lease = table.try_lease
+            real_try_pin = table.try_pin
 
-            def lease_then_other_process_enters(*args):
-                taken = real_try_lease(*args)
+            def lease_then_gone_and_other_process_enters(*args):
+                taken = real_try_pin(*args)
+                assert tier.delete(key(1))
                 stack.enter_context(stopped_inside_a_lease_write(path))
                 return taken
 
-            monkeypatch.setattr(table, "try_lease", lease_then_other_process_enters)
+            monkeypatch.setattr(table, "try_pin", lease_then_gone_and_other_process_enters)
             finished, answer = call_with_hang_guard(lambda: tier.pin(key(1), name(1), 60))
             assert finished, "the pin's cleanup waited for another process's lease write"
             assert answer is Pin.ABSENT
         assert table.leased_keys() == {key(1).encode()}  # ours, left to expire (60 s)
+    finally:
+        tier.close()
+
+
+def test_an_entry_being_evicted_is_not_leased_at_all(tmp_path: Path) -> None:
+    """A live eviction marker (tombstone) is checked in the pin's own lease
+    write transaction: the pin answers ABSENT and leaves no lease behind
+    (it used to lease first, then find the marker and release again)."""
+    from ecstore.lmdb.leases import Pin
+
+    tier = LMDBTier(str(tmp_path / "s"), CAP)
+    table = tier._leases
+    assert table is not None
+    try:
+        tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
+        table.mark_evicting([key(1).encode()])
+        assert tier.pin(key(1), name(1), 60) is Pin.ABSENT
+        assert table.leased_keys() == set()
         table.clear_tombstones()
+        assert tier.pin(key(1), name(1), 60) is Pin.HELD
+        assert table.leased_keys() == {key(1).encode()}
     finally:
         tier.close()

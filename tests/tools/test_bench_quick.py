@@ -41,6 +41,7 @@ TARGETS = {
     "encode-only producer step ≤ 4× memcpy",
     "scheduler thread per verified item ≤ 50 µs",
     "has_cache_item p50 ≤ 15 µs at 1 M entries",
+    "1 MB disk-tier hit ≤ 1.3× the raw-file peer with checksum",
 }
 # Systems every quick run must measure (peers included), per section.
 EXPECTED = {
@@ -49,7 +50,8 @@ EXPECTED = {
     "hit": {"ecstore get (memory tier)", "ecstore get (LMDB, warm)", "ecstore get (LMDB, cold)",
             "ecstore connector load (memory tier)", "ecstore connector load (LMDB, warm)",
             "ECExampleConnector load (warm)", "ECExampleConnector load (cold)",
-            "raw files get (warm)", "raw files get (cold)", "diskcache get (warm)", "diskcache get (cold)"},
+            "raw files get (warm)", "raw files get + checksum (warm)", "raw files get (cold)",
+            "diskcache get (warm)", "diskcache get (cold)"},
     "write": {"device floor: one file + fdatasync", "ecstore put+flush", "raw files (fsync)",
               "raw files (no fsync)", "ECExampleConnector", "diskcache"},
     "contains": {"ecstore contains (hit)", "ecstore contains (miss)", "ecstore pin_if_present+release (hit)",
