@@ -6,7 +6,6 @@ specific to one file stays in that file.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -35,14 +34,10 @@ def tmp_store_dir(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _ecstore_logs_to_caplog(caplog: pytest.LogCaptureFixture):
     """Let INFO records of the ``ecstore`` logger reach ``caplog``."""
-    logger = logging.getLogger("ecstore")
-    old_level, old_propagate = logger.level, logger.propagate
-    logger.setLevel(logging.INFO)
-    logger.propagate = True
-    caplog.set_level(logging.INFO, logger="ecstore")
-    yield
-    logger.setLevel(old_level)
-    logger.propagate = old_propagate
+    from ecstore.testing.store_contract import ecstore_info_to_caplog  # after the assert-rewrite registration
+
+    with ecstore_info_to_caplog(caplog):
+        yield
 
 
 # ---------------------------------------------------------------------------

@@ -64,6 +64,21 @@ def put_lines(caplog: pytest.LogCaptureFixture, mm_hash: str | None = None) -> l
     return out
 
 
+
+@contextlib.contextmanager
+def ecstore_info_to_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Let INFO records of the ``ecstore`` logger reach ``caplog`` inside the block."""
+    logger = logging.getLogger("ecstore")
+    old_level, old_propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = True
+    caplog.set_level(logging.INFO, logger="ecstore")
+    try:
+        yield
+    finally:
+        logger.setLevel(old_level)
+        logger.propagate = old_propagate
+
 class StoreContract:
     """Behaviour every ECStore layout must have. Subclasses set the hooks."""
 
@@ -84,16 +99,9 @@ class StoreContract:
     # ---------------------------------------------------------------- helpers
     @pytest.fixture(autouse=True)
     def _ecstore_info_logs_to_caplog(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-        """Let INFO records of the ``ecstore`` logger reach ``caplog`` (the
-        ``EC put:`` line tests read them), whatever the caller's logging set-up."""
-        logger = logging.getLogger("ecstore")
-        old_level, old_propagate = logger.level, logger.propagate
-        logger.setLevel(logging.INFO)
-        logger.propagate = True
-        caplog.set_level(logging.INFO, logger="ecstore")
-        yield
-        logger.setLevel(old_level)
-        logger.propagate = old_propagate
+        """The ``EC put:`` line tests read ``caplog``, whatever the caller's logging set-up."""
+        with ecstore_info_to_caplog(caplog):
+            yield
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[ECStore]:
