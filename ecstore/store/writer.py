@@ -54,20 +54,14 @@ class SyncJob(NamedTuple):
 class Writer(threading.Thread):
     """Background LMDB writer: drains puts and LRU touches in batches.
 
-    Bounded by bytes: :meth:`submit` (``ECStore.put``) blocks while the
-    tensor bytes not yet written (queued, and the batch being written) would
-    exceed ``max_bytes`` (back-pressure, not unbounded memory; puts are
-    admitted first come, first served). Commits at most ``batch_bytes`` of
-    blobs per LMDB transaction, with the LRU touches made before them. Every method is
-    thread-safe (one condition, ``cv``, guards all state); :meth:`drain`
-    waits for what was submitted before its call only (see the module doc);
-    :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
-    only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
-    lines) and records failures: :attr:`write_errors` counts failed puts,
-    :attr:`sync_errors` committed blob files whose sync failed, and
-    :meth:`take_errors` hands both to ``flush`` (and ``close``, which logs them).
-    Committed blob files are synced by a second thread (:meth:`_sync_run`),
-    fed by this one (:class:`SyncJob`); :meth:`stop` returns once both ended.
+    :meth:`submit` (``ECStore.put``) blocks while unwritten tensor bytes would
+    exceed ``max_bytes`` (first come, first served; raises ECStoreError once
+    :meth:`stop` began); a transaction commits at most ``batch_bytes`` of blobs
+    with the touches made before them. Thread-safe (one condition, ``cv``).
+    :attr:`write_errors` / :attr:`sync_errors` count failed puts and blob-file
+    syncs, which :meth:`take_errors` hands to ``flush`` and ``close``; a second
+    thread (:meth:`_sync_run`, fed :class:`SyncJob`) syncs committed files, and
+    :meth:`stop` returns once both threads ended.
     """
 
     def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,
