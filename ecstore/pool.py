@@ -42,8 +42,8 @@ def size_class(nbytes: int) -> int:
 
 
 class BufferPool:
-    """Size-classed free lists of already-written CPU buffers; see the module
-    docstring for the lifetime guarantee. Thread-safe."""
+    """Size-classed free lists of already-written CPU buffers; the lifetime
+    guarantee: docs/architecture.md#pooled-memory. Thread-safe."""
 
     def __init__(self, idle_bytes: int = DEFAULT_IDLE_BYTES, min_bytes: int = DEFAULT_MIN_BYTES) -> None:
         self.idle_cap = idle_bytes

@@ -38,7 +38,7 @@ class EncoderInputs:
 
     def metadata_fields(self, modality: str) -> frozenset[str] | None:
         """The fields of ``modality`` that only size its placeholder; None if
-        they cannot be read (see the module docstring)."""
+        they cannot be read (docs/architecture.md#inputs-at-hand)."""
         if modality in self._fields:
             return self._fields[modality]
         fields: frozenset[str] | None = None

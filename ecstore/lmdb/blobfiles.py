@@ -184,7 +184,7 @@ def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) ->
 
 class BlobFiles:
     """The blob files of one store handle (one per LMDBTier; a process may
-    hold several, each with its own token). See the module docstring."""
+    hold several, each with its own token). See docs/architecture.md#blob-files."""
 
     def __init__(self, store_dir: str, *, readonly: bool, file_mode: int | None = None) -> None:
         self.dir = os.path.join(store_dir, "blobs")

@@ -28,7 +28,7 @@ from ecstore.errors import StoreOpenError
 from ecstore.format import Record
 
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
-#: Lease-file keys under this prefix are eviction tombstones (see the module docstring).
+#: Lease-file keys under this prefix are eviction tombstones (docs/format.md#the-lease-file).
 _TOMB = b"\x00evicting\x00"
 TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 #: lease() prunes dead and expired leases once the lease table holds more

@@ -114,8 +114,8 @@ def _describe(p: str, st: os.stat_result) -> str:
 
 
 def check_writable_location(path: str, policy: FilePolicy, *, explicit_mode: bool = True) -> None:
-    """The StrictModes checks for opening ``path`` read-write (see the
-    module docstring). Raises StoreOpenError naming the path, what was found
+    """The StrictModes checks for opening ``path`` read-write (see
+    docs/security.md). Raises StoreOpenError naming the path, what was found
     and the fix; logs a one-time warning for an existing store with modes
     looser than ``policy`` (``explicit_mode`` False: the caller does not
     know the configured mode, e.g. ``ecstore-dump purge`` without a config:
