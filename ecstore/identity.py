@@ -1,26 +1,12 @@
 """The encoder identity (namespace) of an entry.
 
-An encoder output is only reusable by an encoder that would have produced the
-same tensor. vLLM's item identifier (``mm_hash``) covers the item's content,
-the model *string* and per-request processor kwargs, but not the weights, the
-revision or server-level settings (see docs/correctness.md). Every entry is
-therefore written under an :class:`EncoderIdentity`, condensed to a
-``namespace``: 32 lower-case hex digits (the first 128 bits of a SHA-256 over
-the identity's canonical JSON).
-
-Where the namespace lives (both places, on purpose):
-
-* in the hashed part of the key: ``chunk_hash = xxh64("<namespace>/<mm id>")``,
-  so entries of different identities get different keys and coexist (the old
-  ones age out through the LRU instead of blocking new puts as "collisions");
-* in the entry: the record (and blob header) store the *stored name*
-  ``"<namespace>/<mm identifier>"`` in full, and every read compares it, so an
-  entry of another identity is a miss even if two keys collide.
-
-The key keeps LMCache's shape ``<model>@1@0@<chunk_hash>@<dtype>``.
-
-This module is pure Python (no vLLM): the vLLM side that gathers the settings
-is ``ecstore.connector.vllm_identity``.
+:class:`EncoderIdentity` holds what an encoder output depends on besides the
+item (vLLM's ``mm_hash`` covers neither the weights nor the revision nor
+server-level settings); its ``namespace`` is 32 lower-case hex digits (the
+first 128 bits of SHA-256 over its canonical JSON), hashed into the key and
+stored in the entry. Pure Python (no vLLM; the vLLM side is
+``ecstore.connector.vllm_identity``). Why both places, and what counts:
+docs/correctness.md#1-every-entry-has-an-encoder-identity-namespace.
 """
 
 from __future__ import annotations

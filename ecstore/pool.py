@@ -1,34 +1,12 @@
 """Reused, already-faulted CPU memory for the tensors ecstore copies out
 (LMDB-tier hits) and for the blobs it builds (saves).
 
-The first write to freshly allocated memory pays one page fault per 4 KiB
-page, several times the cost of the copy itself (figures: docs/benchmarks.md,
-"Figures behind constants").
-
-:class:`BufferPool` hands out tensors whose memory is a view of a buffer
-(a "slab") kept from earlier use (:meth:`BufferPool.buffer` hands out the
-buffer itself, a numpy array). A slab goes back to the pool only when the
-last reference to the tensor handed out, to any view of it and to its
-storage is gone (``torch.frombuffer`` holds the buffer until its storage is
-freed; a weak reference to the buffer then returns the slab), so
-nothing a caller still holds is ever overwritten: a tensor from the pool is
-exactly as private as one from ``torch.empty``. At most ``idle_bytes`` of
-slabs are kept while unused: a returning slab that does not fit frees the
-least recently returned ones (of any size class), so the sizes in use now
-stay reusable.
-
-Slabs come in size classes of four per power of two (a tensor uses at most
-25 % less than its slab); requests under ``min_bytes`` use ``torch.empty``.
-Tensors from the pool are not resizable (``resize_`` to a larger size
-raises). :meth:`BufferPool.prefault_soon` faults a spare slab in on a
-background daemon thread, so that the next request of a size (the next
-save of an entry that size) does not pay the page faults on the caller's
-thread; given a layout (data offset, dtype, shape) it also builds the
-buffer and a tensor over its data there, which
-:meth:`BufferPool.typed_buffer` then hands out as they are (at most one
-such ready slab per size class, counted as idle; the next save of the same
-shape skips the slicing and tensor creation). Thread-safe; the finalizer
-may run on any thread. After ``fork`` the child starts with an empty pool.
+:class:`BufferPool` (one per process: :data:`POOL`) hands out tensors over
+kept slabs (four size classes per power of two; under ``min_bytes``:
+``torch.empty``); a slab returns only when nothing references the tensor, so
+it is as private as fresh memory. At most ``idle_bytes`` are kept unused.
+Thread-safe; after ``fork`` the child starts empty. Design:
+docs/architecture.md#pooled-memory.
 """
 
 from __future__ import annotations
@@ -64,8 +42,8 @@ def size_class(nbytes: int) -> int:
 
 
 class BufferPool:
-    """Size-classed free lists of already-written CPU buffers; see the module
-    docstring for the lifetime guarantee. Thread-safe."""
+    """Size-classed free lists of already-written CPU buffers; the lifetime
+    guarantee: docs/architecture.md#pooled-memory. Thread-safe."""
 
     def __init__(self, idle_bytes: int = DEFAULT_IDLE_BYTES, min_bytes: int = DEFAULT_MIN_BYTES) -> None:
         self.idle_cap = idle_bytes

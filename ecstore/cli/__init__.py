@@ -1,60 +1,12 @@
 """``ecstore-dump``: inspect and maintain an ecstore encoder-cache store.
 
-With LMCache, operators look at the encoder cache by listing the ``.pt`` files
-under ``local_disk``; ecstore keeps every entry inside one LMDB file, so this
-tool is how people see them::
-
-    ecstore-dump list    [PATH] [--model M] [--sort key|lru|size|hits|age] [--limit N] [--json]
-    ecstore-dump show    [PATH] KEY_OR_MM_HASH [--model M] [--json]
-    ecstore-dump stats   [PATH] [--json]
-    ecstore-dump export  [PATH] KEY_OR_MM_HASH OUT.safetensors [--model M]
-    ecstore-dump verify  [PATH] [--json]
-    ecstore-dump purge   [PATH] (--model M | --older-than AGE | --key K | --namespace NS | --all) [--dry-run]
-    ecstore-dump compact [PATH]
-    ecstore-dump config  [--config FILE] [--json]
-    ecstore-dump list|stats|verify redis://host:port/db [--timeout S]   (a remote tier: docs/remote.md)
-
-PATH is the ``local_disk`` directory (or a ``file://`` URI). When omitted it
-comes from the effective configuration (:func:`ecstore.config.load_config`:
-``--config FILE``, else ``LMCACHE_CONFIG_FILE``, plus ``LMCACHE_EC_*``). With
-one positional, ``show`` takes it as the key and the path from the config;
-with two, they are PATH and KEY (``export``: two or three positionals).
-
-Behaviour
----------
-* Read-only commands (list, show, stats, export, verify, config) open the
-  store read-only: no write lock, no LRU or hit-count change, safe while vLLM
-  writes to the same store. Records are read in batches of short read
-  transactions; each blob is checked in its own transaction.
-* The disk cap is not stored in the file: it is taken from the effective
-  config when that config's ``local_disk`` is this store, else reported as
-  unknown (``null`` in JSON).
-* KEY_OR_MM_HASH: a full EC key (``<model>@1@0@<chunk_hash>@<dtype>``) or an
-  mm identifier. An identifier selects every entry whose stored identifier
-  equals it (several models/dtypes may hold one): ``show`` shows them all,
-  ``export`` needs exactly one (narrow with ``--model`` or pass the key).
-* purge deletes through a writable :class:`~ecstore.lmdb.tier.LMDBTier`, one
-  short write transaction per entry (accounting stays exact and a running
-  vLLM is never blocked for long); entries under a live lease are skipped.
-* compact needs exclusive use of the store: see :mod:`ecstore.maintenance.compact`.
-* The work (verify, page statistics, entry details, purge, compact) is done by
-  the library :mod:`ecstore.maintenance` (a remote: :mod:`ecstore.remote.inspect`),
-  which returns typed results; this package only parses arguments, formats
-  tables/JSON and picks exit codes.
-* Progress bars go to stderr, and only when stderr is a terminal.
-
-Modules: :mod:`.parser` (argparse), :mod:`.listing` (list), :mod:`.show`
-(show, export), :mod:`.health` (stats, verify), :mod:`.maintain` (purge,
-compact), :mod:`.config_cmd` (config), :mod:`.remote` (a redis:// PATH),
-:mod:`.target` (which store, opened how), :mod:`.format` (tables, JSON,
-sizes, ages, progress), :mod:`.exitcodes` (:class:`ExitCode`, :class:`CLIError`).
-
-Exit status (:class:`ExitCode`): 0 success; 1 ``verify`` found bad entries; 2 error (usage, not
-a store, missing path, unknown key, newer schema, corrupt entry on export,
-bad config; nothing changed); 3 ``compact`` refused because another process
-has the store open (nothing changed); 4 the results could not be written
-(standard output on a full disk, an I/O error); 5 a command on a remote
-stopped at its ``--timeout`` (the results shown are incomplete).
+:func:`main` runs one command and turns every error into one stderr line and
+an :class:`ExitCode` (0 ok, 1 bad entries, 2 error, 3 busy, 4 output, 5
+remote timeout, 130 Ctrl-C). Read-only commands never take the write lock and are safe
+while vLLM writes. This package only parses arguments, formats results and
+picks exit codes; the work is :mod:`ecstore.maintenance` (a remote:
+:mod:`ecstore.remote.inspect`). Commands, behaviour, exit status and the
+module layout: docs/cli.md (#exit-status-and-code-layout).
 """
 
 from __future__ import annotations

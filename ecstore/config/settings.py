@@ -49,75 +49,14 @@ SECRET_KEYS = frozenset({"remote_url", "remote_password"})
 
 @dataclass(frozen=True)
 class ECStoreConfig:
-    """Validated encoder-cache settings.
+    """Validated, immutable encoder-cache settings (one field per key).
 
-    Attributes:
-        local_cpu: keep an in-memory (per-process) LRU tier above the disk tier.
-        max_local_cpu_size: bound of the memory tier, GiB of tensor data.
-        local_disk: directory of the LMDB store (absolute path after
-            normalisation; ``file://`` URIs accepted), or None for memory only.
-            There is no implicit default location.
-        max_local_disk_size: bound of the disk tier, GiB of stored blobs. Must
-            be > 0 when ``local_disk`` is set.
-        max_write_queue_size: GiB of tensors waiting for the background LMDB
-            writer before ``put`` blocks (back-pressure instead of unbounded
-            memory).
-        lease_seconds: how long an entry announced to a loader stays pinned
-            against eviction if the loader never releases it.
-        file_mode: mode of the store's files (directory: the same bits plus
-            x): 0600 private (default), 0640/0660 to share the store with
-            the directory's group on purpose. See docs/security.md.
-        namespace: pins the weights part of the encoder identity (see
-            ecstore.identity): None fingerprints the weights automatically;
-            a string (at most 200 printable characters; a YAML number or
-            boolean such as ``1.10`` is refused: quote it) replaces that
-            fingerprint and the revision, e.g. to share entries between
-            copies of one checkpoint or to mark a change the fingerprint
-            cannot see. Change it whenever the weights change.
-        share_client_uuids: store and serve items whose identifier is not a
-            content hash (a client's ``multi_modal_uuids`` entry, used verbatim
-            by vLLM). Default false: such items are neither stored nor looked
-            up, since any client could name another image by the same uuid.
-            Set it true where every client of the store is trusted (e.g. an
-            encoder-disaggregated deployment whose proxy assigns the uuids).
-        pooled_blobs: build each put's blob in the process's pool of
-            already-faulted memory (:data:`ecstore.pool.POOL`) instead of
-            fresh ``torch.empty`` memory, whose page faults cost more than
-            the copy. Default true; false only to compare
-            (``docs/benchmarks.md``). LMDB-tier hits use the pool either way.
-        split_reads: read a disk-tier entry of at least
-            :data:`ecstore.format.split_read.SPLIT_READ_BYTES` (8 MiB) kept in a file
-            of its own on two cores: the caller and one helper thread per
-            process (faster where a second core is free, slower than one
-            core when every core is busy: ``docs/benchmarks.md``). Default
-            true; false where the process's cores are all taken (e.g. CPU
-            inference).
-        min_file_blob_size: blobs (stored tensors plus their header) of at
-            least this many MiB are kept in files of their own in the
-            store's ``blobs/`` directory instead of inside LMDB: durable
-            writes then cost one copy into the page cache and an
-            ``fdatasync`` (docs/format.md, docs/benchmarks.md). 0 keeps
-            every blob in a file. Default 0.5 (512 KiB).
-        remote_url: the shared remote tier (Redis/Valkey, see
-            docs/remote.md), or None. May hold a password: never logged
-            (``repr`` leaves it out; :func:`describe_config` masks it).
-        remote_password: password of the remote when the URL has none
-            (normally ``LMCACHE_EC_REMOTE_PASSWORD``).
-        remote_timeout_seconds: bound of each remote call as a whole
-            (connect, command, the whole reply; plus the time its bytes take
-            at 64 MiB/s; docs/remote.md), and of one
-            remote write batch; also how long ``put`` waits for room in a
-            full remote write queue before dropping that write.
-        remote_ttl_seconds: expiry of values written to the remote (0: none;
-            the server's ``maxmemory`` policy bounds it); else at least
-            0.001 (the remote counts whole milliseconds) and at most 366 days.
-        max_remote_queue_size: GiB of tensors waiting for the background
-            remote writer.
-        sources: where each value came from (see :func:`load_config`): one
-            entry per field when built by :func:`load_config`, plus
-            ``"__file__"`` (absolute path of the YAML file read) and
-            ``"config_file"`` (where that path was taken from) when a file
-            was read.
+    Sizes are GiB (``min_file_blob_size``: MiB), durations seconds; defaults
+    are the field defaults. ``sources`` maps each field to where its value
+    came from (plus ``"__file__"`` and ``"config_file"`` when a YAML file was
+    read). Secrets (``remote_url``, ``remote_password``) are left out of
+    ``repr``. What each key means, its limits and accepted forms:
+    docs/configuration.md#keys; per-key docs are :data:`KEYS`.
     """
 
     local_cpu: bool = True

@@ -221,33 +221,14 @@ def load_config(
 ) -> ECStoreConfig:
     """Build the encoder-cache config from LMCache's YAML, env and overrides.
 
-    Precedence, lowest to highest: built-in defaults < base keys of the YAML
-    file < ``LMCACHE_<KEY>`` < ``ec_<key>`` / ``ec: {<key>: ...}`` in the
-    YAML < ``LMCACHE_EC_<KEY>`` < ``overrides``.
-
-    Args:
-        path: YAML file to read. If None, ``overrides["config_file"]`` is used,
-            else ``env["LMCACHE_CONFIG_FILE"]``, else no file is read (an empty
-            override or variable counts as not given; an empty ``path`` is a
-            ConfigError). The file is never written.
-        env: environment to read (default ``os.environ``).
-        overrides: programmatic values (the vLLM connector's
-            ``ec_connector_extra_config``): ecstore key names, plus an optional
-            ``config_file``.
-
-    Returns:
-        An :class:`ECStoreConfig` whose ``sources`` names, for every field, the
-        place its value came from.
-
-    Raises:
-        ConfigError: unreadable/malformed file, unknown ec key or
-            ``LMCACHE_EC_*`` variable or override key, or a bad value.
-
-    Warns:
-        ConfigWarning: a base YAML key that neither ecstore nor LMCache knows;
-            a base ``remote_url``/``LMCACHE_REMOTE_URL`` of a scheme ecstore
-            speaks (``redis://``...) with no ``ec_remote_url`` (it stays
-            LMCache's: the warning names ``ec_remote_url``).
+    Precedence, lowest to highest: defaults < base YAML keys < ``LMCACHE_<KEY>``
+    < ``ec_<key>`` / ``ec: {<key>: ...}`` < ``LMCACHE_EC_<KEY>`` < ``overrides``.
+    The YAML is ``path``, else ``overrides["config_file"]``, else
+    ``env["LMCACHE_CONFIG_FILE"]`` (``env`` defaults to ``os.environ``); it is
+    never written. The result's ``sources`` names where each value came from.
+    Raises ConfigError (bad file, unknown ec key, bad value); warns
+    ConfigWarning (unknown base key, a base redis ``remote_url``). Details:
+    docs/configuration.md#where-values-come-from-lowest-to-highest-precedence.
     """
     env = os.environ if env is None else env
     overrides = {} if overrides is None else overrides

@@ -1,34 +1,12 @@
 """Whether vLLM holds what an item's encoder needs to run ("inputs at hand").
 
-vLLM's model runner encodes a scheduled item by passing ``feature.data`` (a
-``MultiModalKwargsItem``) to the model's ``embed_multimodal``. An EPD
-consumer's metadata-only item (``{"image": {"image_grid_thw": ...}}`` plus a
-uuid, no pixels) has ``data`` holding only the fields that size its
-placeholder: the model then encodes nothing, vLLM's
-``sanity_check_mm_encoder_outputs`` raises and the engine stops. So the
-question is not whether ``data`` is None but whether it holds a field other
-than those metadata fields, with a value: pixel values, audio features,
-video pixels, or pre-computed embeddings the model passes through.
-
-Which fields are metadata is the model's own declaration
-(``MultiModalDataParser.embedding_fields``, role ``"metadata"``), read the
-way vLLM's connectors read it (``PlaceholderMetadataResolver``); vLLM's CPU
-connector decides "local input available" by the same rule. A model that
-declares none (e.g. BLIP-2, which cannot be sent metadata-only items) counts
-any field with a value. When the declaration cannot be read (the processor
-does not build here, an unusual parser), the answer fails closed: only a
-field of :data:`ENCODER_INPUT_FIELDS` with a value counts, so a
-metadata-only item is never taken for one vLLM can encode (it would stop
-the engine); an item holding only other fields is verified before a yes.
-
-vLLM's own ``PlaceholderMetadataResolver`` (``ec_connector/utils.py``) is not
-used: it answers "no metadata fields" (count every field) when the
-processor does not build, the failure this module must tell apart, and
-builds the processor once per modality.
-
-One :class:`EncoderInputs` per scheduler side; the model's parser is looked
-up once, at the first item asked about (it builds vLLM's multimodal
-processor, about a second). Scheduler thread only.
+:class:`EncoderInputs` says whether an item's ``feature.data`` holds a field
+other than the model's declared placeholder metadata (an EPD consumer's
+metadata-only item does not, and encoding it would stop the engine); when the
+declaration cannot be read it fails closed (:data:`ENCODER_INPUT_FIELDS`).
+One per scheduler side; the parser is looked up once, at the first item
+(about a second). Scheduler thread only. Why and how:
+docs/architecture.md#inputs-at-hand.
 """
 
 from __future__ import annotations
@@ -60,7 +38,7 @@ class EncoderInputs:
 
     def metadata_fields(self, modality: str) -> frozenset[str] | None:
         """The fields of ``modality`` that only size its placeholder; None if
-        they cannot be read (see the module docstring)."""
+        they cannot be read (docs/architecture.md#inputs-at-hand)."""
         if modality in self._fields:
             return self._fields[modality]
         fields: frozenset[str] | None = None

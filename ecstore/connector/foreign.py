@@ -1,21 +1,11 @@
 """Tell, once, why a consumer misses entries another instance stored.
 
-Entries are shared only between instances of the same encoder identity
-(``ecstore.identity``). An EPD pair configured differently (an encoder
-instance started with a setting its PD instance lacks) writes and reads under
-two namespaces: every item the producer stored is a miss on the consumer, and
-the encoder runs again (or, for an item vLLM holds no inputs for, the request
-fails). :class:`ForeignNamespaces` notices it: on a consumer's miss it looks
-the item up under every other namespace the store's ``namespaces`` table
-registers for the same model, and the first time it is found under one it
-logs (once per such namespace) which settings differ, from both identity
-descriptions; that namespace is not looked at again.
-
-Cost per miss: one key lookup per other namespace of the model not yet
-reported (microseconds each; none once all are). The ``namespaces`` table is
-read at most every :data:`REFRESH_SECONDS` and its identity descriptions
-(several KB of JSON each) parsed again only when it changed. Scheduler
-thread only.
+:class:`ForeignNamespaces`: on a consumer's miss it looks the item up under the
+model's other namespaces in the store's ``namespaces`` table and, the first
+time it is found under one, logs which settings differ (once per namespace).
+Cost per miss: one key lookup per namespace not yet reported; the table is
+reread at most every :data:`REFRESH_SECONDS`. Scheduler thread only. Why:
+docs/correctness.md (section 5), docs/disaggregation.md.
 """
 
 from __future__ import annotations

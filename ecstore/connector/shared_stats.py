@@ -1,30 +1,11 @@
 """Worker counters of an encode-only instance, handed to its scheduler side.
 
-vLLM 0.32 runs an ``ec_producer``-only instance as an encoder-only engine. Its
-V1 model runner (the one vLLM's CPU backend and, where Model Runner V2 is not
-selected, GPUs use) returns ``make_empty_encoder_model_runner_output`` and
-drops the step's EC connector output, worker metadata included: the counters
-ecstore sends there (saves, saved bytes, save and commit time, skips,
-evictions) would never reach vLLM's stats log or ``/metrics``. (V2's
-encoder-only runner keeps the output; the counters take this route there too,
-so they are counted once either way.)
-
-Instead, the worker adds them to a small shared record: a file of
-``len(COUNTERS)`` little-endian float64 cumulative totals, memory-mapped by
-the worker (the only writer) and the scheduler side (the only reader), which
-reports the growth since its previous read. The file lives in ``/dev/shm``
-(else the temp directory), is named after the engine (vLLM's
-``instance_id``, which every process of one engine shares, and the data
-parallel rank) and holds no store data. Its two users are the scheduler side
-and worker rank 0: whichever opens it second removes the name at once (both
-keep their mappings), so no file outlives the engine even when it is killed.
-
-Consistency: each counter is one aligned 8-byte store, so a read never sees a
-torn value; a read may see one counter of a step updated and another not yet,
-which the next read picks up (totals are exact, intervals may shift by a step).
-The worker updates the record at the end of each step, before the step's
-output leaves the model runner, so the scheduler side's read in that step's
-``update_from_output`` already includes it.
+vLLM 0.32's V1 runner drops an encoder-only instance's worker metadata, so the
+worker (rank 0, the only writer) adds its counters at each step's end to a
+memory-mapped file of ``len(COUNTERS)`` float64 totals in ``/dev/shm``, which
+the scheduler side (the only reader) reports the growth of. No torn values;
+intervals may shift by a step, totals are exact; the name is removed once
+both have it mapped. Why and how: docs/disaggregation.md#metrics-of-the-encoder-tier.
 """
 
 from __future__ import annotations

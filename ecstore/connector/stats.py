@@ -1,21 +1,9 @@
 """EC connector statistics for vLLM's periodic log line and Prometheus.
 
-Counters (all cumulative within a logging interval): ``hits``/``misses``
-(scheduler: allocated items served from ecstore / computed), ``loads``,
-``load_failures`` (of which ``recomputed``: encoded in the same step
-instead), ``rejected`` (entries found but refused before the load: their
-shape does not fit the request), ``saves``, ``save_skipped`` (already present),
-``bytes_loaded``/``bytes_saved``, ``load_seconds``/``save_seconds`` (time
-spent in the worker's ``start_load_caches``/``save_caches``), ``evictions``,
-``commit_seconds`` (encode-only producers: time the step waited at its end
-for its saves to be committed, see ``worker_side``). On an encode-only
-``ec_producer`` a hit is an item the store already held (its encoder is not
-run) and a miss one it computes.
-With a remote tier: ``remote_hits``/``remote_misses`` (worker reads that
-reached the remote), ``remote_lookup_hits`` (scheduler lookups answered by
-the remote), ``remote_errors`` (failed remote calls, scheduler and workers),
-``remote_bytes_read``/``remote_bytes_written`` and ``remote_seconds`` (time
-in remote reads and background writes).
+Counters are cumulative within a logging interval: hits/misses, loads and
+load failures, rejected entries, saves and skips, bytes (``bytes_*``), times
+in seconds (``*_seconds``), evictions, and ``remote_*`` with a remote tier.
+What each counts: docs/vllm.md#metrics.
 """
 
 from __future__ import annotations

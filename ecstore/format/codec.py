@@ -1,30 +1,11 @@
 """Bytes <-> tensors: the blob format, and how ecstore writes it.
 
-Blob format
------------
-Each entry's blob is a valid safetensors file holding one tensor named
-``"ec"``, with ``__metadata__``::
-
-    {"format": "ecstore/1", "identifier": <full mm identifier>,
-     "model": <model>, "dtype": <torch dtype name>, "shape": "[n, h]"}
-
-Tensors whose dtype safetensors has no code for (e.g. ``float8_e8m0fnu``) are
-stored as ``U8`` bytes with shape ``[nbytes]``; ``__metadata__`` then carries
-the real dtype and shape, and readers reinterpret the bytes. Any
-safetensors reader can open every blob.
-
-We write the safetensors framing ourselves rather than calling
-``safetensors.torch.save``: that way the tensor bytes are copied exactly once
-(into the blob) instead of two or three times; tests check that the library
-reads our output back bit-exact.
-
-Record format
--------------
-The eviction/metadata record stored beside each blob lives in
-:mod:`ecstore.format.record` (re-exported here: ``codec.Record``, ``pack_record``...).
-Checking a blob and its record before any byte is used (``parse_header``,
-``check_entry``) lives in :mod:`ecstore.format.blob_check`; copying a checked tensor
-out of a blob (``read_entry``, ``decode``) in :mod:`ecstore.format.blob_read`.
+Each blob is a valid safetensors file of one tensor ``"ec"`` with
+``__metadata__`` ``{"format": "ecstore/1", "identifier", "model", "dtype",
+"shape"}`` (dtypes safetensors lacks are stored as ``U8`` bytes), framed here
+so the tensor bytes are copied once. Re-exports the record
+(:mod:`ecstore.format.record`); checks are :mod:`ecstore.format.blob_check`,
+checked copies out :mod:`ecstore.format.blob_read`. Format: docs/format.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """Large blobs as plain files in ``<store>/blobs/``, next to ``data.mdb``.
 
-LMDB keeps the record and, in place of the blob, a pointer (:func:`pack_ref`).
-A safetensors blob starts with its u64 LE header length (at most
-``blob_check.MAX_HEADER_BYTES``), so its bytes 4..7 are zero: a value starting with
-:data:`POINTER_MAGIC` (bytes 4..7 ``ECFP``) is never an inline blob.
-
-Files are written once, never changed: :meth:`BlobFiles.write` creates
-``<token>-<n>.ecb`` (``O_EXCL``) and starts its writeback (not for files
-committed before their sync: ``write_batch(sync_files=False)``); the caller
-commits the LMDB transaction that references a batch's files, then calls
-:meth:`BlobFiles.sync` on them (``fdatasync`` each, then the directory;
-with the store's writer, before ``flush`` returns; ``write_batch`` with
-``sync_files=True`` syncs before the commit), and :meth:`BlobFiles.discard`
-after a commit that failed. A file is only ever referenced by commits of
-the live writer that created it; another handle may sync it (its put of the
-same entry found it present: ``flush`` vouches for that entry too).
-
-Leftovers (a writer killed before its commit, an unlink that failed) are
-removed by :meth:`BlobFiles.sweep`. Each handle takes a random token on its
-first write and holds an exclusive ``flock`` on ``blobs/<token>.lock`` until
-:meth:`BlobFiles.close`. flock belongs to the open file description: it
-conflicts between processes and between handles of one process, and the
-kernel drops it when the process dies. A token whose lock can be taken, or
-whose lock file is gone, is dead: its unreferenced files are garbage.
-
-Directory descriptors: every file operation is made relative to
-descriptors of the store directory and of ``blobs/`` opened with the handle
-(``dir_fd=`` / ``openat``), never by path: a store directory moved (renamed)
-under a running process keeps getting its blob files, next to the
-``data.mdb`` LMDB keeps writing, instead of a new store created at the old
-path receiving them (and sweeping them as a dead writer's leftovers). Paths
-(:attr:`BlobFiles.dir`) only name files in messages and for tooling.
-
-Threads: ``write``/``discard``/``open``/``sync`` may run in several
-threads of one handle (counter and token under a lock); ``close`` must not
-race a ``write`` of the same handle. Processes: any number may ``sweep`` one
-directory concurrently (a file vanishing meanwhile is no error); a live
-writer's files are never removed.
+:class:`BlobFiles` writes each blob once (``<token>-<n>.ecb``, never changed),
+syncs it after the LMDB commit that points to it (:func:`pack_ref`), discards
+it after a failed commit and sweeps dead writers' leftovers; all by directory
+descriptor, never by path. Threads: ``write``/``discard``/``open``/``sync``
+are safe across threads of one handle, ``close`` must not race a ``write``;
+any number of processes may ``sweep`` at once, a live writer's files are never
+removed. Design: docs/architecture.md#blob-files; format: docs/format.md.
 """
 
 from __future__ import annotations
@@ -214,7 +184,7 @@ def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) ->
 
 class BlobFiles:
     """The blob files of one store handle (one per LMDBTier; a process may
-    hold several, each with its own token). See the module docstring."""
+    hold several, each with its own token). See docs/architecture.md#blob-files."""
 
     def __init__(self, store_dir: str, *, readonly: bool, file_mode: int | None = None) -> None:
         self.dir = os.path.join(store_dir, "blobs")

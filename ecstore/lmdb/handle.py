@@ -244,7 +244,7 @@ class StoreHandle:
                 self._clear_tombstones()
 
     def _clear_tombstones(self) -> None:
-        """Step (5) of the tombstone protocol (see :mod:`ecstore.lmdb.leases`),
+        """Step (5) of the tombstone protocol (docs/architecture.md#leases-and-eviction-markers),
         after a data write transaction committed or aborted. Never raises: an
         error of the lease file (its map or disk full) must not undo, in the
         caller's eyes, a commit that stands (the batch would be reported

@@ -1,71 +1,12 @@
-"""The lease table: pins against eviction, and the eviction-marker protocol.
+"""The lease table (``leases.mdb``): pins against eviction, and eviction markers.
 
-A loader that is about to read an entry pins it with a *lease* so that no
-process evicts it meanwhile. Leases live in a second, tiny LMDB file next to
-the store, ``leases.mdb``, opened without fsync: they are ephemeral (a
-damaged lease file that no process has open is recreated, see
-:func:`ecstore.lmdb.env._open_leases`), and keeping them apart means a
-scheduler taking a lease never waits behind a writer committing a 100 MB
-blob.
-
-Format. The key of a lease row is the entry key (the same bytes as in the
-store's ``entries`` sub-database); its value is a sequence of
-``(pid u32, expiry u64 ns since the epoch)`` records (``_LEASE``, little
-endian), one per lease taken. A lease counts while it has not expired and
-its process is alive (``os.kill(pid, 0)``); dead and expired ones are
-dropped on the way (:meth:`LeaseTable.leased_keys`,
-:meth:`LeaseTable.lease`), and the whole table is pruned once it holds more
-than ``LEASE_PRUNE_MIN`` keys (then at twice the live count), so leases that
-are never released cannot grow the file or the cost of a pin without bound.
-
-Eviction markers (tombstones). Rows whose key starts with ``_TOMB`` mark
-entries an evictor is about to delete; the value is ``(pid, time_ns)`` of
-the evictor. A tombstone is live while it is younger than
-``TOMBSTONE_MAX_AGE_NS`` and its process is alive (a crashed evictor's
-markers expire on their own). Leases and entries live in two LMDB files, so
-"a True answer of ``pin_if_present`` guarantees no process evicts the entry
-before the lease ends" needs this protocol:
-
-* the evictor (``LMDBTier._evict_in``, inside its data write transaction)
-  (1) picks victims that are not leased, (2) writes tombstones for them
-  (:meth:`LeaseTable.mark_evicting`), (3) drops any victim that got leased
-  meanwhile (a second :meth:`LeaseTable.leased_keys`), (4) commits the
-  deletion, (5) clears the tombstones it wrote (:meth:`LeaseTable.clear_tombstones`,
-  after the commit or abort of the data transaction);
-* the pinner (``LMDBTier.pin_entry``) (a) leases and (b) checks for a live
-  tombstone, both in one lease write transaction (:meth:`LeaseTable.try_pin`:
-  lease writers are serialised, so (b) sees every tombstone committed
-  before (a)), then (c) checks the entry.
-
-If (a) precedes (3) the evictor sees the lease and spares the entry;
-otherwise (2) precedes (b) and the pinner sees the tombstone, unless it was
-already cleared, in which case (4) precedes (c) and the entry is visibly
-gone. Either way the pinner never answers True for an entry being evicted.
-
-Threads and processes: every method runs in its own lease-file transaction
-(LMDB serialises writers across processes). Each write transaction is begun
-only under the *lease write lock*: a thread lock of this process, then an
-``flock`` on ``leases.mdb`` (its own descriptor, held until the commit).
-LMDB's own write lock (a mutex in ``leases.mdb-lock``) offers no try or
-timeout, and a process stopped inside a write transaction (SIGSTOP, a
-debugger) held it for as long as it was stopped, making every other
-process's ``pin_if_present`` wait. The flock is taken first by every ecstore
-lease writer, so a held flock says a write transaction is (about to be)
-open; :meth:`LeaseTable.try_lease` (``pin_if_present``) waits at most
-:data:`LEASE_LOCK_WAIT_S` for both locks together and then answers "not
-leased" (``LMDBTier.pin``: :attr:`Pin.BUSY`) without touching LMDB's lock;
-for :data:`LEASE_BUSY_HOLD_S` after such a timeout, those calls (and
-``release(wait=False)``) try the locks once instead of waiting, so a caller
-asking about many items pays one wait. The other writes wait as LMDB would.
-A forked child closes its inherited copy of the flock's descriptor (which
-shares the parent's lock: the child would hold it after the parent died
-inside a lease write) and opens its own when it writes. A process of an
-older ecstore (or a plain ``lmdb`` writer) takes no flock: a pin can still
-wait for its transaction. One :class:`LeaseTable` exists
-per lease environment per process (``_SharedEnv.lease_table``); its
-pending-tombstone list is only touched under the data environment's write
-lock (eviction happens in data write transactions), and its prune threshold
-is a plain int (a racing update only moves when the next prune happens).
+:class:`LeaseTable`, one per lease environment per process, leases entry keys
+(``ttl_s`` in seconds) and marks entries an evictor is deleting.
+Every method is its own lease-file transaction; writes take the lease write
+lock (a thread lock, then an ``flock``), and :meth:`LeaseTable.try_lease`
+waits at most :data:`LEASE_LOCK_WAIT_S` for it. Row format:
+docs/format.md#the-lease-file; the evictor/pinner protocol and the locking:
+docs/architecture.md#leases-and-eviction-markers.
 """
 
 from __future__ import annotations
@@ -87,7 +28,7 @@ from ecstore.errors import StoreOpenError
 from ecstore.format import Record
 
 _LEASE = struct.Struct("<IQ")  # pid, expiry (ns since epoch)
-#: Lease-file keys under this prefix are eviction tombstones (see the module docstring).
+#: Lease-file keys under this prefix are eviction tombstones (docs/format.md#the-lease-file).
 _TOMB = b"\x00evicting\x00"
 TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 #: lease() prunes dead and expired leases once the lease table holds more

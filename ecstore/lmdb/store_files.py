@@ -1,26 +1,12 @@
 """The files of a store directory: their types, owners and modes.
 
-Checked before LMDB opens anything, because LMDB follows symlinks, blocks
-on FIFOs and creates files with the umask's modes. See docs/security.md
-for the model these checks implement.
-
-* Every open (read-only too): each store file (:data:`STORE_FILES`) that
-  exists must be a regular file, not a symlink: a planted link would
-  redirect LMDB's writes to any file, a FIFO would hang the open.
-* Read-write opens (:func:`check_writable_location`) also refuse, like ssh's
-  StrictModes, a directory or store file owned by another user (unless the
-  configured mode shares the store with a group the process is in), or
-  writable by others; and an ancestor directory anyone may write to without
-  the sticky bit. A store created by older ecstore versions with looser
-  modes (0755/0644, 0775/0664) gets a one-time warning with the ``chmod``
-  command instead of a refusal.
-* New stores (:func:`create_store_dir`, :func:`fix_created_modes`): the
-  directory is created ``0700`` and files ``0600`` (``file_mode`` ``0660``
-  gives ``0770``/``0660`` for a group), exactly, whatever the umask.
-
-Once the directory itself is verified to be ours and writable by nobody
-else, no other user can swap a file between the check and LMDB's open.
-Thread-safe (the warned-once set is guarded by a lock).
+Checked before LMDB opens anything (LMDB follows symlinks, blocks on FIFOs and
+creates files with the umask's modes): every open refuses a store file
+(:data:`STORE_FILES`) that is a symlink or not a regular file;
+:func:`check_writable_location` refuses, like ssh's StrictModes, what another
+user owns or may write (old loose modes: a one-time warning);
+:func:`create_store_dir` / :func:`fix_created_modes` set ``file_mode`` exactly.
+Thread-safe. The model these checks implement: docs/security.md.
 """
 
 from __future__ import annotations
@@ -128,8 +114,8 @@ def _describe(p: str, st: os.stat_result) -> str:
 
 
 def check_writable_location(path: str, policy: FilePolicy, *, explicit_mode: bool = True) -> None:
-    """The StrictModes checks for opening ``path`` read-write (see the
-    module docstring). Raises StoreOpenError naming the path, what was found
+    """The StrictModes checks for opening ``path`` read-write (see
+    docs/security.md). Raises StoreOpenError naming the path, what was found
     and the fix; logs a one-time warning for an existing store with modes
     looser than ``policy`` (``explicit_mode`` False: the caller does not
     know the configured mode, e.g. ``ecstore-dump purge`` without a config:

@@ -167,7 +167,7 @@ class LMDBTier(TierReads):
         """Lease ``key`` if it holds ``identifier``, such that ``Pin.HELD``
         guarantees no process evicts the entry before the lease ends: steps
         (a) lease, (b) tombstone check, (c) entry check of the
-        eviction-marker protocol written down in :mod:`ecstore.lmdb.leases`.
+        eviction-marker protocol (docs/architecture.md#leases-and-eviction-markers).
         ``Pin.ABSENT``: not stored (or being evicted, or its record is
         unreadable: logged and dropped, as by :meth:`get`); nothing leased.
         ``Pin.BUSY``: stored, but another process (or thread) held the lease

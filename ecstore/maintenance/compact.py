@@ -1,23 +1,11 @@
 """Rewriting ``data.mdb`` compactly (LMDB files never shrink by themselves).
 
-The lock protocol
------------------
-In-use detection: LMDB gives every process that has the environment open a
-shared fcntl lock on byte 0 of lock.mdb. :func:`compact` tries to take that
-byte exclusively (refusing if that fails) and also looks in /proc for other
-processes mapping/holding data.mdb or lock.mdb (to name them, and as a second
-check). Then it opens the store, upgrades its lock to exclusive again
-(closing the window in which someone may have opened it), copies it with
-``env.copy(compact=True)`` into a temporary directory beside it, checks the
-copy, and atomically replaces data.mdb. While it holds the exclusive lock, a
-process starting to open the store waits inside LMDB; because its view of
-lock.mdb would describe the old file, lock.mdb's header (4 bytes) is
-invalidated before data.mdb is replaced: such a waiter then fails to open
-cleanly (MDB_INVALID) instead of mixing states, and the next opener
-reinitialises lock.mdb. leases.mdb is left alone.
-
-Limits: needs POSIX fcntl locks (local filesystems; LMDB itself needs them);
-the /proc scan is Linux-only and best-effort.
+:func:`compact` refuses unless it can take LMDB's ``lock.mdb`` byte-0 lock
+exclusively (a /proc scan names other users, Linux-only, best effort), copies
+with ``env.copy(compact=True)`` beside the store, checks the copy, invalidates
+``lock.mdb``'s header and atomically replaces ``data.mdb``; ``leases.mdb`` is
+left alone. Needs POSIX fcntl locks (local filesystems). The lock protocol:
+docs/cli.md#compacting-the-file.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Whole-call deadlines for redis-py connections.
 
-redis-py bounds each socket operation by ``socket_timeout`` (seconds), not a
-whole command: a server that drips its reply, a byte every little while,
-keeps a call going for as long as it likes, and a retry after a timeout
-starts the clock again. Here a calling thread sets a deadline
-(:func:`deadline`, monotonic seconds) around one remote call and every
-socket operation of that thread on a :func:`deadline_class` connection waits
-at most until then:
-
-* connecting: the connect timeout, and the timeout of the TLS handshake
-  that follows, are cut to the time left;
-* ``recv``/``recv_into``/``send``/``sendall`` (the handshake, the command,
-  every chunk of the reply): the socket timeout is cut to the time left, and
-  once the deadline has passed they raise :class:`socket.timeout` without
-  touching the network (redis-py turns that into its ``TimeoutError``), so
-  retries and cluster redirects after the deadline fail at once.
-
-Every byte sent or received moves the deadline on by ``1 /``
-:data:`MIN_RATE_BYTES_PER_S` seconds: a call may take ``seconds`` plus the
-time its bytes take at that rate, so a large entry moving at network speed
-is not cut off (a 130 MB value at 250 MB/s takes 0.5 s, the default
-timeout), while a server that stops answering, or drips its reply slower
-than that rate, is.
-
-Without a deadline (``ecstore-dump``'s long scans) the connections behave as
-plain redis-py ones. The deadline is per thread: a pooled connection is used
-by one thread at a time. Cost on a hit: a clock read per socket operation
-(a ``settimeout`` only when the socket's is off by more than :data:`SLACK_S`).
+A thread sets a deadline (:func:`deadline`, monotonic seconds) around one
+remote call; every socket operation of that thread on a
+:func:`deadline_class` connection (connect, TLS handshake, send, every chunk
+of the reply) waits at most until then, and each byte moved extends it by
+``1 /`` :data:`MIN_RATE_BYTES_PER_S` seconds. Per thread; without a deadline
+connections behave as plain redis-py ones. Design and cost:
+docs/architecture.md#remote-calls; what users see: docs/remote.md.
 """
 
 from __future__ import annotations

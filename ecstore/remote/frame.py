@@ -1,24 +1,11 @@
 """The remote value of one entry: the LMDB record and the safetensors blob.
 
-Layout (little-endian)::
-
-    b"ECRV" | u8 frame version | u32 record length | record | zero padding | blob
-
-The padding makes the blob start at a multiple of ALIGN bytes into the value,
-so the tensor data (8-byte aligned inside the blob) is aligned in a reply
-buffer too and a read can hand out a view of it instead of a copy.
-
-``record`` is :func:`ecstore.format.codec.pack_record` (identifier, dtype, shape,
-sizes, blob checksum: the same record LMDB keeps beside the blob) and
-``blob`` the same safetensors bytes LMDB stores. :func:`unpack` checks the
-framing and the record; :func:`check_value` checks a value on its own
-(checksum, strict header, record against header, a shape ``put`` stores);
-:func:`decode_entry` does that first, then compares the value with the
-identity the reader expects. Anything that does not check out is a miss:
-:class:`ecstore.errors.CorruptEntryError` (garbage, or a value whose record
-and blob disagree: delete it) or, only for a value that passed
-:func:`check_value`, :class:`ForeignValue` (a valid value of another entry:
-keep it).
+``b"ECRV" | u8 version | u32 record length | record | zero padding | blob``,
+the blob aligned to ALIGN bytes so a read can hand out a view. :func:`unpack`
+checks the framing and record, :func:`check_value` a value on its own,
+:func:`decode_entry` both plus the reader's identity; a failure is a miss
+(:class:`ecstore.errors.CorruptEntryError`: delete it; :class:`ForeignValue`:
+a valid value of another entry, keep it). Layout: docs/format.md#remote-values.
 """
 
 from __future__ import annotations

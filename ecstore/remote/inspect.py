@@ -1,23 +1,13 @@
 """Operator view of a remote tier: the library behind ``ecstore-dump list|stats|verify redis://...``.
 
-Library functions only (no argparse, no printing: :mod:`ecstore.cli.remote`
-formats their results). Reads
-never change anything; ``verify --delete-bad`` is the one write (it removes
-values that fail verification, only if unchanged since they were read).
-
-A key under the prefix that is not a string (a list, a hash...: ecstore
-writes only strings) is not ecstore's: ``list``/``stats`` show it as
-unreadable, ``verify`` as bad, and ``--delete-bad`` leaves it alone.
-
-The password comes from the URL, else ``LMCACHE_EC_REMOTE_PASSWORD``; it is
-never printed (URLs are shown masked).
-
-A whole command is bounded by a :class:`TimeBound` (``ecstore-dump
---timeout``): every socket operation inside :func:`bounded` stops at it (a
-server dripping its replies, see :mod:`~ecstore.remote.deadline`), and the
-scans check it at every key (a ``SCAN`` cursor that never comes back to 0).
-Past it, :class:`StoppedEarly` is raised; :func:`verify` returns its result
-so far instead, with ``stopped_early`` set.
+Library functions only (:mod:`ecstore.cli.remote` formats their results).
+Reads never change anything; ``verify --delete-bad`` is the one write (values
+that fail verification, only if unchanged since read; never a non-string key).
+A whole command is bounded by a :class:`TimeBound` (``--timeout``, seconds):
+socket operations inside :func:`bounded` and the scans stop at it, raising
+:class:`StoppedEarly` (:func:`verify` returns its result so far, with
+``stopped_early`` set). Passwords are never printed. Behaviour:
+docs/remote.md#inspecting-a-remote-ecstore-dump.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Read one RESP reply to ``GET`` from a socket straight into reused memory.
 
-redis-py (with hiredis) reads a bulk reply 64 KiB at a time into its
-parser's buffer, which copies it into a growing buffer of its own, then
-builds a ``bytes`` of it: three passes over a 100+ MB value, into freshly
-faulted memory. :func:`read_bulk` reads the header line, then receives the
-value's bytes in place into one buffer from :data:`ecstore.pool.POOL`
-(already-faulted memory, reused once nothing references it): one pass.
-
-What it accepts is exactly a bulk string (``$<n>\\r\\n<n bytes>\\r\\n``) or
-a null (RESP2's ``$-1\\r\\n``, RESP3's ``_\\r\\n``: redis-py 8 speaks RESP3
-by default), and nothing after it. Anything else raises,
-and the caller must then drop the connection (part of a reply may be
-unread): an error line (``-ERR ...``) the exception redis-py's parser makes
-of it (``ResponseError``, ``AuthenticationError``...), any other reply
-:class:`BadReply`, with nothing allocated for what it claims (an integer
-reply, an array, a length over :data:`MAX_VALUE_BYTES`, a missing
-``\\r\\n`` after the value; a RESP3 push frame too, which a server sends
-unasked only for maintenance notifications of Redis Enterprise/Cloud: that
-GET is then a failed call, a miss). A connection the server closed raises
-the caller's ``closed`` class (``redis.ConnectionError``); the socket's own
-timeout or error passes as it is.
-
-Threading: one call per connection at a time (a pooled connection is used
-by one thread at a time); the socket's deadline, if any, is the caller's
-(:mod:`ecstore.remote.deadline`).
+:func:`read_bulk` accepts exactly a bulk string or a null (RESP2 or RESP3)
+and nothing after it, receiving the value in one pass into a buffer of
+:data:`ecstore.pool.POOL`; anything else raises (an error line as redis-py's
+exception, any other reply :class:`BadReply`, nothing allocated) and the
+caller must drop the connection. One call per connection at a time; the
+socket's deadline is the caller's (:mod:`ecstore.remote.deadline`). Details:
+docs/architecture.md#remote-calls.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The remote tier: entries shared across machines through Redis/Valkey.
 
-    ECStore.contains ─► local tiers ─► RemoteTier.contains (EXISTS, bounded; negative cache)
-    ECStore.get      ─► local tiers ─► RemoteTier.get (GET, verified) ─► promoted to memory/LMDB
-    ECStore.put      ─► local tiers + RemoteTier.submit ─► writer thread ─► pipelined SET NX
-
-Failure is a miss, never an error: every remote call is bounded by
-``timeout_s`` as a whole (connect, command, the whole reply; see
-:mod:`~ecstore.remote.deadline`), goes through a
-:class:`CircuitBreaker` (after a few consecutive failures the remote is not
-asked at all until a back-off has passed; then one probe call decides), and
-any failure is counted in :class:`RemoteStats` and answered as a miss (reads)
-or a dropped write (writes). Nothing here raises to the caller once
-constructed.
-
-Threading: every public method may be called from any thread. Writes are
-sent by one background thread per tier (:class:`~ecstore.remote.writer.WriteQueue`):
-``submit`` blocks at most ``timeout_s`` when ``queue_bytes`` of values are
-already waiting (back-pressure), then drops the write, and drops it at once
-while the circuit is open. One write batch (its EXISTS and SET round trips
-together) is bounded by ``timeout_s``; when one fails for want of the
-server (unreachable, timed out) the writes still queued are dropped with it.
-``drain`` waits for the writes queued before its call, not for an empty
-queue: with a server that stopped answering it returns within ``timeout_s``.
+:class:`RemoteTier`: failure is a miss, never an error. Every call is bounded
+by ``timeout_s`` (seconds) as a whole (:mod:`~ecstore.remote.deadline`), goes
+through a :class:`CircuitBreaker` and is counted in :class:`RemoteStats`;
+nothing raises once constructed. Any thread may call any method; writes go
+out on one background thread (``submit`` blocks at most ``timeout_s`` for
+``queue_bytes`` of room, then drops). Flows and threading:
+docs/architecture.md#remote-calls; behaviour: docs/remote.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Remote-tier URLs: parsing, validation and credential masking.
 
-Accepted forms (LMCache's ``remote_url`` style)::
-
-    redis://[user[:password]@]host[:port][/db]        one server
-    rediss://...                                       the same over TLS
-    redis+cluster://[user[:password]@]h1:p1[,h2:p2...] a Redis / Valkey cluster (seed nodes)
-    rediss+cluster://...                               a cluster over TLS
-    redis://h1:p1,h2:p2                                a comma-separated seed list: a cluster
-    unix:///path/to/redis.sock[?db=N]                  a local socket
-
-``valkey://`` / ``valkeys://`` are accepted as spellings of ``redis://`` /
-``rediss://``. The port defaults to 6379, the database to 0 (a cluster has
-only database 0). A password given in the URL wins over the ``remote_password``
-key (normally set with ``LMCACHE_EC_REMOTE_PASSWORD``). As for redis-py, the
-user info runs to the last ``@`` of the host part, so a password may hold
-``@`` and ``:``; ``/``, ``?``, ``#`` and ``%`` must be percent-encoded
-(``%2F``, ``%3F``, ``%23``, ``%25``), as may anything else.
-
-Nothing here logs. :func:`mask_secrets` is ecstore's one secret masker:
-every message, log line and tool output that may hold a URL, a config value
-or a client library's error goes through it (``ecstore.config`` and the
-remote tier alike; this module is the lowest layer that needs it).
+:func:`parse_remote_url` accepts LMCache's ``remote_url`` forms
+(``redis://``, ``rediss://``, ``redis+cluster://``, a seed list,
+``unix://``; ``valkey`` spellings; port 6379, db 0 by default); a password in
+the URL wins over ``remote_password``. Forms and percent-encoding:
+docs/remote.md#url-forms and docs/remote.md#credentials. Nothing here logs.
+:func:`mask_secrets` is ecstore's one secret masker: every message, log line
+and tool output that may hold a URL, a config value or a client error goes
+through it (this module is the lowest layer that needs it).
 """
 
 from __future__ import annotations

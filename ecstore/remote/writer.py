@@ -1,24 +1,11 @@
 """The remote tier's write-behind queue: one background thread, bounded by bytes.
 
-``submit`` blocks at most ``wait_s`` while ``max_bytes`` of tensors are
-already queued (back-pressure), then drops the write; it drops at once while
-``refusing()`` is true (the circuit is open). The thread takes batches of at
-most BATCH_ITEMS entries / BATCH_BYTES bytes and hands each to ``send`` (one
-pipelined round trip); ``send`` must not raise (anything it does raise is
-logged and the batch counted by ``on_dropped``).
-
-Tickets: every queued write takes the next number of one counter (the
-queue's bookkeeping is the :class:`~ecstore.format.put.PutQueue` the store's
-writer keeps too; the waits are this module's). ``drain``
-(``ECStore.flush``/``wait_committed``) waits until no write numbered at or
-before its call is still queued or being sent, so writes submitted after the
-call, however many and however fast, never hold it up; while no batch is in
-flight it sends the oldest queued one itself rather than wait for the thread
-to wake (one batch in flight at a time, whoever sends it). After ``close`` began
-``submit`` drops (counted, returns False); a write queued before is sent
-(or dropped, see ``drop_queued``) before the thread exits.
-
-Threading: every method may be called from any thread.
+``submit`` blocks at most ``wait_s`` (seconds) while ``max_bytes`` are
+queued, then drops; it drops at once while ``refusing()`` (circuit open) or
+after ``close``. Batches of at most BATCH_ITEMS / BATCH_BYTES go to ``send``
+(which must not raise). ``drain`` waits only for writes ticketed before its
+call. Every method may be called from any thread. Design:
+docs/architecture.md#write-behind-queues.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The background writer of an :class:`~ecstore.store.ECStore` handle.
 
-Typed operations: a :class:`~ecstore.format.put.PendingPut` per queued put
-(the record every write queue uses), a :class:`~ecstore.lmdb.batch.Touch` per
-key read since the last commit; typed results: the LMDB tier's
-:class:`~ecstore.lmdb.batch.BatchPut` with a :class:`~ecstore.format.put.PutOutcome`
-per put. One thread per handle commits a batch in one LMDB write transaction;
-the writer holds the LMDB tier, never the store.
-
-Tickets: every put and touch takes the next number of one counter (the
-``ticket`` of the :class:`~ecstore.format.put.PutQueue` that keeps the queued
-puts, as it does for the remote's write queue);
-:meth:`Writer.drain` (``wait_committed``) waits until nothing numbered at or
-before its call is uncommitted, and with ``durable=True`` (``flush``) until it
-is durable too (blob files ``fdatasync``ed right after their commit, on a sync
-thread of its own, ``ecstore-sync``, so the next batch is written and
-committed while the disk works on the previous one; jobs waiting meanwhile are
-synced together: visible first, durable next; docs/architecture.md). After
-:meth:`Writer.stop` a put is refused with "store is closed"; everything
-queued before is written, and every committed blob file synced, before the
-threads exit.
+:class:`Writer`: one thread per handle commits queued puts
+(:class:`~ecstore.format.put.PendingPut`) and touches in one LMDB write
+transaction per batch; a sync thread (``ecstore-sync``) ``fdatasync``s blob
+files after their commit. :meth:`Writer.drain` waits for everything ticketed
+before its call (``durable=True``: until it is durable too); after
+:meth:`Writer.stop` puts are refused and everything queued is written first.
+Holds the LMDB tier, never the store. Design:
+docs/architecture.md#write-behind-queues.
 """
 
 from __future__ import annotations
@@ -65,20 +54,14 @@ class SyncJob(NamedTuple):
 class Writer(threading.Thread):
     """Background LMDB writer: drains puts and LRU touches in batches.
 
-    Bounded by bytes: :meth:`submit` (``ECStore.put``) blocks while the
-    tensor bytes not yet written (queued, and the batch being written) would
-    exceed ``max_bytes`` (back-pressure, not unbounded memory; puts are
-    admitted first come, first served). Commits at most ``batch_bytes`` of
-    blobs per LMDB transaction, with the LRU touches made before them. Every method is
-    thread-safe (one condition, ``cv``, guards all state); :meth:`drain`
-    waits for what was submitted before its call only (see the module doc);
-    :meth:`submit` raises ECStoreError once :meth:`stop` began. The thread itself
-    only calls :meth:`LMDBTier.write_batch`, logs each outcome (``EC put:``
-    lines) and records failures: :attr:`write_errors` counts failed puts,
-    :attr:`sync_errors` committed blob files whose sync failed, and
-    :meth:`take_errors` hands both to ``flush`` (and ``close``, which logs them).
-    Committed blob files are synced by a second thread (:meth:`_sync_run`),
-    fed by this one (:class:`SyncJob`); :meth:`stop` returns once both ended.
+    :meth:`submit` (``ECStore.put``) blocks while unwritten tensor bytes would
+    exceed ``max_bytes`` (first come, first served; raises ECStoreError once
+    :meth:`stop` began); a transaction commits at most ``batch_bytes`` of blobs
+    with the touches made before them. Thread-safe (one condition, ``cv``).
+    :attr:`write_errors` / :attr:`sync_errors` count failed puts and blob-file
+    syncs, which :meth:`take_errors` hands to ``flush`` and ``close``; a second
+    thread (:meth:`_sync_run`, fed :class:`SyncJob`) syncs committed files, and
+    :meth:`stop` returns once both threads ended.
     """
 
     def __init__(self, disk: LMDBTier, model: str, max_bytes: int, batch_bytes: int,

@@ -4,33 +4,11 @@
     .venv/bin/python tools/stress_concurrency.py --procs 8 --ops 2000 --seed 1
     .venv/bin/python tools/stress_concurrency.py --procs 8 --duration 300 --mode evict
 
-``--procs`` worker processes (real processes: forkserver workers, see
-tests/helpers/fault_common.py) open one store directory, each with its own
-ECStore (memory tier on every other worker), and:
-
-1. at a barrier, all put the same ``--shared`` identifiers in the same order
-   with identical content -- what tensor-parallel ranks do -- and flush;
-2. then run ``--ops`` seeded random operations: put (shared or own
-   identifiers), get (any identifier: a hit must be bit-exact), contains,
-   delete, flush, pin (``pin_if_present`` then a disk read, which the lease
-   must make a hit) and, in ``evict`` mode, "shrink" (open a second handle
-   with half the cap: eviction at open, racing the other writers).
-
-A reader process checks, in one read transaction per pass, all the while,
-that ``meta total_bytes`` equals the sum of the record sizes and stays within
-the cap, that data.mdb stays within the map, and that a random entry decodes
-to its exact content.
-
-Modes: ``roomy`` -- the cap holds everything, deletes touch only a worker's
-own identifiers: at the end every shared identifier and every own identifier
-whose last operation was a put must be present (no lost committed entry).
-``evict`` -- a cap of ``--cap-kb`` (about 20 entries): constant eviction,
-deletes of anything; entries may vanish, never be wrong. Both: no worker
-error, no write error, exact accounting at the end (``audit``), and
-``ecstore-dump verify`` exits 0.
-
-``run(...)`` is what tests/store/test_faults.py calls; it raises AssertionError on
-the first violation and returns a summary dict.
+Worker processes put, get, delete, pin and flush on one store while a reader
+checks the accounting; entries may vanish (``evict``), never be wrong, and a
+roomy store loses no committed entry. :func:`run` raises AssertionError on the
+first violation and returns a summary dict. Details:
+docs/guarantees.md#the-concurrency-run-stress_concurrencypy.
 """
 
 from __future__ import annotations

@@ -3,46 +3,12 @@
 
     .venv/bin/python tools/stress_crash.py --kills 100 --seed 1
     .venv/bin/python tools/stress_crash.py --kills 100 --writers 4 --seed 2
-    .venv/bin/python tools/stress_crash.py --duration 600 --seed 7 --evict-max-mb 48
 
-Each round starts ``--writers`` writer processes (default 1) on one of two
-stores (alternating):
-
-* ``evicting``: a cap of ``--evict-cap-mb`` (48 MiB) and entries of 4 KiB to
-  ``--evict-max-mb`` (24 MiB, log-uniform): eviction runs all the time, and
-  kills land in commits of multi-MB blobs;
-* ``roomy``: a cap far above everything it will ever be sent, entries of
-  4 KiB to ``--roomy-max-mb`` (1 MiB): nothing may ever disappear.
-
-The writer (a real process: a forkserver worker, see
-tests/helpers/fault_common.py) opens the store like an engine does, puts
-entries with consecutive ids -- content a pure function of the id -- and
-calls ``flush()`` after a random number of puts. Over a pipe it reports
-``P <id>`` before each put, ``S`` before each ``flush()``, ``F <lo> <hi>``
-after it has returned, and ``C <id>`` (from its background writer) after each
-commit. For each writer the parent draws N from its seeded RNG, reads the
-pipes, and sends that writer SIGKILL as soon as it has read N of its reports
-(no sleeps: the moment is set by the writer's own progress); it then reads
-whatever else the writers managed to report before dying. With several
-writers, one may die holding LMDB's write lock while another waits for it.
-
-After every round the parent opens the store (read-write, like the next
-engine would) and checks:
-
-* the store opens; ``audit``: every entry whole (record, blob, LRU row,
-  checksum, header), ``meta total_bytes`` == sum of record blob sizes == sum
-  of blob lengths, total <= cap, data.mdb <= map size;
-* every present entry was really put, and reads back bit-exact;
-* every entry reported flushed is present and bit-exact, or absent because it
-  was evicted: on ``roomy`` nothing may be absent; on ``evicting`` the absent
-  ones must be each writer lane's oldest flushed ones (eviction is LRU and
-  writers only put, so within a lane LRU order is put order) and the bytes
-  of everything committed so far (reported committed or flushed, seen in the
-  store, or put after a writer's last reported commit) must exceed the cap
-  (eviction was needed).
-
-``run(...)`` is what tests/store/test_faults.py calls (with fewer kills); it raises
-AssertionError on the first violation and returns a summary dict.
+Writer processes put and flush on an evicting or a roomy store and are killed
+after a seeded number of their progress reports; after each round the store
+must open, pass ``audit`` and hold every flushed entry bit-exact (or evicted,
+in LRU order). :func:`run` raises AssertionError on the first violation and
+returns a summary dict. Details: docs/guarantees.md#the-crash-run-stress_crashpy.
 """
 
 from __future__ import annotations

@@ -1,57 +1,11 @@
 #!/usr/bin/env python3
 """Build a tiny, random-weight BLIP-2 that the real vLLM (CPU build) can serve offline.
 
-Used by tests, benchmarks and the demo: nothing is downloaded, the build takes a few
-seconds and is cached on disk (a marker file holds a hash of the build spec; a directory
-whose marker matches is reused as is).
-
-Module use::
-
-    from ecstore.testing import tiny_model
-    model_dir = tiny_model.build_tiny_blip2("/tmp/tiny_blip2")          # light, ~3 MB
-    tiny_model.setup_single_process_env()      # before the engine starts
-    from vllm import LLM, SamplingParams
-    llm = LLM(**tiny_model.engine_kwargs(model_dir))
-    out = llm.generate(
-        {"prompt": tiny_model.prompt("What is in the image?"),
-         "multi_modal_data": {"image": tiny_model.make_image(1)}},
-        SamplingParams(**tiny_model.greedy_sampling_kwargs()),
-    )
-
-CLI::
-
-    python tools/tiny_model.py OUT_DIR [--heavy] [--seed N] [--force]
-
-What gets written to OUT_DIR: ``config.json`` (``Blip2ForConditionalGeneration``),
-``model.safetensors`` (float32), ``generation_config.json``, the tokenizer
-(``tokenizer.json``, ``tokenizer_config.json`` with a chat template), the processor
-(``processor_config.json``, PIL image processor ``BlipImageProcessorPil``), and the
-marker ``.tiny_model.json``.
-
-Facts worth knowing when writing tests against this model:
-
-* Prompt format: plain text such as ``"Question: <q> Answer:"``; vLLM's BLIP-2 processor
-  inserts the 32 ``<image>`` placeholder tokens itself at the start of the prompt
-  (``PromptInsertion`` at ``start()``), so the text must NOT contain ``<image>``. The
-  chat template renders ``Question: <text> Answer:`` too, so the OpenAI chat endpoint
-  works with ``image_url`` content parts.
-* Encoder output per image: ``[32, 128]`` float32 (32 query tokens x OPT hidden 128),
-  for both the light and heavy variants.
-* Weights are random: generated text is gibberish and EOS may come at any time; use
-  ``ignore_eos=True`` (``greedy_sampling_kwargs()``) for a fixed number of tokens.
-* The CPU attention backend needs head size >= 32: OPT has hidden 128 / 4 heads.
-* Weights use initializer_range 0.2 (not 0.02) so that different images give different
-  greedy tokens; the same input gives the same tokens whether the embedding was
-  computed or loaded from a connector (checked with vLLM's ECExampleConnector).
-* ``mm_hash`` (vLLM's item identifier) hashes the model *path* and the pixels, not the
-  weights: rebuilding a different seed into the same directory keeps the hashes.
-* Calling the saved HF ``Blip2Processor`` directly with images *and* text fails in
-  transformers 5.19 (``'str' object has no attribute 'content'``: the registered
-  ``image_token`` comes back as a str). vLLM does not hit this; only direct HF use does.
-
-The code lives in three modules, all re-exported here: :mod:`.tiny_spec`
-(size spec, tokens, spec hash), :mod:`.tiny_build` (building the checkpoint)
-and :mod:`.tiny_inputs` (images, prompt, engine and server arguments).
+Nothing is downloaded; a build takes seconds, is ~3 MB (light) and is cached on
+disk (a marker holds a hash of the build spec; a matching directory is reused).
+Encoder output per image: ``[32, 128]`` float32. Re-exports :mod:`.tiny_spec`,
+:mod:`.tiny_build` and :mod:`.tiny_inputs`. Usage, the CLI, the files written
+and the facts to know when testing against it: docs/testing.md#using-a-tiny-model.
 """
 
 from __future__ import annotations

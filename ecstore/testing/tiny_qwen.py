@@ -1,51 +1,11 @@
 #!/usr/bin/env python3
 """Tiny random-weight Qwen multimodal models that the real vLLM (CPU build) serves offline.
 
-Four models, each built in seconds into a directory of a few MB (no download,
-cached on disk like :mod:`ecstore.testing.tiny_model`'s BLIP-2: a marker holds
-a spec hash, concurrent builds are locked out):
-
-============  ====================================  =====================  ==================
-name          architecture                          inputs                 encoder output
-============  ====================================  =====================  ==================
-qwen2_5_vl    Qwen2_5_VLForConditionalGeneration    image, video (frames,  [tokens, 128]
-                                                    mp4)
-qwen3_vl      Qwen3VLForConditionalGeneration       image, video           [tokens, 384]
-              (deepstack: 2 extra levels)                                  (wider than the LM)
-qwen2_audio   Qwen2AudioForConditionalGeneration    audio                  [frames, 128]
-qwen2_5_omni  Qwen2_5OmniModel (the thinker)        image, video, audio,   [tokens, 128]
-                                                    video with its audio
-============  ====================================  =====================  ==================
-
-Module use::
-
-    from ecstore.testing import tiny_inputs, tiny_qwen
-    d = tiny_qwen.build_tiny_qwen("qwen2_5_vl", ".cache/tiny_qwen2_5_vl")
-    tiny_inputs.setup_single_process_env()
-    from vllm import LLM, SamplingParams
-    llm = LLM(**tiny_qwen.engine_kwargs("qwen2_5_vl", d))
-    llm.generate({"prompt": tiny_qwen.prompt("qwen2_5_vl", ["image", "video"]),
-                  "multi_modal_data": {"image": tiny_qwen.make_image(1, 112),
-                                       "video": tiny_qwen.make_video(2)}},
-                 SamplingParams(**tiny_inputs.greedy_sampling_kwargs()))
-
-CLI::
-
-    python -m ecstore.testing.tiny_qwen NAME OUT_DIR [--seed N] [--force]
-
-Facts worth knowing:
-
-* Every language model: hidden 128, 4 heads of 32 (the CPU attention backend
-  needs head size >= 32), 2 layers, mrope sections [4, 6, 6]; one BPE
-  tokenizer (vocab ~512) holding every special token of the four models.
-* Prompts carry one placeholder per item (``<|vision_start|><|image_pad|>
-  <|vision_end|>`` for Qwen-VL, ``<|audio_bos|><|AUDIO|><|audio_eos|>`` for
-  audio, ``<|vision_bos|><|IMAGE|><|vision_eos|>`` for Omni); vLLM expands it.
-* Images are resized to at most 16 tokens, video frames to at most 4 per
-  frame pair; audio is a float32 waveform at 16 kHz.
-* Videos given as frames need metadata (:func:`make_video`); an mp4 goes
-  through ``LLM.chat`` as a ``video_url`` data URL and is decoded by vLLM's
-  OpenCV backend, sampled by fps (``media_io_kwargs={"video": {"fps": N}}``).
+Four models (``qwen2_5_vl``, ``qwen3_vl``, ``qwen2_audio``, ``qwen2_5_omni``),
+each built in seconds into a few MB, no download, cached on disk like
+:mod:`ecstore.testing.tiny_model` (spec-hash marker, concurrent builds locked
+out). Architectures, inputs, encoder output shapes, prompts and media helpers:
+docs/testing.md#tiny-models; usage and CLI: docs/testing.md#using-a-tiny-model.
 """
 
 from __future__ import annotations
