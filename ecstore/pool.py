@@ -31,6 +31,21 @@ DEFAULT_IDLE_BYTES = 256 * MiB
 DEFAULT_MIN_BYTES = 64 * 1024
 
 
+#: Every slab starts at a multiple of this many bytes: a blob built in one
+#: (it starts at its slab's start) can be written with ``O_DIRECT``
+#: (:mod:`ecstore.lmdb.blobfiles`), which needs block-aligned memory.
+SLAB_ALIGN = 4096
+
+
+def new_slab(cls: int, *, pinned: bool = False) -> np.ndarray:
+    """A new uint8 slab of ``cls`` bytes starting at a multiple of
+    :data:`SLAB_ALIGN` (not written: its pages are faulted in by whoever
+    writes it first)."""
+    raw = torch.empty(cls + SLAB_ALIGN, dtype=torch.uint8, pin_memory=pinned).numpy()
+    pad = -raw.ctypes.data % SLAB_ALIGN
+    return raw[pad:pad + cls]
+
+
 def size_class(nbytes: int) -> int:
     """The slab size for a request of ``nbytes`` (> 0): the smallest
     ``m * 2**k`` (m in 4..8) that holds it."""
@@ -119,7 +134,7 @@ class BufferPool:
             else:
                 self.fresh += 1
         if slab is None:
-            slab = torch.empty(cls, dtype=torch.uint8, pin_memory=pinned).numpy()
+            slab = new_slab(cls, pinned=pinned)
         with self._lock:
             return self._hand_out(slab, nbytes, pinned)
 
@@ -208,19 +223,19 @@ class BufferPool:
             if slab is None and (free or self._idle + cls > self.idle_cap):
                 return
         if slab is None:
-            t = torch.empty(cls, dtype=torch.uint8)
-            t.fill_(0)  # faults every page in (torch releases the GIL)
+            fresh = new_slab(cls)
+            torch.from_numpy(fresh).fill_(0)  # faults every page in (torch releases the GIL)
             with self._lock:
                 if self._idle + cls > self.idle_cap:
                     return
                 self._idle += cls
                 self.prefaulted += 1
                 if want is None:
-                    slab = t.numpy()
+                    slab = fresh
                     self._free.setdefault(cls, []).append(slab)
                     self._order[id(slab)] = (cls, False)
                     return
-            slab = t.numpy()
+            slab = fresh
         assert want is not None
         nbytes, offset, dtype, shape = want
         with self._lock:

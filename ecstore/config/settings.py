@@ -70,6 +70,7 @@ class ECStoreConfig:
     share_client_uuids: bool = False
     pooled_blobs: bool = True
     split_reads: bool = True
+    use_odirect: bool = True
     min_file_blob_size: float = 0.5
     remote_url: str | None = field(default=None, repr=False)
     remote_password: str | None = field(default=None, repr=False)
@@ -81,7 +82,7 @@ class ECStoreConfig:
 
     def __post_init__(self) -> None:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
-        for name in ("local_cpu", "share_client_uuids", "pooled_blobs", "split_reads"):
+        for name in ("local_cpu", "share_client_uuids", "pooled_blobs", "split_reads", "use_odirect"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} (from {src(name)}): expected true or false, "
                                   f"got {short_repr(getattr(self, name))}")
@@ -232,6 +233,10 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: parse_bool(v),
         "read disk-tier entries of 8 MiB and more on two cores (false: one core, for busy machines)"),
+    "use_odirect": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: parse_bool(v),
+        "write blob files of 4 MiB and more with O_DIRECT, past the page cache (false: through it)"),
     "min_file_blob_size": KeySpec(
         "float", "MiB", f"a size in MiB: a finite number >= 0, at most {MAX_SIZE_GIB} (e.g. 4 or 0.5)",
         lambda v, _s: parse_number(v, "min_file_blob_size"),

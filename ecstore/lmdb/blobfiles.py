@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ecstore.errors import (
     CorruptEntryError,
     ECStoreError,
@@ -78,6 +80,14 @@ def _writeback_starter() -> Callable[[int, int, int], object] | None:
 
 
 _start_writeback = _writeback_starter()
+
+#: ``O_DIRECT`` writes of blob files: memory, file offset and length in
+#: multiples of this many bytes (the largest logical block size in use).
+DIRECT_ALIGN = 4096
+#: Blobs of at least this many bytes are written with ``O_DIRECT`` by
+#: default (the ``use_odirect`` setting): no page-cache copy, and none of
+#: the buffered path's stalls on new blocks (docs/benchmarks.md, O_DIRECT).
+DIRECT_FROM = 4 << 20
 
 
 def _preallocator() -> Callable[[int, int], int] | None:
@@ -186,9 +196,13 @@ class BlobFiles:
     """The blob files of one store handle (one per LMDBTier; a process may
     hold several, each with its own token). See docs/architecture.md#blob-files."""
 
-    def __init__(self, store_dir: str, *, readonly: bool, file_mode: int | None = None) -> None:
+    def __init__(self, store_dir: str, *, readonly: bool, file_mode: int | None = None,
+                 direct_from: int | None = DIRECT_FROM) -> None:
         self.dir = os.path.join(store_dir, "blobs")
         self.readonly = readonly
+        #: Blobs of at least this many bytes are written with ``O_DIRECT``
+        #: (None: never); set to None once the file system refused it.
+        self.direct_from = direct_from
         self._policy = FilePolicy(DEFAULT_FILE_MODE if file_mode is None else file_mode)
         self._lock = threading.Lock()
         self._counter = itertools.count()
@@ -330,7 +344,10 @@ class BlobFiles:
         (``writeback``) start its writeback as it goes; it is durable only
         after :meth:`sync`. ``writeback=False`` leaves the file's pages to
         that sync: for a file committed before it is synced, whose writeback
-        would otherwise compete with the commit's own sync. StoreFullError
+        would otherwise compete with the commit's own sync. A blob of at
+        least ``direct_from`` bytes in :data:`DIRECT_ALIGN`-aligned memory is
+        written with ``O_DIRECT`` (all but its unaligned tail; see
+        :data:`DIRECT_ALIGN`), where the file system takes it. StoreFullError
         on any OS error ("disk full while writing ..." for ENOSPC/EFBIG/EDQUOT),
         with no partial file left; InvalidEntryError for a non-contiguous buffer."""
         check_same_process(self._pid, f"blob files of {self.dir}")
@@ -341,11 +358,20 @@ class BlobFiles:
         with self._lock:
             name = f"{self._take_token()}-{next(self._counter)}.ecb"
         path = self._path(name)
+        size = len(data)
+        direct = (size // DIRECT_ALIGN * DIRECT_ALIGN) if self._direct_for(data) else 0
         try:
-            fd = self._new_file(name, os.O_WRONLY)
+            fd = self._new_file(name, os.O_WRONLY | (os.O_DIRECT if direct else 0))
         except OSError as e:
-            raise _write_error("blob file", path, e) from None
-        done, size = 0, len(data)
+            if not (direct and e.errno == errno.EINVAL):
+                raise _write_error("blob file", path, e) from None
+            self._no_direct(e)  # the file system has no O_DIRECT: buffered from now on
+            direct = 0
+            try:
+                fd = self._new_file(name, os.O_WRONLY)
+            except OSError as e2:
+                raise _write_error("blob file", path, e2) from None
+        done = 0
         try:
             try:
                 if _preallocate is not None and size:
@@ -353,12 +379,14 @@ class BlobFiles:
                     if err in _FULL_ERRNOS:  # not room for it: nothing written yet
                         raise OSError(err, os.strerror(err))
                     # any other failure (EOPNOTSUPP...): the writes allocate as they go
+                if direct:
+                    done = self._write_direct(fd, data, direct)
                 while done < size:
                     # short writes: once the disk or RLIMIT_FSIZE is reached
                     n = os.write(fd, data[done:done + WRITEBACK_CHUNK])
                     if n <= 0:
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    if writeback and _start_writeback is not None:
+                    if writeback and not direct and _start_writeback is not None:
                         _start_writeback(fd, done, n)  # a hint: its result does not matter
                     done += n
             finally:
@@ -367,6 +395,42 @@ class BlobFiles:
             self.discard([name])
             raise _write_error("blob file", path, e) from None
         return FileRef(name, size)
+
+    def _direct_for(self, data: memoryview) -> bool:
+        """Whether ``data`` is written with ``O_DIRECT``: large enough, and
+        its memory aligned (blobs built in :data:`ecstore.pool.POOL` are)."""
+        if self.direct_from is None or len(data) < max(self.direct_from, DIRECT_ALIGN):
+            return False
+        return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) % DIRECT_ALIGN == 0
+
+    def _write_direct(self, fd: int, data: memoryview, end: int) -> int:
+        """Write ``data[:end]`` (``end`` a multiple of :data:`DIRECT_ALIGN`)
+        through ``fd`` opened with ``O_DIRECT``, then turn ``O_DIRECT`` off
+        for the tail. A write the file system refuses (EINVAL: alignment it
+        does not take) turns it off at once, for this handle too; the rest
+        is written buffered. Returns the bytes written."""
+        done = 0
+        try:
+            while done < end:
+                n = os.write(fd, data[done:min(end, done + WRITEBACK_CHUNK)])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += n
+                if n % DIRECT_ALIGN:  # a short write: the rest is not aligned any more
+                    break
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._no_direct(e)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        return done
+
+    def _no_direct(self, e: OSError) -> None:
+        """``O_DIRECT`` refused here: this handle writes buffered from now on."""
+        if self.direct_from is not None:
+            self.direct_from = None
+            log.info("ecstore: %s does not take O_DIRECT writes (%s): blob files are written through the "
+                     "page cache", self.dir, e.strerror or e)
 
     def sync(self, names: Iterable[str], *, missing_ok: bool = False) -> None:
         """Make the named files (written by :meth:`write`) durable:

@@ -30,7 +30,7 @@ import lmdb
 from ecstore.errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
 from ecstore.format import codec
 from ecstore.lmdb import schema
-from ecstore.lmdb.blobfiles import BlobFiles
+from ecstore.lmdb.blobfiles import DIRECT_FROM, BlobFiles
 from ecstore.lmdb.env import MiB, _SharedEnv, map_size_for
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.leases import LeaseTable
@@ -93,7 +93,8 @@ class StoreHandle:
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
                  map_size_bytes: int | None = None, file_mode: int | None = None,
-                 file_blobs_from: int | None = None, split_reads_from: int | None = None) -> None:
+                 file_blobs_from: int | None = None, split_reads_from: int | None = None,
+                 direct_writes_from: int | None = DIRECT_FROM) -> None:
         self.path = path
         self.split_reads_from = split_reads_from  # blob files this large are read on two cores
         self.capacity_bytes = int(capacity_bytes)
@@ -127,7 +128,8 @@ class StoreHandle:
             self._shared.open_leases()
             # Blobs of at least file_blobs_from bytes are kept in files
             # (schema 4 on; see ecstore.lmdb.blobfiles); None: all inline.
-            self.files = BlobFiles(path, readonly=readonly or self.schema_version < 4, file_mode=file_mode)
+            self.files = BlobFiles(path, readonly=readonly or self.schema_version < 4, file_mode=file_mode,
+                                   direct_from=direct_writes_from)
             self.file_blobs_from: int | None = (
                 (FILE_BLOBS_FROM if file_blobs_from is None else int(file_blobs_from))
                 if self.schema_version >= 4 else None)

@@ -30,6 +30,7 @@ from ecstore.errors import (
 )
 from ecstore.format import PutOutcome, Record, codec
 from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
+from ecstore.lmdb.blobfiles import DIRECT_FROM
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
@@ -70,7 +71,8 @@ class LMDBTier(TierReads):
     def __init__(self, path: str, capacity_bytes: int, *, readonly: bool = False,
                  create: bool = True, schema_target: int | None = None,
                  map_size_bytes: int | None = None, file_mode: int | None = None,
-                 file_blobs_from: int | None = None, split_reads_from: int | None = None) -> None:
+                 file_blobs_from: int | None = None, split_reads_from: int | None = None,
+                 direct_writes_from: int | None = DIRECT_FROM) -> None:
         """``map_size_bytes`` overrides the LMDB map size (default
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
@@ -93,10 +95,15 @@ class LMDBTier(TierReads):
 
         ``split_reads_from``: blob files with at least this many bytes of
         data are read on two cores (:mod:`ecstore.format.split_read`); None (the
-        default): one core."""
+        default): one core.
+
+        ``direct_writes_from``: blob files of at least this many bytes are
+        written with ``O_DIRECT`` where the file system takes it (default
+        :data:`~ecstore.lmdb.blobfiles.DIRECT_FROM`; None: through the page
+        cache; see :meth:`~ecstore.lmdb.blobfiles.BlobFiles.write`)."""
         super().__init__(path, capacity_bytes, readonly=readonly, create=create, schema_target=schema_target,
                          map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from,
-                         split_reads_from=split_reads_from)
+                         split_reads_from=split_reads_from, direct_writes_from=direct_writes_from)
         if not readonly:
             self._initial_eviction()
             try:  # best effort, like the eviction: leftovers wait for the next open

@@ -41,6 +41,7 @@ from ecstore.key import (
     make_key,
 )
 from ecstore.lmdb import LMDBTier
+from ecstore.lmdb.blobfiles import DIRECT_FROM
 from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.memory import MemoryTier
 from ecstore.store.calls import CallGate
@@ -163,7 +164,8 @@ class ECStore:
             tiers.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                   schema_target=seams.schema_target, map_size_bytes=seams.map_size_bytes,
                                   file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
-                                  split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None)
+                                  split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None,
+                                  direct_writes_from=DIRECT_FROM if config.use_odirect else None)
             self._legacy = tiers.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
                 tiers.writer = Writer(tiers.disk, self.model, config.write_queue_bytes,
