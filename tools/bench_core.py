@@ -253,12 +253,15 @@ class Bench:
         from ecstore.config import load_config
 
         # For A/Bs from the environment: LMCACHE_EC_POOLED_BLOBS=0 (saves into
-        # fresh memory), LMCACHE_EC_MIN_FILE_BLOB_SIZE=<MiB> (which blobs go to files).
+        # fresh memory), LMCACHE_EC_MIN_FILE_BLOB_SIZE=<MiB> (which blobs go to files),
+        # LMCACHE_EC_USE_ODIRECT=0 (blob files through the page cache).
         ab = load_config(env={k: v for k, v in os.environ.items()
-                              if k in ("LMCACHE_EC_POOLED_BLOBS", "LMCACHE_EC_MIN_FILE_BLOB_SIZE")})
+                              if k in ("LMCACHE_EC_POOLED_BLOBS", "LMCACHE_EC_MIN_FILE_BLOB_SIZE",
+                                       "LMCACHE_EC_USE_ODIRECT")})
         cfg = ECStoreConfig(local_disk=d, max_local_disk_size=disk_bytes / GiB if d else 0.0,
                             local_cpu=local_cpu, max_local_cpu_size=(cpu_bytes / GiB) if local_cpu else 0.0,
-                            pooled_blobs=ab.pooled_blobs, min_file_blob_size=ab.min_file_blob_size)
+                            pooled_blobs=ab.pooled_blobs, min_file_blob_size=ab.min_file_blob_size,
+                            use_odirect=ab.use_odirect)
         identity = None
         if self.vcfg is not None and model in (None, self.model):
             # What the connectors of this VllmConfig read and write under.

@@ -63,7 +63,7 @@ def sec_burst(b: Bench) -> None:
         b.add("burst", "ecstore burst durable throughput", rates, unit="GB/s", workload=name,
               note=f"{BURST} saves then flush(), from the first save to flush's return")
         b.add("burst", "device floor: one file + fdatasync", floors, unit="GB/s", workload=name,
-              note="the same bytes appended to one file, one fdatasync")
+              note="the same bytes appended to one file, one fdatasync (the faster of buffered and O_DIRECT)")
     fill_ratios(b, "burst")
 
 
