@@ -29,10 +29,30 @@ def redis_binary() -> str:
     return path
 
 
-def free_port() -> int:
+#: A cluster node also listens on its port + this (the cluster bus).
+CLUSTER_BUS_OFFSET = 10000
+
+
+def _bound_port(port: int = 0) -> int | None:
+    """Bind 127.0.0.1:``port`` (0: any) and release it; the port, or None if taken."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+        return int(s.getsockname()[1])
+
+
+def free_port(*, bus_offset: int | None = None) -> int:
+    """A TCP port on 127.0.0.1 free right now; with ``bus_offset``, one whose
+    port + ``bus_offset`` is a valid port and free too (a cluster node's bus:
+    an ephemeral port above 55535 has none, and redis-server exits)."""
+    for _ in range(200):
+        port = _bound_port()
+        assert port is not None
+        if bus_offset is None or (port + bus_offset <= 65535 and _bound_port(port + bus_offset) is not None):
+            return port
+    raise RuntimeError("no free port pair found on 127.0.0.1")
 
 
 @dataclass
@@ -79,8 +99,9 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start on a free port (retried: another process may take a port first)."""
+        cluster = "--cluster-enabled" in self.extra
         for _ in range(5):
-            self.port = free_port()
+            self.port = free_port(bus_offset=CLUSTER_BUS_OFFSET if cluster else None)
             if self._launch():
                 return self
         raise RuntimeError(f"redis-server did not start; see {self.workdir}")

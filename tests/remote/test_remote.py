@@ -25,7 +25,7 @@ from ecstore.config import ECStoreConfig
 from ecstore.remote.backend import KEY_PREFIX
 from ecstore.remote.breaker import BreakerState
 from ecstore.remote.writer import WriteQueue
-from ecstore.testing.redis_server import RedisServer
+from ecstore.testing.redis_server import CLUSTER_BUS_OFFSET, RedisServer, free_port
 from ecstore.testing.stores import open_store_with_remote_clock
 
 MODEL = "org/tiny-vlm"
@@ -645,6 +645,20 @@ def test_dump_of_an_unreachable_remote_is_one_clear_error(tmp_path: Path, comman
 # --------------------------------------------------------------------------
 # A real Redis Cluster (three masters)
 # --------------------------------------------------------------------------
+
+def test_a_cluster_node_gets_a_port_with_a_valid_free_bus_port() -> None:
+    """A cluster node listens on port + 10000 too: an ephemeral port above
+    55535 has no such port and redis-server exits; one with its bus port
+    taken cannot start either (a likely cause of one failure of the cluster
+    test below on a busy machine: its node had five tries at a port)."""
+    import socket
+
+    for _ in range(300):
+        port = free_port(bus_offset=CLUSTER_BUS_OFFSET)
+        assert port + CLUSTER_BUS_OFFSET <= 65535
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))  # free right now
+
 
 def test_cluster_shares_entries_across_slots_and_survives_a_dead_master(tmp_path: Path) -> None:
     import json
