@@ -86,8 +86,9 @@ _start_writeback = _writeback_starter()
 DIRECT_ALIGN = 4096
 #: Blobs of at least this many bytes are written with ``O_DIRECT`` by
 #: default (the ``use_odirect`` setting): no page-cache copy, and none of
-#: the buffered path's stalls on new blocks (docs/benchmarks.md, O_DIRECT).
+#: the buffered path's stalls on new page-cache pages (docs/benchmarks.md, O_DIRECT).
 DIRECT_FROM = 4 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (not Linux): never direct
 
 
 def _preallocator() -> Callable[[int, int], int] | None:
@@ -361,7 +362,7 @@ class BlobFiles:
         size = len(data)
         direct = (size // DIRECT_ALIGN * DIRECT_ALIGN) if self._direct_for(data) else 0
         try:
-            fd = self._new_file(name, os.O_WRONLY | (os.O_DIRECT if direct else 0))
+            fd = self._new_file(name, os.O_WRONLY | (_O_DIRECT if direct else 0))
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise _write_error("blob file", path, e) from None
@@ -399,7 +400,7 @@ class BlobFiles:
     def _direct_for(self, data: memoryview) -> bool:
         """Whether ``data`` is written with ``O_DIRECT``: large enough, and
         its memory aligned (blobs built in :data:`ecstore.pool.POOL` are)."""
-        if self.direct_from is None or len(data) < max(self.direct_from, DIRECT_ALIGN):
+        if not _O_DIRECT or self.direct_from is None or len(data) < max(self.direct_from, DIRECT_ALIGN):
             return False
         return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) % DIRECT_ALIGN == 0
 
@@ -422,7 +423,7 @@ class BlobFiles:
             if e.errno != errno.EINVAL:
                 raise
             self._no_direct(e)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
         return done
 
     def _no_direct(self, e: OSError) -> None:
