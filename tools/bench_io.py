@@ -356,6 +356,10 @@ def sec_write(b: Bench) -> None:
             ("device floor: one file + fdatasync", run_device,
              "same bytes appended to one file, one fdatasync (like dd conv=fdatasync); "
              "the faster of buffered and O_DIRECT"),
+            ("device floor, buffered (info)", lambda: _floor_once(b, src, count, "write-device", direct=False),
+             "the floor's writes through the page cache"),
+            ("device floor, O_DIRECT (info)", lambda: _floor_once(b, src, count, "write-device", direct=True),
+             "the floor's writes with O_DIRECT (how ecstore writes blob files of 4 MiB and more)"),
             ("ecstore put+flush", lambda: run_ecstore(True), "put() then flush(): durable"),
             ("ecstore put(copy=False)+flush", lambda: run_ecstore(False), "caller hands the tensor over"),
             ("raw files (fsync)", lambda: run_peer(lambda d: peers.RawFileStore(d, cap, fsync=True)),
