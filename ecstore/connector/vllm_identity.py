@@ -218,8 +218,19 @@ def is_content_hash(identifier: str) -> bool:
     return _CONTENT_HASH.search(identifier) is not None
 
 
+#: The digits of a content hash (``_CONTENT_HASH``).
+_HEX_DIGITS = "0123456789abcdef"
+
+
 def kept_out(identifier: str, share_client_uuids: bool) -> str | None:
-    """Why ``identifier`` must neither be stored nor looked up, or None."""
+    """Why ``identifier`` must neither be stored nor looked up, or None.
+
+    A bare 64-digit hash (how vLLM names nearly every item) is answered by
+    two string methods, not the two pattern searches below (it holds no
+    ``renderer``, and is a content hash): the same answer, fewer steps on
+    every save and lookup."""
+    if len(identifier) == 64 and not identifier.strip(_HEX_DIGITS):
+        return None
     if is_per_process(identifier):
         return "per-process"
     if not share_client_uuids and not is_content_hash(identifier):

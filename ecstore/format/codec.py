@@ -10,6 +10,7 @@ checked copies out :mod:`ecstore.format.blob_read`. Format: docs/format.md.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -132,6 +133,13 @@ def blob_size(tensor: torch.Tensor, *, identifier: str, model: str) -> int:
     return 8 + len(header_bytes(tensor, identifier, model)) + tensor_nbytes(tensor)
 
 
+#: A save of a CPU tensor up to this many bytes is copied into its blob by one
+#: ``memmove`` on the calling thread instead of ``Tensor.copy_``, which splits
+#: a copy this large between torch's threads: waking the other one after a
+#: pause costs more than the copy (docs/benchmarks.md, "Figures behind constants").
+MEMMOVE_MAX_BYTES = 4 << 20
+
+
 #: A blob under construction: a writable, C-contiguous uint8 numpy array (any
 #: bytes-like object is accepted where blobs are read).
 Blob = np.ndarray
@@ -189,6 +197,11 @@ def encode_view(tensor: torch.Tensor, *, identifier: str, model: str, header: by
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(tensor.device))
         done.synchronize()
+    elif 0 < nbytes <= MEMMOVE_MAX_BYTES and type(src) is torch.Tensor and src.is_cpu and not src.is_neg() \
+            and not dtype.is_complex and src.is_contiguous():
+        # The same bytes as copy_ (a plain dense CPU tensor: no conjugate or
+        # negative view bit, no subclass), on this thread; releases the GIL.
+        ctypes.memmove(view.data_ptr(), src.data_ptr(), nbytes)
     elif nbytes:
         # torch's copy releases the GIL (numpy's does not): the background
         # writer encoding a 100 MB blob must not stall the model-runner thread.

@@ -123,6 +123,14 @@ class Writer(threading.Thread):
         might not write it any more): a put that returns was queued before,
         and the thread writes it."""
         with self.cv:
+            if not self.in_line and not self.stopping and self.puts.room_for(item.nbytes, self.max_bytes):
+                # Nobody in line and room now (the usual case): admitted at
+                # once, as the loop below would, without keeping its turn.
+                self.admissions += 1
+                self.puts.add(item)
+                self.last_put_ticket = item.ticket
+                self.cv.notify_all()
+                return
             # First come, first admitted: a put waiting for room holds back
             # every later one, even one that would fit (else a steady stream
             # of small puts from other threads could keep a large one out).

@@ -8,6 +8,8 @@ import copy
 
 import pytest
 from helpers import vllm_objects as vo
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ecstore.connector.vllm_identity import (
     ENCODER_SETTINGS,
@@ -111,3 +113,16 @@ def test_identifier_kinds():
     assert kept_out("my-uuid", share_client_uuids=False) == "client-uuid"
     assert kept_out("my-uuid", share_client_uuids=True) is None
     assert kept_out(h, share_client_uuids=False) is None  # a hash-shaped uuid cannot be told apart
+
+
+@settings(max_examples=300, deadline=None)
+@given(identifier=st.one_of(
+    st.text(max_size=70),
+    st.text(alphabet="0123456789abcdefABCDEF\n:-", min_size=63, max_size=65),
+    st.builds(lambda h, i: h[:i] + "\n" + h[i + 1:], st.just("0f" * 32), st.integers(0, 63))),
+    share=st.booleans())
+def test_kept_out_answers_as_its_two_patterns(identifier: str, share: bool) -> None:
+    """The fast path for bare 64-digit hashes gives the patterns' answer for any string."""
+    want = ("per-process" if is_per_process(identifier)
+            else "client-uuid" if not share and not is_content_hash(identifier) else None)
+    assert kept_out(identifier, share_client_uuids=share) == want

@@ -19,6 +19,7 @@ import ecstore
 from ecstore import InvalidEntryError, key
 from ecstore.errors import CorruptEntryError
 from ecstore.format import Record, blob_check, blob_read, codec
+from ecstore.pool import BufferPool
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -182,6 +183,28 @@ def test_encode_of_a_non_contiguous_view_equals_its_contiguous_copy():
     base = make_tensor(2, 8, 4)
     assert bytes(codec.encode(base.t(), identifier="i", model=MODEL)) == bytes(
         codec.encode(base.t().contiguous(), identifier="i", model=MODEL))
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass (as wrappers such as vLLM's parameters are)."""
+
+
+@pytest.mark.parametrize("view", ["neg bit", "conj bit", "row slice", "subclass", "requires grad"])
+@pytest.mark.parametrize("rows", [3, codec.MEMMOVE_MAX_BYTES // 16 + 1])  # below and above the memmove cap
+def test_encode_copies_what_the_tensor_reads_as_whichever_copy_it_takes(view, rows):
+    """A contiguous CPU save below ``MEMMOVE_MAX_BYTES`` is copied by a raw
+    ``memmove``: views whose bytes are not their values (negative or
+    conjugate view bits) and subclasses must still encode as their values."""
+    base = torch.randn(rows + 1, 4, dtype=torch.complex64 if view == "conj bit" else torch.float32)
+    t = {"neg bit": lambda: torch._neg_view(base), "conj bit": lambda: base.conj(),
+         "row slice": lambda: base[1:], "subclass": lambda: base.as_subclass(_Marked),
+         "requires grad": lambda: base.clone().requires_grad_()}[view]()
+    assert t.is_contiguous() and t.is_neg() == (view == "neg bit") and t.is_conj() == (view == "conj bit")
+    want = t.resolve_neg().resolve_conj().detach().as_subclass(torch.Tensor).clone()
+    for pool in (None, BufferPool(min_bytes=0)):
+        blob, got = codec.encode_view(t, identifier="i", model=MODEL, pool=pool)
+        assert torch.equal(got.as_subclass(torch.Tensor), want)
+        assert bytes(blob) == bytes(codec.encode(want, identifier="i", model=MODEL))
 
 
 def _corruptions(blob: bytearray):
