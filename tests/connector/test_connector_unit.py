@@ -713,6 +713,47 @@ def test_a_verification_ending_between_the_lookup_and_its_start_keeps_the_reques
     assert jobs.wait_idle(60)
 
 
+@pytest.mark.parametrize("job", ["verify", "fetch"])
+def test_a_background_job_that_raises_ends_failed_logged_and_later_jobs_still_run(tmp_path, caplog, job):
+    """A verification or a remote fetch that raises ends FAILED (the request
+    waiting for it is a miss, never deferred forever): an ECStoreError is
+    logged as a miss, anything else as a defect, and the thread goes on with
+    the next job."""
+    from ecstore import ECStoreConfig
+    from ecstore.connector.availability import Fetch, RemoteFetches, Verifications, VerifiedEntries, Verify
+    from ecstore.errors import CorruptEntryError
+
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=0.01, local_cpu=False)
+    with ECStore(cfg, model="m", dtype=torch.float32) as store:
+        failures = {"x": CorruptEntryError("torn blob"), "y": RuntimeError("a defect")}
+
+        def failing(identifier, *args, **kwargs):
+            if identifier in failures:
+                raise failures[identifier]
+            return None
+
+        verified = VerifiedEntries(store)
+        if job == "verify":
+            verified.check = failing  # type: ignore[method-assign]
+            jobs: Verifications | RemoteFetches = Verifications(verified)
+            doing, failed = "verifying", Verify.FAILED
+        else:
+            store.get = failing  # type: ignore[method-assign]
+            jobs = RemoteFetches(store, verified)
+            doing, failed = "fetching", Fetch.FAILED
+        with caplog.at_level(logging.WARNING, logger="ecstore"):
+            for identifier in ("x", "y", "z"):
+                assert jobs.start(identifier)
+            assert jobs.wait_idle(60)
+        jobs.close()
+        assert [jobs.state(i) for i in ("x", "y", "z")] == [failed, failed, failed]  # z: plainly not there
+        logged = [(r.levelno, r.getMessage()) for r in caplog.records]
+        where = " from the remote" if job == "fetch" else ""
+        assert (logging.WARNING, f"ecstore: {doing} x{where} failed, treated as a miss: torn blob") in logged
+        assert (logging.ERROR, f"ecstore: {doing} y{where} failed: RuntimeError('a defect')") in logged
+        assert not any(f"{doing} z" in m for _, m in logged)
+
+
 def test_a_consumers_stand_in_is_as_wide_as_the_stored_entry(tiny_qwen3_vl_dir, disk_extra):
     """Qwen3-VL's deepstack packs 3 levels on the last dimension: its encoder
     output is 384 wide, its language model 128. A consumer-only instance has
