@@ -6,11 +6,11 @@ parallelism) the scheduler verifies the entry before its yes (see
 ``SchedulerSide.ensure_cache_available``). :class:`VerifiedEntries` remembers
 the entries it verified, so that a popular entry is read once per scheduler
 process, not at every request. The scheduler thread never reads a blob:
-:class:`Verifications` verifies on a thread of its own while the request
-waits a step, and :class:`RemoteFetches` brings such an entry that only the
-remote tier holds into the local disk tier, verified, on another (the
-scheduler never waits for a blob read, the network or another process's
-write lock). All are thread-safe."""
+:class:`Verifications` verifies (and pins for the next lookup) on a thread
+of its own while the request waits a step, and :class:`RemoteFetches`
+brings such an entry that only the remote tier holds into the local disk
+tier, verified, on another (the scheduler never waits for a blob read, the
+network or another process's write lock). All are thread-safe."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from ecstore.errors import ECStoreError
 from ecstore.format import Record
+from ecstore.lmdb.leases import Pin
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -253,13 +254,27 @@ class Verify:
     FAILED = "failed"  # gone, failed its checks (dropped, logged) or could not be read
 
 
+@dataclass(frozen=True, slots=True)
+class _HandedPin:
+    """A lease :class:`Verifications` took on an entry it verified, for the scheduler."""
+
+    record: Record  # the entry's record, read under the lease (matches what was verified)
+    step: int  # the scheduler's step (Verifications.unclaimed calls) it was taken in
+
+
 class Verifications(_BackgroundJobs):
     """Entries verified (:meth:`VerifiedEntries.check`: the whole blob read)
     on a background thread of their own, so that the scheduler thread reads
     no blob: the scheduler answers "not yet" for an entry it must verify
     first and the request waits a step (``ensure_cache_available``), as for
-    a remote fetch; once verified, the next lookup pins it and says yes
-    (a record read), and a failing one is dropped and a miss."""
+    a remote fetch; a failing entry is dropped and a miss. A verified entry
+    is pinned here too (one lease of this process, as the scheduler's own
+    lookup takes) and handed to the next lookup (:meth:`take`): the yes
+    then costs the scheduler thread no LMDB read and no lease write (with
+    the CPU caches cold after the blob's read, those took most of the
+    item's scheduler time). A pin no lookup took by the end of the step
+    after the one it was taken in goes back (:meth:`unclaimed`: the
+    scheduler releases it); a later lookup pins as usual."""
 
     _ready = Verify.PASSED
     _failed = Verify.FAILED
@@ -269,9 +284,49 @@ class Verifications(_BackgroundJobs):
     def __init__(self, verified: VerifiedEntries, clock: Any = time.monotonic) -> None:
         super().__init__(clock)
         self.verified = verified
+        self._pins: dict[str, _HandedPin] = {}  # identifier -> the lease taken for its next lookup
+        self._step = 0  # how many times unclaimed() was called: the scheduler's steps
 
     def _work(self, identifier: str) -> str:
-        return Verify.PASSED if self.verified.check(identifier) else Verify.FAILED
+        if not self.verified.check(identifier):
+            return Verify.FAILED
+        store = self.verified.store
+        answer = store.pin_entry(identifier)  # never waits long: Pin.BUSY instead
+        if answer.pin is not Pin.HELD:
+            return Verify.PASSED  # not pinnable now (gone since, or the lease file busy): pinned by the lookup
+        replaced: _HandedPin | None = None
+        kept = answer.record is not None and self.verified.known(identifier, answer.record)
+        if kept:
+            assert answer.record is not None
+            with self._cv:
+                kept = not self._closed
+                if kept:
+                    replaced = self._pins.pop(identifier, None)
+                    self._pins[identifier] = _HandedPin(answer.record, self._step)
+        if not kept or replaced is not None:  # another entry under it since, or closing: not handed over
+            store.release([identifier], wait=False)  # refused while the lease file is busy: it expires
+        return Verify.PASSED
+
+    def take(self, identifier: str) -> Record | None:
+        """The record of the entry of ``identifier`` this thread verified and
+        pinned for the caller, who now owns that lease (to release as any
+        pin of its lookup); None if there is none. A dict lookup."""
+        with self._cv:
+            pin = self._pins.pop(identifier, None)
+        return None if pin is None else pin.record
+
+    def unclaimed(self, *, every: bool = False) -> list[str]:
+        """Once per scheduler step (at its end): the identifiers whose handed
+        pins were taken before the step that ends and not claimed by
+        :meth:`take` during it (e.g. the request waiting for it was not
+        asked again): the caller releases one lease on each. ``every``: all
+        of them (at shutdown, after :meth:`close`)."""
+        with self._cv:
+            out = [i for i, pin in self._pins.items() if every or pin.step < self._step]
+            for identifier in out:
+                del self._pins[identifier]
+            self._step += 1
+        return out
 
 
 class Fetch:
