@@ -321,11 +321,13 @@ class Verifications(_BackgroundJobs):
         :meth:`take` during it (e.g. the request waiting for it was not
         asked again): the caller releases one lease on each. ``every``: all
         of them (at shutdown, after :meth:`close`)."""
+        step, self._step = self._step, self._step + 1  # written by the scheduler thread only
+        if not self._pins:  # the common step: no lock taken (a pin handed over meanwhile waits a step)
+            return []
         with self._cv:
-            out = [i for i, pin in self._pins.items() if every or pin.step < self._step]
+            out = [i for i, pin in self._pins.items() if every or pin.step < step]
             for identifier in out:
                 del self._pins[identifier]
-            self._step += 1
         return out
 
 

@@ -129,19 +129,20 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        if self._kept_out(identifier):
-            return False
-        if not self.is_consumer:
-            return self._producer_has(identifier)
-        if identifier in self._step_hits:
-            # Already answered yes this step (and pinned, if local) for a
-            # request that was not allocated after all: the pin is still ours
-            # to hand on; unless this request needs a verified yes and that
-            # one was not (then asked again below).
+        if identifier in self._step_hits:  # (consumers only; never a kept-out identifier)
+            # Already answered yes this step (and pinned, if local): asked
+            # again by vLLM right after ensure_cache_available's lookup, or
+            # for a request that was not allocated after all: the pin is
+            # still ours to hand on; unless this request needs a verified
+            # yes and that one was not (then asked again below).
             if identifier not in self._verify_first or identifier in self._step_verified:
                 return True
             if self._step_hits.pop(identifier):
                 self._release([identifier])
+        elif self._kept_out(identifier):
+            return False
+        if not self.is_consumer:
+            return self._producer_has(identifier)
         pinned = busy = False
         self._lease_busy.discard(identifier)
         self._verifying.discard(identifier)
@@ -205,7 +206,7 @@ class SchedulerSide:
                 self.stats.add("remote_lookup_hits")
         if found:
             self._step_hits[identifier] = pinned  # a remote yes holds no lease
-        elif self._foreign is not None:
+        elif self._foreign is not None and not local:
             self._foreign.on_miss(identifier)  # held under another identity? logged once
         return found
 
