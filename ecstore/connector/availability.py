@@ -290,10 +290,18 @@ class Verifications(_BackgroundJobs):
     def _work(self, identifier: str) -> str:
         if not self.verified.check(identifier):
             return Verify.FAILED
+        try:
+            self._hand_over(identifier)
+        except ECStoreError as e:  # the entry passed: the lookup pins it (or meets the same error) itself
+            log.debug("ecstore: pinning the verified entry %s for the scheduler failed: %s", identifier, e)
+        return Verify.PASSED
+
+    def _hand_over(self, identifier: str) -> None:
+        """Pin ``identifier``'s verified entry for its next lookup (see the class)."""
         store = self.verified.store
         answer = store.pin_entry(identifier)  # never waits long: Pin.BUSY instead
         if answer.pin is not Pin.HELD:
-            return Verify.PASSED  # not pinnable now (gone since, or the lease file busy): pinned by the lookup
+            return  # not pinnable now (gone since, or the lease file busy): pinned by the lookup
         replaced: _HandedPin | None = None
         kept = answer.record is not None and self.verified.known(identifier, answer.record)
         if kept:
@@ -305,7 +313,6 @@ class Verifications(_BackgroundJobs):
                     self._pins[identifier] = _HandedPin(answer.record, self._step)
         if not kept or replaced is not None:  # another entry under it since, or closing: not handed over
             store.release([identifier], wait=False)  # refused while the lease file is busy: it expires
-        return Verify.PASSED
 
     def take(self, identifier: str) -> Record | None:
         """The record of the entry of ``identifier`` this thread verified and

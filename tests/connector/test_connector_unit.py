@@ -772,6 +772,35 @@ def test_the_yes_after_a_verification_makes_no_lmdb_call_on_the_scheduler_thread
     assert leased(sched, A, B, C) == set()
 
 
+def test_a_verified_entry_the_verifier_could_not_pin_is_pinned_by_the_lookup(qwen_connectors, disk_extra):
+    """The lease the verification thread takes for the next lookup is an
+    optimisation: when taking it fails (an ECStoreError from the lease
+    file), the entry still passed; the lookup pins it itself and says yes."""
+    import threading
+
+    from ecstore.errors import StoreOpenError
+
+    sched, _ = qwen_connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    side = sched.scheduler_side
+    me = threading.get_ident()
+    real_pin = side.store.pin_entry
+
+    def pin_entry(*args, **kwargs):
+        if threading.get_ident() != me:
+            raise StoreOpenError("cannot lock the lease file")
+        return real_pin(*args, **kwargs)
+
+    side.store.pin_entry = pin_entry  # type: ignore[method-assign]
+    req = vo.make_request("r1", [A], inputs=False)
+    assert sched.ensure_cache_available(req, 0) is False
+    sched.build_connector_meta(empty_output())
+    assert side._verifications.wait_idle(60) and side._verifications.state(A) == "passed"
+    assert leased(sched, A) == set()
+    assert sched.ensure_cache_available(req, 0) and sched.has_cache_item(A)
+    assert leased(sched, A) == {A} and not side.take_unavailable_requests()
+
+
 @pytest.mark.parametrize("job", ["verify", "fetch"])
 def test_a_background_job_that_raises_ends_failed_logged_and_later_jobs_still_run(tmp_path, caplog, job):
     """A verification or a remote fetch that raises ends FAILED (the request
