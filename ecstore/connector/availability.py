@@ -250,7 +250,7 @@ class Verify:
     """Outcomes of :class:`Verifications` (plain strings, for logs)."""
 
     RUNNING = _BackgroundJobs.RUNNING
-    PASSED = "passed"  # remembered by VerifiedEntries: the next lookup pins it and says yes
+    PASSED = "passed"  # remembered by VerifiedEntries (and pinned for it): the next lookup says yes
     FAILED = "failed"  # gone, failed its checks (dropped, logged) or could not be read
 
 
