@@ -37,7 +37,7 @@ from ecstore.connector.vllm_identity import CLIENT_UUID_WARNING, kept_out
 from ecstore.errors import ECStoreError
 from ecstore.format import Record
 from ecstore.identity import EncoderIdentity
-from ecstore.lmdb.leases import Pin
+from ecstore.lmdb.leases import Pin, PinAnswer
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
@@ -129,19 +129,20 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        if self._kept_out(identifier):
-            return False
-        if not self.is_consumer:
-            return self._producer_has(identifier)
-        if identifier in self._step_hits:
-            # Already answered yes this step (and pinned, if local) for a
-            # request that was not allocated after all: the pin is still ours
-            # to hand on; unless this request needs a verified yes and that
-            # one was not (then asked again below).
+        if identifier in self._step_hits:  # (consumers only; never a kept-out identifier)
+            # Already answered yes this step (and pinned, if local): asked
+            # again by vLLM right after ensure_cache_available's lookup, or
+            # for a request that was not allocated after all: the pin is
+            # still ours to hand on; unless this request needs a verified
+            # yes and that one was not (then asked again below).
             if identifier not in self._verify_first or identifier in self._step_verified:
                 return True
             if self._step_hits.pop(identifier):
                 self._release([identifier])
+        elif self._kept_out(identifier):
+            return False
+        if not self.is_consumer:
+            return self._producer_has(identifier)
         pinned = busy = False
         self._lease_busy.discard(identifier)
         self._verifying.discard(identifier)
@@ -162,7 +163,7 @@ class SchedulerSide:
                     if rec is not None:
                         self._start_verification(identifier, rec)
                 else:
-                    answer = self.store.pin_entry(identifier)
+                    answer = self._handed_pin(identifier) or self.store.pin_entry(identifier)
                     local = held = answer.pin is Pin.HELD
                     if answer.pin is Pin.BUSY:  # stored, but not pinnable now: a miss this time
                         busy = True
@@ -205,7 +206,7 @@ class SchedulerSide:
                 self.stats.add("remote_lookup_hits")
         if found:
             self._step_hits[identifier] = pinned  # a remote yes holds no lease
-        elif self._foreign is not None:
+        elif self._foreign is not None and not local:
             self._foreign.on_miss(identifier)  # held under another identity? logged once
         return found
 
@@ -216,6 +217,12 @@ class SchedulerSide:
             self._uuid_warned = True
             log.warning(CLIENT_UUID_WARNING.format(identifier=identifier))
         return why is not None
+
+    def _handed_pin(self, identifier: str) -> PinAnswer | None:
+        """The pin the verification thread took on ``identifier``'s entry
+        once verified (ours now), if it holds one: no read, no lease write."""
+        record = self._verifications.take(identifier) if self._verifications is not None else None
+        return None if record is None else PinAnswer(Pin.HELD, record)
 
     def _start_verification(self, identifier: str, record: Record | None) -> None:
         """Verify ``identifier``'s entry (of ``record``) on the verification
@@ -403,6 +410,7 @@ class SchedulerSide:
         self._step_verified.clear()
         self._step_widths.clear()
         if self._verifications is not None:
+            self._release(self._verifications.unclaimed())  # pins it took that no lookup came for
             self._verifications.kick()  # this step's verifications, now that its scheduling is done
         freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
         self._vllm_holds.difference_update(freed)
@@ -544,8 +552,10 @@ class SchedulerSide:
         return self.stats.snapshot_and_reset()
 
     def shutdown(self) -> None:
+        handed: list[str] = []
         if self._verifications is not None:
             self._verifications.close()
+            handed = self._verifications.unclaimed(every=True)
         if self._fetches is not None:
             self._fetches.close()
         if self._shared is not None:
@@ -553,6 +563,6 @@ class SchedulerSide:
             self._shared = None
         if self.store is not None:
             pending = [i for i, reqs in self._inflight.items() for _ in reqs] + \
-                [i for i, pinned in self._step_hits.items() if pinned]
+                [i for i, pinned in self._step_hits.items() if pinned] + handed
             self._release(pending, wait=True)
             self.store.close()

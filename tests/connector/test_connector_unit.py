@@ -713,6 +713,135 @@ def test_a_verification_ending_between_the_lookup_and_its_start_keeps_the_reques
     assert jobs.wait_idle(60)
 
 
+def test_the_yes_after_a_verification_makes_no_lmdb_call_on_the_scheduler_thread(qwen_connectors, disk_extra):
+    """The lookup after a background verification pinned the entry itself,
+    on vLLM's scheduler thread: a lease-file commit and two LMDB reads, with
+    the CPU caches cold after the verification read the whole blob (250-500 us
+    at 34 and 130 MB, most of that item's scheduler time). The verification
+    thread now pins the entry it verified and hands the pin to the next
+    lookup: that yes makes no store call on the scheduler thread. A pin no
+    lookup came for is released at the end of the step after the one it was
+    taken in (the lookup then pins as before); shutdown releases the rest."""
+    import threading
+
+    sched, _ = qwen_connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1), B: embedding(2), C: embedding(3)})
+    side = sched.scheduler_side
+    me = threading.get_ident()
+    calls: list[str] = []  # store calls made on this (the scheduler) thread
+    for name in ("pin_entry", "stored_record", "entry_tag", "verify", "release", "contains"):
+        real = getattr(side.store, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            if threading.get_ident() == me:
+                calls.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(side.store, name, spy)
+
+    def verified_step(req) -> None:
+        assert sched.ensure_cache_available(req, 0) is False  # queued: the request waits a step
+        sched.build_connector_meta(empty_output())  # the step ends: the verification thread starts
+        assert side._verifications.wait_idle(60)
+
+    r1 = vo.make_request("r1", [A], inputs=False)
+    verified_step(r1)
+    assert leased(sched, A) == {A}  # pinned by the verification thread, for the next lookup
+    calls.clear()
+    assert sched.ensure_cache_available(r1, 0) and sched.has_cache_item(A)
+    assert calls == []  # no read, no lease write on the scheduler thread
+    sched.update_state_after_alloc(r1, 0)
+    meta = sched.build_connector_meta(empty_output())
+    assert [s.identifier for s in meta.loads] == [A] and leased(sched, A) == {A}  # the load's lease
+
+    r2 = vo.make_request("r2", [B], inputs=False)
+    verified_step(r2)  # B verified and pinned; r2 is not asked about again for two steps
+    sched.build_connector_meta(empty_output())
+    assert leased(sched, B) == {B}
+    sched.build_connector_meta(empty_output())
+    assert leased(sched, B) == set()  # nobody came for it: released
+    calls.clear()
+    assert sched.ensure_cache_available(r2, 0) and sched.has_cache_item(B)  # pinned by the lookup
+    assert "pin_entry" in calls and leased(sched, B) == {B}
+    sched.build_connector_meta(empty_output())  # not allocated: let go
+    assert leased(sched, B) == set()
+
+    verified_step(vo.make_request("r3", [C], inputs=False))
+    assert leased(sched, C) == {C}
+    sched.shutdown()
+    assert leased(sched, A, B, C) == set()
+
+
+def test_a_verified_entry_the_verifier_could_not_pin_is_pinned_by_the_lookup(qwen_connectors, disk_extra):
+    """The lease the verification thread takes for the next lookup is an
+    optimisation: when taking it fails (an ECStoreError from the lease
+    file), the entry still passed; the lookup pins it itself and says yes."""
+    import threading
+
+    from ecstore.errors import StoreOpenError
+
+    sched, _ = qwen_connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    side = sched.scheduler_side
+    me = threading.get_ident()
+    real_pin = side.store.pin_entry
+
+    def pin_entry(*args, **kwargs):
+        if threading.get_ident() != me:
+            raise StoreOpenError("cannot lock the lease file")
+        return real_pin(*args, **kwargs)
+
+    side.store.pin_entry = pin_entry  # type: ignore[method-assign]
+    req = vo.make_request("r1", [A], inputs=False)
+    assert sched.ensure_cache_available(req, 0) is False
+    sched.build_connector_meta(empty_output())
+    assert side._verifications.wait_idle(60) and side._verifications.state(A) == "passed"
+    assert leased(sched, A) == set()
+    assert sched.ensure_cache_available(req, 0) and sched.has_cache_item(A)
+    assert leased(sched, A) == {A} and not side.take_unavailable_requests()
+
+
+@pytest.mark.parametrize("job", ["verify", "fetch"])
+def test_a_background_job_that_raises_ends_failed_logged_and_later_jobs_still_run(tmp_path, caplog, job):
+    """A verification or a remote fetch that raises ends FAILED (the request
+    waiting for it is a miss, never deferred forever): an ECStoreError is
+    logged as a miss, anything else as a defect, and the thread goes on with
+    the next job."""
+    from ecstore import ECStoreConfig
+    from ecstore.connector.availability import Fetch, RemoteFetches, Verifications, VerifiedEntries, Verify
+    from ecstore.errors import CorruptEntryError
+
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=0.01, local_cpu=False)
+    with ECStore(cfg, model="m", dtype=torch.float32) as store:
+        failures = {"x": CorruptEntryError("torn blob"), "y": RuntimeError("a defect")}
+
+        def failing(identifier, *args, **kwargs):
+            if identifier in failures:
+                raise failures[identifier]
+            return None
+
+        verified = VerifiedEntries(store)
+        if job == "verify":
+            verified.check = failing  # type: ignore[method-assign]
+            jobs: Verifications | RemoteFetches = Verifications(verified)
+            doing, failed = "verifying", Verify.FAILED
+        else:
+            store.get = failing  # type: ignore[method-assign]
+            jobs = RemoteFetches(store, verified)
+            doing, failed = "fetching", Fetch.FAILED
+        with caplog.at_level(logging.WARNING, logger="ecstore"):
+            for identifier in ("x", "y", "z"):
+                assert jobs.start(identifier)
+            assert jobs.wait_idle(60)
+        jobs.close()
+        assert [jobs.state(i) for i in ("x", "y", "z")] == [failed, failed, failed]  # z: plainly not there
+        logged = [(r.levelno, r.getMessage()) for r in caplog.records]
+        where = " from the remote" if job == "fetch" else ""
+        assert (logging.WARNING, f"ecstore: {doing} x{where} failed, treated as a miss: torn blob") in logged
+        assert (logging.ERROR, f"ecstore: {doing} y{where} failed: RuntimeError('a defect')") in logged
+        assert not any(f"{doing} z" in m for _, m in logged)
+
+
 def test_a_consumers_stand_in_is_as_wide_as_the_stored_entry(tiny_qwen3_vl_dir, disk_extra):
     """Qwen3-VL's deepstack packs 3 levels on the last dimension: its encoder
     output is 384 wide, its language model 128. A consumer-only instance has
