@@ -114,8 +114,9 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes_logged_once(store,
     refused = []
 
     def open_without_direct(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
+        if flags & os.O_DIRECT:  # as Linux does: the file is created, then the open fails
             refused.append(path)
+            os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kwargs))
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return real_open(path, flags, *args, **kwargs)
 
@@ -133,7 +134,24 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes_logged_once(store,
         assert read_back(files, ref) == data.tobytes()
         cached, pages = resident_pages(os.path.join(files.dir, ref.name))
         assert cached == pages
+    assert sorted(n for n in os.listdir(files.dir) if not n.endswith(".lock")) == sorted([first.name, second.name])
     files.close()
+
+
+@pytest.mark.skipif(not fault_fs.can_mount(), reason="needs root to mount a ramfs")
+def test_a_real_file_system_without_o_direct_takes_the_first_large_blob(tmp_path):
+    """ramfs (like tmpfs before Linux 6.6) creates the file, then refuses
+    the O_DIRECT open with EINVAL: that first blob is still written (not a
+    failed put with "File exists"), and no empty file is left behind."""
+    with fault_fs.ramfs(tmp_path / "mnt") as mnt:
+        files = BlobFiles(str(mnt), readonly=False)
+        data = filled(DIRECT_FROM + 5, 8)
+        ref = files.write(data)
+        assert files.direct_from is None
+        assert read_back(files, ref) == data.tobytes()
+        assert [n for n in os.listdir(files.dir) if not n.endswith(".lock")] == [ref.name]
+        files.sync([ref.name])
+        files.close()
 
 
 def test_a_direct_write_the_file_system_refuses_midway_finishes_buffered(store, monkeypatch):
