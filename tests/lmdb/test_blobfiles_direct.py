@@ -177,7 +177,13 @@ def test_a_direct_write_the_file_system_refuses_midway_finishes_buffered(store, 
 
 
 @pytest.mark.skipif(not fault_fs.can_mount(), reason="needs root to mount a small tmpfs")
-def test_a_full_disk_under_a_direct_write_is_store_full_and_leaves_no_partial_file(tmp_path):
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_a_full_disk_under_a_direct_write_is_store_full_and_leaves_no_partial_file(tmp_path, monkeypatch,
+                                                                                 preallocate):
+    """With ``fallocate`` the disk is found full before any write; without
+    it (a file system that has none) by the direct writes themselves."""
+    if not preallocate:
+        monkeypatch.setattr(blobfiles, "_preallocate", None)
     with fault_fs.small_tmpfs(tmp_path / "mnt", DIRECT_FROM + 2 * MiB) as mnt:
         files = BlobFiles(str(mnt), readonly=False)
         with pytest.raises(StoreFullError, match="disk full while writing blob file"):
