@@ -193,3 +193,27 @@ def test_a_full_disk_under_a_direct_write_is_store_full_and_leaves_no_partial_fi
         ref = files.write(data)  # the partial file's space is free again
         assert read_back(files, ref) == data.tobytes()
         files.close()
+
+
+def test_a_platform_without_o_direct_writes_every_blob_through_the_page_cache(store, monkeypatch):
+    """Where ``os`` has no ``O_DIRECT`` (not Linux) no open asks for it and
+    no fcntl clears it; the handle keeps its setting (nothing was refused)."""
+    monkeypatch.setattr(blobfiles, "_O_DIRECT", 0)
+    real_open = os.open
+    direct_opens = []
+
+    def recording_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            direct_opens.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(blobfiles.os, "open", recording_open)
+    files = BlobFiles(store, readonly=False)
+    data = filled(DIRECT_FROM + MiB, 9)
+    ref = files.write(data)
+    monkeypatch.undo()
+    assert direct_opens == [] and files.direct_from == DIRECT_FROM
+    cached, pages = resident_pages(os.path.join(files.dir, ref.name))
+    assert cached == pages
+    assert read_back(files, ref) == data.tobytes()
+    files.close()
