@@ -217,3 +217,23 @@ def test_a_platform_without_o_direct_writes_every_blob_through_the_page_cache(st
     assert cached == pages
     assert read_back(files, ref) == data.tobytes()
     files.close()
+
+
+@pytest.mark.parametrize("use_odirect", [True, False])
+def test_the_use_odirect_setting_reaches_a_stores_blob_files(tmp_path, use_odirect):
+    """End to end: a put's blob (built in the pool by the codec) of 4 MiB
+    and more is written past the page cache with the default setting, and
+    through it with ``use_odirect: false``."""
+    from ecstore import ECStore, ECStoreConfig
+
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=0.25, local_cpu=False,
+                        use_odirect=use_odirect)
+    t = torch.arange((DIRECT_FROM + MiB) // 4, dtype=torch.float32).view(-1, 512)
+    with ECStore(cfg, model="m", dtype=torch.float32) as st:
+        st.put("big", t)
+        st.flush()
+        (blob,) = [p for p in (tmp_path / "s").rglob("*.ecb")]
+        cached, pages = resident_pages(str(blob))
+        got = st.get("big")
+    assert got is not None and torch.equal(got, t)
+    assert cached == pages if not use_odirect else cached <= 1
