@@ -368,6 +368,7 @@ class BlobFiles:
                 raise _write_error("blob file", path, e) from None
             self._no_direct(e)  # the file system has no O_DIRECT: buffered from now on
             direct = 0
+            self._unlink_name(name)  # Linux created the file before refusing the flag
             try:
                 fd = self._new_file(name, os.O_WRONLY)
             except OSError as e2:

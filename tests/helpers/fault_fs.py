@@ -73,6 +73,20 @@ def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
+def ramfs(path: Path) -> Iterator[Path]:
+    """A ramfs mounted at ``path`` (needs :func:`can_mount`): a real file
+    system without ``O_DIRECT`` (an open with it fails with EINVAL *after*
+    creating the file, as on tmpfs before Linux 6.6)."""
+    path.mkdir(parents=True, exist_ok=True)
+    cp = _run("mount", "-t", "ramfs", "ramfs", path)
+    assert cp.returncode == 0, f"mount ramfs failed: {cp.stderr}"
+    try:
+        yield path
+    finally:
+        _umount(path)
+
+
+@contextlib.contextmanager
 def readonly_view(src: Path, dst: Path) -> Iterator[str]:
     """Make ``dst`` a read-only view of directory ``src``; yields the mechanism.
 

@@ -114,8 +114,9 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes_logged_once(store,
     refused = []
 
     def open_without_direct(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
+        if flags & os.O_DIRECT:  # as Linux does: the file is created, then the open fails
             refused.append(path)
+            os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kwargs))
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return real_open(path, flags, *args, **kwargs)
 
@@ -133,7 +134,24 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes_logged_once(store,
         assert read_back(files, ref) == data.tobytes()
         cached, pages = resident_pages(os.path.join(files.dir, ref.name))
         assert cached == pages
+    assert sorted(n for n in os.listdir(files.dir) if not n.endswith(".lock")) == sorted([first.name, second.name])
     files.close()
+
+
+@pytest.mark.skipif(not fault_fs.can_mount(), reason="needs root to mount a ramfs")
+def test_a_real_file_system_without_o_direct_takes_the_first_large_blob(tmp_path):
+    """ramfs (like tmpfs before Linux 6.6) creates the file, then refuses
+    the O_DIRECT open with EINVAL: that first blob is still written (not a
+    failed put with "File exists"), and no empty file is left behind."""
+    with fault_fs.ramfs(tmp_path / "mnt") as mnt:
+        files = BlobFiles(str(mnt), readonly=False)
+        data = filled(DIRECT_FROM + 5, 8)
+        ref = files.write(data)
+        assert files.direct_from is None
+        assert read_back(files, ref) == data.tobytes()
+        assert [n for n in os.listdir(files.dir) if not n.endswith(".lock")] == [ref.name]
+        files.sync([ref.name])
+        files.close()
 
 
 def test_a_direct_write_the_file_system_refuses_midway_finishes_buffered(store, monkeypatch):
@@ -159,7 +177,13 @@ def test_a_direct_write_the_file_system_refuses_midway_finishes_buffered(store, 
 
 
 @pytest.mark.skipif(not fault_fs.can_mount(), reason="needs root to mount a small tmpfs")
-def test_a_full_disk_under_a_direct_write_is_store_full_and_leaves_no_partial_file(tmp_path):
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_a_full_disk_under_a_direct_write_is_store_full_and_leaves_no_partial_file(tmp_path, monkeypatch,
+                                                                                 preallocate):
+    """With ``fallocate`` the disk is found full before any write; without
+    it (a file system that has none) by the direct writes themselves."""
+    if not preallocate:
+        monkeypatch.setattr(blobfiles, "_preallocate", None)
     with fault_fs.small_tmpfs(tmp_path / "mnt", DIRECT_FROM + 2 * MiB) as mnt:
         files = BlobFiles(str(mnt), readonly=False)
         with pytest.raises(StoreFullError, match="disk full while writing blob file"):
@@ -169,3 +193,47 @@ def test_a_full_disk_under_a_direct_write_is_store_full_and_leaves_no_partial_fi
         ref = files.write(data)  # the partial file's space is free again
         assert read_back(files, ref) == data.tobytes()
         files.close()
+
+
+def test_a_platform_without_o_direct_writes_every_blob_through_the_page_cache(store, monkeypatch):
+    """Where ``os`` has no ``O_DIRECT`` (not Linux) no open asks for it and
+    no fcntl clears it; the handle keeps its setting (nothing was refused)."""
+    monkeypatch.setattr(blobfiles, "_O_DIRECT", 0)
+    real_open = os.open
+    direct_opens = []
+
+    def recording_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            direct_opens.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(blobfiles.os, "open", recording_open)
+    files = BlobFiles(store, readonly=False)
+    data = filled(DIRECT_FROM + MiB, 9)
+    ref = files.write(data)
+    monkeypatch.undo()
+    assert direct_opens == [] and files.direct_from == DIRECT_FROM
+    cached, pages = resident_pages(os.path.join(files.dir, ref.name))
+    assert cached == pages
+    assert read_back(files, ref) == data.tobytes()
+    files.close()
+
+
+@pytest.mark.parametrize("use_odirect", [True, False])
+def test_the_use_odirect_setting_reaches_a_stores_blob_files(tmp_path, use_odirect):
+    """End to end: a put's blob (built in the pool by the codec) of 4 MiB
+    and more is written past the page cache with the default setting, and
+    through it with ``use_odirect: false``."""
+    from ecstore import ECStore, ECStoreConfig
+
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=0.25, local_cpu=False,
+                        use_odirect=use_odirect)
+    t = torch.arange((DIRECT_FROM + MiB) // 4, dtype=torch.float32).view(-1, 512)
+    with ECStore(cfg, model="m", dtype=torch.float32) as st:
+        st.put("big", t)
+        st.flush()
+        (blob,) = [p for p in (tmp_path / "s").rglob("*.ecb")]
+        cached, pages = resident_pages(str(blob))
+        got = st.get("big")
+    assert got is not None and torch.equal(got, t)
+    assert cached == pages if not use_odirect else cached <= 1
