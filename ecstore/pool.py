@@ -41,6 +41,13 @@ def new_slab(cls: int, *, pinned: bool = False) -> np.ndarray:
     """A new uint8 slab of ``cls`` bytes starting at a multiple of
     :data:`SLAB_ALIGN` (not written: its pages are faulted in by whoever
     writes it first)."""
+    if pinned:
+        # Page-locked memory starts at a page boundary already; torch's host
+        # allocator rounds pinned requests up to a power of two, so padding
+        # would double a power-of-two class.
+        raw = torch.empty(cls, dtype=torch.uint8, pin_memory=True).numpy()
+        if raw.ctypes.data % SLAB_ALIGN == 0:
+            return raw
     raw = torch.empty(cls + SLAB_ALIGN, dtype=torch.uint8, pin_memory=pinned).numpy()
     pad = -raw.ctypes.data % SLAB_ALIGN
     return raw[pad:pad + cls]
