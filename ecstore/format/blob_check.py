@@ -237,14 +237,25 @@ def check_entry(rec: Record, blob: Any, *, identifier: str | None = None, model:
     if model is not None and hdr.model != model:
         raise CorruptEntryError(f"entry of model {hdr.model!r}, expected {model!r}")
     if dtype is not None:
-        want = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        want = dtype if isinstance(dtype, str) else _dtype_name(dtype)
         if hdr.dtype != want:
             raise CorruptEntryError(f"entry of dtype {hdr.dtype}, expected {want}")
     if key is not None:
         try:
-            k = parse_key(key)
+            k = _parsed_key(key)
         except ECStoreError as e:
             raise CorruptEntryError(f"stored under a malformed key: {e}") from None
         if (k.model, k.dtype) != (hdr.model, hdr.dtype):
             raise CorruptEntryError(f"entry of model {hdr.model!r} dtype {hdr.dtype} stored under key {key!r}")
     return hdr
+
+
+#: :func:`~ecstore.key.parse_key` of the keys entries were lately checked
+#: under (a pure function; bounded; a malformed key is never kept: it raises).
+_parsed_key = functools.lru_cache(maxsize=4096)(parse_key)
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (a handful of dtypes: unbounded is fine)."""
+    return str(dtype).removeprefix("torch.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import stat
 import struct
@@ -172,12 +173,14 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
     (shaped after the record), then the header checked against the record
     and the checksum over both. A record that lies about the layout fails
     the header check; the destination is dropped with any failure."""
-    dt = storable_dtype(rec.dtype)
-    if dt is None or tensor_nbytes_of(dt, check_shape(rec.shape, "record shape")) != rec.nbytes:
-        raise CorruptEntryError("record's dtype and shape do not match its data bytes")
+    dt, numel = _record_layout(rec.dtype, rec.shape, rec.nbytes)
     head = bytearray(head_len)
-    out = POOL.empty(rec.shape, dt)
-    mv = memoryview(raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+    if numel == 0:
+        out = POOL.empty(rec.shape, dt)
+        mv = memoryview(raw_bytes_view(out))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+    else:  # the destination's bytes straight from the pool; the tensor over them made after the read
+        buf = POOL.buffer(rec.nbytes)
+        mv = memoryview(buf)  # type: ignore[arg-type]  # ndarray has the buffer protocol
     if os.preadv(fd, [head, mv], 0) != size:  # short (the file shrank under us): again, or CorruptEntryError
         split_read.read_exactly(fd, memoryview(head), 0)
         split_read.read_exactly(fd, mv, head_len)
@@ -189,7 +192,22 @@ def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifi
     h.update(mv)
     if h.intdigest() != rec.checksum:
         raise CorruptEntryError("checksum mismatch")
-    return out
+    if numel == 0:
+        return out
+    # One torch call, as POOL.empty makes it: the tensor holds the pool's array.
+    t = torch.frombuffer(buf, dtype=dt, count=numel)
+    return t.view(rec.shape) if len(rec.shape) != 1 else t
+
+
+@functools.lru_cache(maxsize=1024)
+def _record_layout(dtype: str, shape: tuple[int, ...], nbytes: int) -> tuple[torch.dtype, int]:
+    """The torch dtype and element count of a record's tensor, if its dtype,
+    shape and data bytes agree (else CorruptEntryError, never cached). A
+    pure function of a few shapes: cached."""
+    dt = storable_dtype(dtype)
+    if dt is None or tensor_nbytes_of(dt, check_shape(shape, "record shape")) != nbytes:
+        raise CorruptEntryError("record's dtype and shape do not match its data bytes")
+    return dt, nbytes // dt.itemsize
 
 
 def _pread_exact(fd: int, n: int) -> bytearray:

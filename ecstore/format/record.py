@@ -81,21 +81,33 @@ def unpack_record(data: Any) -> Record:
     mv = memoryview(data)
     try:
         (ver, created, last, hits, seq, nbytes, bsize, csum, ndim, dlen, ilen) = _REC.unpack_from(mv, 0)
-        if ver not in (RECORD_VERSION, LEGACY_RECORD_VERSION):
+        if ver != RECORD_VERSION and ver != LEGACY_RECORD_VERSION:
             raise CorruptEntryError(f"unknown record version {ver}")
-        off = _REC.size
-        shape = struct.unpack_from(f"<{ndim}Q", mv, off)
-        off += 8 * ndim
-        dtype = bytes(mv[off : off + dlen]).decode("ascii")
-        off += dlen
-        ident = bytes(mv[off : off + ilen]).decode("utf-8")
-        if off + ilen != len(mv):
+        shape_fmt = _SHAPE.get(ndim)
+        shape = (struct.unpack_from(f"<{ndim}Q", mv, _REC.size) if shape_fmt is None
+                 else shape_fmt.unpack_from(mv, _REC.size))
+        off = _REC.size + 8 * ndim
+        end = off + dlen
+        dtype = str(mv[off:end], "ascii")
+        ident = str(mv[end:end + ilen], "utf-8")
+        if end + ilen != len(mv):
             raise CorruptEntryError("record length mismatch")
     except CorruptEntryError:
         raise
     except Exception as e:  # noqa: BLE001
         raise CorruptEntryError(f"malformed record: {e}") from None
-    return Record(ident, dtype, tuple(shape), nbytes, bsize, csum, created, last, hits, seq, ver)
+    # The fields set at once, as Record's own __init__ would (it is a frozen
+    # dataclass: eleven object.__setattr__ calls, the larger part of a decode).
+    rec = _new_record(Record)
+    _set_fields(rec, "__dict__", {"identifier": ident, "dtype": dtype, "shape": shape, "nbytes": nbytes,
+                                  "blob_size": bsize, "checksum": csum, "created_ns": created,
+                                  "last_access_ns": last, "hits": hits, "lru_seq": seq, "version": ver})
+    return rec
+
+
+_SHAPE = {n: struct.Struct(f"<{n}Q") for n in range(1, 5)}  # the shape formats of common ranks
+_new_record = object.__new__
+_set_fields = object.__setattr__
 
 
 def record_readable(data: Any) -> bool:
@@ -113,11 +125,11 @@ def record_identifier(data: Any, version: int = RECORD_VERSION) -> str | None:
     mv = memoryview(data)
     if len(mv) < _REC.size:
         return None
-    ver, *_rest, ndim, dlen, ilen = _REC.unpack_from(mv, 0)
-    if ver != version:
+    fields = _REC.unpack_from(mv, 0)
+    if fields[0] != version:
         return None
-    off = _REC.size + 8 * ndim + dlen
+    off = _REC.size + 8 * fields[8] + fields[9]
     try:
-        return bytes(mv[off : off + ilen]).decode("utf-8")
+        return str(mv[off : off + fields[10]], "utf-8")
     except UnicodeDecodeError:
         return None

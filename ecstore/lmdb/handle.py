@@ -169,7 +169,8 @@ class StoreHandle:
                                else codec.LEGACY_RECORD_VERSION)
 
     def _check(self) -> None:
-        check_same_process(self._pid, f"the ecstore handle of {self.path}")
+        if os.getpid() != self._pid:  # the message only then: every read checks
+            check_same_process(self._pid, f"the ecstore handle of {self.path}")
         if self._closed:
             raise StoreOpenError(f"store at {self.path} is closed")
 

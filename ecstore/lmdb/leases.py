@@ -144,6 +144,25 @@ class LeaseTable:
         ``wait=False`` call tries each lock once instead (no wait): a caller
         asking about many items pays one wait, and a lock that came free is
         taken at once. Release it with :meth:`_unlock`."""
+        if not wait and self._thread_lock.acquire(False):  # uncontended, the usual case: both at once
+            fd = self._lock_fd
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self._busy_until = 0.0
+                    return True
+                except BlockingIOError:  # another process's lease write
+                    if time.monotonic() < self._busy_until:  # the one try the busy hold allows
+                        self._thread_lock.release()
+                        return False
+                    # else poll below
+                except OSError as e:
+                    self._thread_lock.release()
+                    raise StoreOpenError(f"cannot lock the lease file {self.env.path()}: {e.strerror}") from None
+                except BaseException:
+                    self._thread_lock.release()
+                    raise
+            self._thread_lock.release()
         holding = False
         if wait:
             self._thread_lock.acquire()
@@ -231,18 +250,17 @@ class LeaseTable:
         before this lease, and an evictor whose tombstone comes later sees
         this lease in its step (3). None (nothing leased) when the lease
         write lock stays held, as for :meth:`try_lease`."""
-        leased = False
-
-        def body(txn: lmdb.Transaction) -> None:
-            nonlocal leased
-            tomb = txn.get(_TOMB + k)
-            if tomb is None or not self._tombstone_live(bytes(tomb)):
-                self._lease_in(txn, [k], ttl_s, pid)
-                leased = True
-
-        if not self._locked_write(body, wait=False):
+        if not self._lock(False):
             return None
-        return leased
+        try:
+            with self.env.begin(write=True) as txn:  # _locked_write's transaction, inline (every hit pins)
+                tomb = txn.get(_TOMB + k)
+                if tomb is not None and self._tombstone_live(bytes(tomb)):
+                    return False
+                self._lease_in(txn, [k], ttl_s, pid)
+            return True
+        finally:
+            self._unlock()
 
     def _lease_in(self, txn: lmdb.Transaction, keys: list[bytes], ttl_s: float, pid: int) -> None:
         now = time.time_ns()

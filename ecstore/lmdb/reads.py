@@ -22,11 +22,35 @@ import torch
 
 from ecstore.errors import CorruptEntryError, StoreFullError
 from ecstore.format import Record, blob_read, codec
-from ecstore.lmdb.blobfiles import BlobFileUnavailable, FileRef, unpack_ref
+from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFileUnavailable, FileRef, unpack_ref
 from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
 from ecstore.lmdb.txn import _U64, Dbs, file_ref
+from ecstore.lmdb.txngate import begin_read, end_read
 
 log = logging.getLogger("ecstore")
+
+#: Blob file pointers lately decoded (pointer bytes -> FileRef): the decode
+#: is a pure function of the bytes, and a hit costs a copy and a dict lookup
+#: instead of a regex match and a record. Bounded; malformed pointers are
+#: never kept (they raise). Thread-safe (single dict operations under the GIL).
+_POINTERS: dict[bytes, FileRef] = {}
+_POINTERS_MAX = 4096
+
+
+def _pointer(value: memoryview) -> FileRef | None:
+    """:func:`~ecstore.lmdb.blobfiles.unpack_ref` of a ``blobs`` value, cached
+    (an inline blob is never copied: it does not start with the pointer magic)."""
+    if value[:len(POINTER_MAGIC)] != POINTER_MAGIC:
+        return None
+    raw = bytes(value)
+    ref = _POINTERS.get(raw)
+    if ref is None:
+        ref = unpack_ref(raw)
+        if ref is not None:
+            if len(_POINTERS) >= _POINTERS_MAX:
+                _POINTERS.clear()
+            _POINTERS[raw] = ref
+    return ref
 
 
 class TierReads(StoreHandle):
@@ -44,9 +68,13 @@ class TierReads(StoreHandle):
 
     def _identifier_at(self, key: str) -> str | None:
         self._check()
-        with self._begin(buffers=True) as txn:
+        shared = self._shared
+        txn = begin_read(shared)
+        try:
             raw = txn.get(self._k(key), db=self._dbs.entries)
-            return None if raw is None else codec.record_identifier(raw, self.record_version)
+        finally:
+            end_read(shared, txn)
+        return None if raw is None else codec.record_identifier(raw, self.record_version)
 
     @_lmdb_errors_as_store_errors
     def record(self, key: str) -> Record | None:
@@ -72,7 +100,9 @@ class TierReads(StoreHandle):
         k = self._k(key)
         rec: Record | None = None
         ref: FileRef | None = None
-        with self._begin(buffers=True) as txn:
+        shared = self._shared
+        txn = begin_read(shared, buffers=True)
+        try:
             raw = txn.get(k, db=self._dbs.entries)
             if raw is None:
                 return None
@@ -83,12 +113,14 @@ class TierReads(StoreHandle):
                 blob = txn.get(k, db=self._dbs.blobs)
                 if blob is None:
                     raise CorruptEntryError("record without blob")
-                ref = unpack_ref(blob)
+                ref = _pointer(blob)
                 if ref is None:
                     return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype,
                                                 key=key)
             except CorruptEntryError as e:
                 err = e
+        finally:
+            end_read(shared, txn)
         if ref is not None and rec is not None:  # read after the transaction: no snapshot held
             try:
                 out = self._read_file(k, ref, rec, identifier=identifier, model=model, dtype=dtype, key=key)

@@ -37,6 +37,7 @@ from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
 from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.lmdb.reads import TierReads
 from ecstore.lmdb.txn import file_ref
+from ecstore.lmdb.txngate import begin_read, end_read
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
@@ -186,8 +187,8 @@ class LMDBTier(TierReads):
         wait either (a release the busy lock refuses is left to the lease's
         expiry). The answer carries the entry's record (read in step (c) for
         ``HELD``): its shape needs no second read. One lease-file commit
-        (steps (a) and (b) together, :meth:`LeaseTable.try_pin`) and two short
-        reads of the data file; InvalidEntryError for a ``ttl_s`` outside
+        (steps (a) and (b) together, :meth:`LeaseTable.try_pin`) and one short
+        read of the data file (two if a write committed meanwhile); InvalidEntryError for a ``ttl_s`` outside
         [0, 86400] s.
         """
         ttl_s = _check_ttl(ttl_s)
@@ -196,11 +197,12 @@ class LMDBTier(TierReads):
         # A miss needs no pin: answering "no" is always safe, and the
         # scheduler asks about every uncached item at every step, so the
         # common miss costs one read instead of two lease-file commits.
-        if not self._holds(k, identifier):
+        seen = self._seen_record(k, identifier)
+        if seen is None:
             return PIN_ABSENT
         leases = self._leases
         if leases is None:
-            rec = self._record_of(key, k, identifier)
+            rec = self._decoded(key, seen[0])
             return PIN_ABSENT if rec is None else PinAnswer(Pin.HELD, rec)
         leased = leases.try_pin(k, ttl_s, os.getpid())  # steps (a) and (b)
         if leased is None:
@@ -209,33 +211,53 @@ class LMDBTier(TierReads):
             return PIN_ABSENT  # being evicted
         rec = None
         try:
-            rec = self._record_of(key, k, identifier)  # step (c)
+            # Step (c). No write transaction committed since the first read
+            # (the environment's last one is still that read's snapshot): the
+            # entry is still there as read, no second read needed.
+            rec = (self._decoded(key, seen[0]) if self._last_txnid() == seen[1]
+                   else self._record_of(key, k, identifier))
         finally:
             if rec is None:
                 self.release([key], wait=False)  # refused while busy: the lease expires
         return PIN_ABSENT if rec is None else PinAnswer(Pin.HELD, rec)
 
-    def _holds(self, k: bytes, identifier: str) -> bool:
-        """Whether ``k`` holds ``identifier``'s entry of this handle's record
-        version (one read; only the record's identifier is decoded)."""
-        with self._begin(buffers=True) as txn:
+    def _seen_record(self, k: bytes, identifier: str) -> tuple[bytes, int] | None:
+        """``k``'s packed record and the id of the snapshot it was read in
+        (one read; only the record's identifier is decoded), if it is
+        ``identifier``'s entry of this handle's record version; else None."""
+        shared = self._shared
+        txn = begin_read(shared)
+        try:
             raw = txn.get(k, db=self._dbs.entries)
-            return raw is not None and codec.record_identifier(raw, self.record_version) == identifier
+            snapshot = txn.id()
+        finally:
+            end_read(shared, txn)
+        if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
+            return None
+        return raw, snapshot
+
+    def _decoded(self, key: str, raw: bytes) -> Record | None:
+        """The record packed in ``raw`` (``key``'s); None for an unreadable
+        one (logged and dropped, as by :meth:`get`)."""
+        try:
+            return codec.unpack_record(raw)
+        except CorruptEntryError as e:
+            self.drop_corrupt(key, e)
+            return None
 
     def _record_of(self, key: str, k: bytes, identifier: str) -> Record | None:
         """``k``'s record if it is ``identifier``'s entry of this handle's
         record version (one read); None otherwise, and for an unreadable
         record (logged and dropped, as by :meth:`get`)."""
-        with self._begin(buffers=True) as txn:
+        shared = self._shared
+        txn = begin_read(shared)
+        try:
             raw = txn.get(k, db=self._dbs.entries)
-            if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
-                return None
-            try:
-                return codec.unpack_record(raw)
-            except CorruptEntryError as e:
-                err = e
-        self.drop_corrupt(key, err)
-        return None
+        finally:
+            end_read(shared, txn)
+        if raw is None or codec.record_identifier(raw, self.record_version) != identifier:
+            return None
+        return self._decoded(key, raw)
 
     # ----------------------------------------------------------------- writes
     def _evict_to(self, target_bytes: int, extra: int = 0) -> int:

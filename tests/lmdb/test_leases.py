@@ -363,3 +363,43 @@ def test_a_lease_file_error_clearing_tombstones_never_undoes_a_committed_put(tmp
         fc.audit(path, cap, tier=a).check()
     finally:
         a.close()
+
+
+def test_a_pin_answers_with_the_record_whether_or_not_a_write_committed_since_its_first_read(
+        tmp_path: Path, monkeypatch) -> None:
+    """Step (c) of a pin reuses the record of its first read only while no
+    write transaction committed since (the environment's last one is that
+    read's snapshot); after a commit, of another entry or of a touch of this
+    one, it reads again and answers with the record as it is now. The only
+    hook commits a real write right after this process's real lease."""
+    from ecstore.lmdb.batch import Touch
+    from ecstore.lmdb.leases import Pin
+
+    tier = LMDBTier(str(tmp_path / "s"), CAP)
+    table = tier._leases
+    assert table is not None
+    try:
+        tier.write_batch([BatchPut(PendingPut(key(1), name(1), fc.entry_tensor(1, 4)), fc.MODEL)])
+        quiet = tier.pin_entry(key(1), name(1), 60)
+        assert quiet.pin is Pin.HELD and quiet.record == tier.record(key(1))
+        real_try_pin = table.try_pin
+        writes = iter([
+            lambda: tier.write_batch([BatchPut(PendingPut(key(2), name(2), fc.entry_tensor(2, 4)), fc.MODEL)]),
+            lambda: tier.write_batch([], {key(1): Touch(name(1), 5, 2**62, (0,), 0, (5,))}),
+        ])
+
+        def lease_then_commit(*args):
+            taken = real_try_pin(*args)
+            next(writes)()
+            return taken
+
+        monkeypatch.setattr(table, "try_pin", lease_then_commit)
+        other = tier.pin_entry(key(1), name(1), 60)  # another entry committed in between
+        assert other.pin is Pin.HELD and other.record == tier.record(key(1))
+        before = tier.record(key(1))
+        touched = tier.pin_entry(key(1), name(1), 60)  # this entry touched in between
+        after = tier.record(key(1))
+        assert before is not None and after is not None and after.hits == before.hits + 5
+        assert touched.pin is Pin.HELD and touched.record == after
+    finally:
+        tier.close()
