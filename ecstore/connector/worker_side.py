@@ -13,6 +13,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -48,6 +49,15 @@ class WorkerSide:
         self.is_consumer = is_consumer
         self.dtype = dtype
         self.device = torch.device(vllm_config.device_config.device)
+        if is_producer and not is_consumer and cfg.local_disk is not None and cfg.local_cpu:
+            # An encode-only producer never reads its store: a memory tier
+            # would only keep every saved blob (and its pooled slab) alive, so
+            # each save copied into fresh memory. Without it a blob's slab
+            # returns to the pool once written, for the next save.
+            cfg = dataclasses.replace(cfg, local_cpu=False,
+                                      sources={**cfg.sources, "local_cpu": "encode-only producer (not read here)"})
+            log.info("ecstore: encode-only producer: no memory tier (nothing reads it in this instance); "
+                     "each blob is held until written to %s", cfg.local_disk)
         self.store = ECStore(cfg, model=model, dtype=dtype, identity=identity)
         self.share_client_uuids = cfg.share_client_uuids
         # A failed load is encoded in the same step instead (see start_load_caches),
