@@ -145,24 +145,22 @@ class LeaseTable:
         asking about many items pays one wait, and a lock that came free is
         taken at once. Release it with :meth:`_unlock`."""
         if not wait and self._thread_lock.acquire(False):  # uncontended, the usual case: both at once
-            fd = self._lock_fd
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken = False
+            try:
+                if self._lock_fd is not None:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     self._busy_until = 0.0
+                    taken = True
                     return True
-                except BlockingIOError:  # another process's lease write
-                    if time.monotonic() < self._busy_until:  # the one try the busy hold allows
-                        self._thread_lock.release()
-                        return False
-                    # else poll below
-                except OSError as e:
+            except BlockingIOError:  # another process's lease write
+                if time.monotonic() < self._busy_until:  # the one try the busy hold allows
+                    return False
+                # else poll below
+            except OSError:
+                pass  # the poll below tries again and reports it
+            finally:
+                if not taken:
                     self._thread_lock.release()
-                    raise StoreOpenError(f"cannot lock the lease file {self.env.path()}: {e.strerror}") from None
-                except BaseException:
-                    self._thread_lock.release()
-                    raise
-            self._thread_lock.release()
         holding = False
         if wait:
             self._thread_lock.acquire()
