@@ -107,11 +107,18 @@ def begin_read(shared: _SharedEnv, buffers: bool = False) -> lmdb.Transaction[An
     but without a context manager: the serving path's lookups, each a
     microsecond cheaper. The caller must end it with :func:`end_read`
     (``try``/``finally``): that also leaves the gate."""
+    return _begin(shared, False, buffers)
+
+
+def _begin(shared: _SharedEnv, write: bool, buffers: bool) -> lmdb.Transaction[Any]:
+    """A transaction of ``shared``'s environment begun inside its gate (left
+    again if the begin fails); a map another process grew is adopted and the
+    begin retried. The caller leaves the gate when the transaction ends."""
     gate = shared.gate
     for _ in range(MAX_MAP_RESIZED_RETRIES):
         gate.enter()
         try:
-            return shared.env.begin(buffers=True) if buffers else shared.env.begin()
+            return shared.env.begin(write=write, buffers=True) if buffers else shared.env.begin(write=write)
         except lmdb.MapResizedError:
             gate.leave()
             gate.adopt_new_size(shared.env, shared.path)
@@ -143,24 +150,14 @@ class _Txn:
         self.buffers = buffers
 
     def __enter__(self) -> lmdb.Transaction:
-        shared = self.shared
-        gate = shared.gate
-        for _ in range(MAX_MAP_RESIZED_RETRIES):
-            gate.enter()
-            try:
-                txn: lmdb.Transaction = (shared.env.begin(write=self.write, buffers=True) if self.buffers
-                                         else shared.env.begin(write=self.write))
-                txn.__enter__()
-            except lmdb.MapResizedError:
-                gate.leave()
-                gate.adopt_new_size(shared.env, shared.path)
-                continue
-            except BaseException:
-                gate.leave()
-                raise
-            self.txn = txn
-            return txn
-        raise StoreOpenError(f"the LMDB map of {shared.path} keeps growing under this process; retry")
+        txn = _begin(self.shared, self.write, self.buffers)
+        try:
+            txn.__enter__()
+        except BaseException:
+            self.shared.gate.leave()
+            raise
+        self.txn = txn
+        return txn
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
