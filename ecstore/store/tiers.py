@@ -124,8 +124,10 @@ class Tiers:
     def close(self) -> None:
         """Write what is pending and release every tier: the writer drained
         (durably), stopped and its untaken errors logged (not raised), LMDB
-        synced; then, whatever happened, the remote closed and cleared and
-        the LMDB handle closed. Once per handle, with no call running."""
+        synced; then, whatever happened, the remote closed and cleared, the
+        LMDB handle closed and the memory tier emptied (a closed handle holds
+        no tensor: pooled ones go back to the pool). Once per handle, with no
+        call running."""
         try:
             if self.writer is not None:
                 self.writer.drain(durable=True)
@@ -139,3 +141,5 @@ class Tiers:
                 remote.close()
             if self.disk is not None:
                 self.disk.close()
+            if self.memory is not None:
+                self.memory.clear()

@@ -6,6 +6,7 @@ anything still references it (the tensor, a view of it, or its storage).
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 from conftest import gib
@@ -125,6 +126,24 @@ def test_saves_build_their_blobs_in_the_pool(tmp_path) -> None:
             POOL.wait_prefaulted(timeout_s=120)
         assert POOL.fresh + POOL.reused >= fresh + reused + 4
         assert POOL.reused > reused  # later blobs reuse slabs (earlier blobs' or the prefaulted spare)
+
+
+def test_a_closed_store_holds_no_tensor_of_its_memory_tier(tmp_path) -> None:
+    """Regression: ``close`` left the memory tier's tensors referenced by the
+    handle, so a closed store that something still referenced (an engine's
+    shut-down connector) kept its blobs' memory out of the pool for good."""
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20),
+                        max_local_cpu_size=gib(64 << 20))
+    st = ECStore(cfg, model=MODEL, dtype=torch.bfloat16)
+    src = make_tensor(70, ROWS, COLS)
+    assert st.put("7" * 64, src)
+    held = weakref.ref(st.get("7" * 64))  # the memory tier's own tensor
+    assert held() is not None
+    st.close()
+    gc.collect()
+    assert held() is None  # released though ``st`` is still referenced
+    with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as again:
+        assert_same(again.get("7" * 64), src)  # it is on disk
 
 
 def test_pooled_blobs_off_from_the_environment_keeps_saves_out_of_the_pool(tmp_path) -> None:
