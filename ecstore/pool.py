@@ -4,7 +4,8 @@
 :class:`BufferPool` (one per process: :data:`POOL`) hands out tensors over
 kept slabs (four size classes per power of two; under ``min_bytes``:
 ``torch.empty``); a slab returns only when nothing references the tensor, so
-it is as private as fresh memory. At most ``idle_bytes`` are kept unused.
+it is as private as fresh memory. At most ``idle_cap`` bytes are kept
+unused: 256 MiB, or the largest write queue of a store opened in the process.
 Thread-safe; after ``fork`` the child starts empty. Design:
 docs/architecture.md#pooled-memory.
 """
@@ -96,6 +97,14 @@ class BufferPool:
         self._ready: dict[int, tuple[Layout, np.ndarray, torch.Tensor]] = {}
         #: ids of ready slabs dropped to make room: not kept when their buffer dies.
         self._dropped: set[int] = set()
+
+    def keep_at_least(self, nbytes: int) -> None:
+        """Raise the idle cap to ``nbytes`` if it is lower (never lowers it).
+        A store's writer may hold ``max_write_queue_size`` of blobs at once;
+        keeping that much idle lets the next burst of saves reuse them
+        instead of faulting fresh memory. :meth:`clear` frees them."""
+        with self._lock:
+            self.idle_cap = max(self.idle_cap, int(nbytes))
 
     @property
     def idle_bytes(self) -> int:

@@ -63,7 +63,7 @@ class ECStoreConfig:
     max_local_cpu_size: float = 5.0
     local_disk: str | None = None
     max_local_disk_size: float = 0.0
-    max_write_queue_size: float = 1.0
+    max_write_queue_size: float = 2.0
     lease_seconds: float = 120.0
     file_mode: int = DEFAULT_FILE_MODE
     namespace: str | None = None

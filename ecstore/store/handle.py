@@ -44,6 +44,7 @@ from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.blobfiles import DIRECT_FROM
 from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.memory import MemoryTier
+from ecstore.pool import POOL
 from ecstore.store.calls import CallGate
 from ecstore.store.put_path import PutPath
 from ecstore.store.read_path import ReadPath
@@ -172,6 +173,8 @@ class ECStore:
                                       max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
                                       namespace=(self.namespace, self.identity.canonical()))
                 tiers.writer.start()
+                if config.pooled_blobs:  # what pending writes held stays faulted for the next burst
+                    POOL.keep_at_least(config.write_queue_bytes)
         self._reads = ReadPath(tiers, model=self.model, dtype=dtype)
         self._puts = PutPath(tiers, self._reads, self._counters, pooled=config.pooled_blobs)
         if config.remote_url:

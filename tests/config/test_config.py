@@ -105,7 +105,7 @@ def test_defaults_without_any_source() -> None:
     assert cfg == ECStoreConfig()
     assert cfg.local_disk is None and cfg.disk_capacity_bytes == 0  # no default disk location
     assert (cfg.local_cpu, cfg.max_local_cpu_size, cfg.max_local_disk_size) == (True, 5.0, 0.0)
-    assert (cfg.max_write_queue_size, cfg.lease_seconds) == (1.0, 120.0)
+    assert (cfg.max_write_queue_size, cfg.lease_seconds) == (2.0, 120.0)
     assert cfg.sources == {key: "default" for key in FIELDS}
     assert cfg.config_file is None and cfg.source_of("config_file") == "default"
 

@@ -128,6 +128,34 @@ def test_saves_build_their_blobs_in_the_pool(tmp_path) -> None:
         assert POOL.reused > reused  # later blobs reuse slabs (earlier blobs' or the prefaulted spare)
 
 
+def test_a_store_keeps_what_its_write_queue_may_hold_faulted(tmp_path, monkeypatch) -> None:
+    """Regression (issue 30, back-to-back saves): once a burst's blobs were
+    written, those beyond the pool's idle cap went back to the system, so the
+    next burst copied into fresh memory (page faults: 7-10x a memcpy). A store
+    with a writer raises the process pool's idle cap to its write queue's
+    bound, never lowering it: the second burst reuses a slab for every save."""
+    monkeypatch.setattr(POOL, "idle_cap", 2 * size_class(ROWS * COLS * 2 + 4096))  # room for two slabs
+    queue = 32 << 20
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20), local_cpu=False,
+                        max_local_cpu_size=0.0, max_write_queue_size=gib(queue))
+    src = [make_tensor(60 + i, ROWS, COLS) for i in range(8)]
+    with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
+        assert POOL.idle_cap == queue
+        for burst in range(2):
+            POOL.wait_prefaulted(timeout_s=120)
+            fresh = POOL.fresh
+            for i, t in enumerate(src):
+                assert st.put(f"{burst}{i}" * 32, t)
+            st.flush()
+            gc.collect()
+            if burst:
+                assert POOL.fresh == fresh  # every blob of the second burst in a kept slab
+        for burst in range(2):
+            for i, t in enumerate(src):
+                assert_same(st.get(f"{burst}{i}" * 32), t)
+    assert POOL.idle_cap == queue  # closing the store does not lower it
+
+
 def test_a_closed_store_holds_no_tensor_of_its_memory_tier(tmp_path) -> None:
     """Regression: ``close`` left the memory tier's tensors referenced by the
     handle, so a closed store that something still referenced (an engine's
