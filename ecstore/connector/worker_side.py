@@ -315,6 +315,7 @@ class WorkerSide:
         return None if wm.is_empty() else wm
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)  # registered at init: it held this object (and its store) until exit
         if self._shared is not None:
             self._shared.close()
             self._shared = None

@@ -398,6 +398,26 @@ def test_shutdown_releases_pending_leases(qwen_connectors, disk_extra):
     assert leased(sched, A, B) == set()
 
 
+def test_a_shut_down_worker_connector_is_not_kept_alive(tiny_qwen2_5_vl_dir, disk_extra):
+    """Regression: the worker side registered its shutdown with ``atexit``
+    and never unregistered it, so every connector ever made stayed alive
+    (with its store and the memory tier's tensors) until the process exited."""
+    import gc
+    import weakref
+
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    cfg = vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_both", disk_extra)
+    worker = ECConnectorFactory.create_connector(config=cfg, role=ECConnectorRole.WORKER)
+    assert isinstance(worker, ECStoreConnector)
+    worker.save_caches({A: embedding(1)}, A)
+    gone = weakref.ref(worker.worker_side)
+    worker.shutdown()
+    del worker
+    gc.collect()
+    assert gone() is None
+
+
 # --------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("damage", ["corrupt-blob", "wrong-shape"])
 def test_unloadable_entry_gets_stand_in_and_fails_request(qwen_connectors, disk_extra, caplog, damage):
