@@ -37,6 +37,7 @@ from ecstore.errors import (
     StoreOpenError,
     check_same_process,
 )
+from ecstore.lmdb import direct
 from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, FilePolicy
 
 if TYPE_CHECKING:
@@ -407,13 +408,21 @@ class BlobFiles:
 
     def _write_direct(self, fd: int, data: memoryview, end: int) -> int:
         """Write ``data[:end]`` (``end`` a multiple of :data:`DIRECT_ALIGN`)
-        through ``fd`` opened with ``O_DIRECT``, then turn ``O_DIRECT`` off
+        through ``fd`` opened with ``O_DIRECT`` (through the handle's
+        process's huge-page staging buffers, :mod:`ecstore.lmdb.direct`; straight from
+        ``data`` while another thread uses them), then turn ``O_DIRECT`` off
         for the tail. A write the file system refuses (EINVAL: alignment it
         does not take) turns it off at once, for this handle too; the rest
-        is written buffered. Returns the bytes written."""
+        is written buffered, as after a short write. Returns the bytes written."""
         done = 0
         try:
-            while done < end:
+            staged = direct.DIRECT.write(fd, data, end)
+            if staged is not None:
+                done = staged.done
+                if staged.error is not None:
+                    raise staged.error
+                # short of ``end``: a short write; the rest goes through the page cache
+            while staged is None and done < end:  # another thread is using the buffers: from ``data``
                 n = os.write(fd, data[done:min(end, done + WRITEBACK_CHUNK)])
                 if n <= 0:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -18,7 +18,7 @@ import torch
 from helpers import fault_fs
 
 from ecstore.errors import StoreFullError
-from ecstore.lmdb import blobfiles
+from ecstore.lmdb import blobfiles, direct
 from ecstore.lmdb.blobfiles import DIRECT_ALIGN, DIRECT_FROM, BlobFiles, FileRef
 from ecstore.pool import POOL, BufferPool
 
@@ -237,3 +237,54 @@ def test_the_use_odirect_setting_reaches_a_stores_blob_files(tmp_path, use_odire
         got = st.get("big")
     assert got is not None and torch.equal(got, t)
     assert cached == pages if not use_odirect else cached <= 1
+
+
+# --------------------------------------------------------------------------- through the staging buffers
+@pytest.mark.parametrize("size", [DIRECT_FROM, direct.CHUNK, direct.CHUNK + DIRECT_ALIGN, 3 * direct.CHUNK + 77])
+def test_direct_writes_go_through_the_huge_page_buffers_and_the_file_is_whole(store, size):
+    """A direct write is copied chunk by chunk into the process's staging
+    buffers and written from there by the lane thread; the file holds the
+    blob's bytes exactly and the blob's own memory is not changed."""
+    files = BlobFiles(store, readonly=False)
+    data = filled(size, 11)
+    before, writes = data.tobytes(), direct.DIRECT.writes
+    ref = files.write(data)
+    assert direct.DIRECT.writes == writes + 1
+    assert read_back(files, ref) == before and data.tobytes() == before
+    files.close()
+
+
+def test_a_short_direct_write_in_the_lane_finishes_through_the_page_cache(store, monkeypatch):
+    """A write the device takes only partly (the lane's second chunk) stops
+    the staged writes; the rest of the file goes through the page cache."""
+    real_write = os.write
+    calls = []
+
+    def short_second(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            return real_write(fd, memoryview(data)[:DIRECT_ALIGN])
+        return real_write(fd, data)
+
+    files = BlobFiles(store, readonly=False)
+    data = filled(3 * direct.CHUNK + 77, 12)
+    monkeypatch.setattr(blobfiles.os, "write", short_second)
+    ref = files.write(data)
+    monkeypatch.undo()
+    assert calls[:2] == [direct.CHUNK, direct.CHUNK] and len(calls) >= 3
+    assert read_back(files, ref) == data.tobytes()
+    assert files.direct_from == DIRECT_FROM  # a short write turns nothing off
+    files.close()
+
+
+def test_a_write_while_another_thread_holds_the_buffers_goes_straight_from_the_blob(store):
+    """One write at a time uses the staging buffers: another thread's write
+    meanwhile is made straight from its own memory, and is just as whole."""
+    files = BlobFiles(store, readonly=False)
+    data = filled(2 * direct.CHUNK + 5, 13)
+    writes = direct.DIRECT.writes
+    with direct.DIRECT._lock:  # as a write in progress on another thread holds it
+        ref = files.write(data)
+    assert direct.DIRECT.writes == writes
+    assert read_back(files, ref) == data.tobytes()
+    files.close()
