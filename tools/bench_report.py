@@ -108,14 +108,14 @@ def evaluate_targets(res: dict) -> list[dict]:
         if mc and save:
             small = (find(res["workloads"], name=w) or {}).get("nbytes", 0) < 2e6
             r = save["median"] / mc["median"]
-            if small:  # ≤ 50 µs + 1.5× memcpy: the ratio to that budget
-                budget = 50e-6 + 1.5 * mc["median"]
+            if small:  # issue 30: ≤ 100 µs in the step (was 50 µs + 1.5× memcpy, issue 13)
+                budget = 100e-6
                 cold = find(rows, section="floor", workload=w, system="memcpy after settle (info)")
                 like = (f"; {save['median'] / cold['median']:.2f}× the same copy after a settle "
                         f"({fmt_time(cold['median'])})") if cold and cold["median"] else ""
-                add("save in model step ≤ 50 µs + 1.5× memcpy", w, save["median"], "s", save["median"] / budget,
-                    "≤ 1.0× of the budget", save["median"] <= budget,
-                    f"{r:.2f}× memcpy {fmt_time(mc['median'])}; budget {fmt_time(budget)}{like}")
+                add("1 MB save in model step ≤ 100 µs", w, save["median"], "s", save["median"] / budget,
+                    "≤ 1.0× of 100 µs", save["median"] <= budget,
+                    f"{r:.2f}× memcpy {fmt_time(mc['median'])}{like}")
             else:
                 add("save in model step ≤ 1.5× memcpy", w, save["median"], "s", r, "≤ 1.5×", r <= 1.5,
                     f"memcpy {fmt_time(mc['median'])}")
@@ -134,21 +134,18 @@ def evaluate_targets(res: dict) -> list[dict]:
         mc = (find(rows, section="floor", workload=w, system="H2D")
               or find(rows, section="floor", workload=w, system="memcpy"))
         m = find(rows, section="hit", workload=w, system="ecstore get (LMDB, warm)")
-        if mc and m:
+        small = (find(res["workloads"], name=w) or {}).get("nbytes", 0) < 2e6
+        if mc and m and not small:  # 1 MB: against the raw-file peer (issue 30), below
             r = m["median"] / mc["median"]
             add("LMDB-tier warm hit ≤ 1.5× memcpy", w, m["median"], "s", r, "≤ 1.5×", r <= 1.5,
                 f"memcpy {fmt_time(mc['median'])}")
         raw = find(rows, section="hit", workload=w, system="raw files get + checksum (warm)")
-        if m and raw and (find(res["workloads"], name=w) or {}).get("nbytes", 0) < 2e6:
+        if m and raw and small:
             r = m["median"] / raw["median"]
             add("1 MB disk-tier hit ≤ 1.3× the raw-file peer with checksum", w, m["median"], "s", r, "≤ 1.3×",
                 r <= 1.3, f"raw file read + xxh3 {fmt_time(raw['median'])}")
-        c = find(rows, section="hit", workload=w, system="ecstore connector load (LMDB, warm)")
-        exl = find(rows, section="hit", workload=w, system="ECExampleConnector load (warm)")
-        if c and exl:
-            r = c["median"] / exl["median"]
-            add("connector load (LMDB, warm) no slower than ECExampleConnector's", w, c["median"], "s", r,
-                "≤ 1.0×", r <= 1.0, f"ECExample {fmt_time(exl['median'])} (pages touched)")
+        # Connector loads against ECExampleConnector's count until the data is read (issue 30's
+        # answer to the lazily mapped tensors of issue 13's comparison): the loadread section.
         c = find(rows, section="loadread", workload=w, system="ecstore connector load + read (LMDB, warm)")
         exl = find(rows, section="loadread", workload=w, system="ECExampleConnector load + read (warm)")
         if c and exl:
