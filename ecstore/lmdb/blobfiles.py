@@ -24,6 +24,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -178,6 +179,24 @@ def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, *,
             raise _write_error(what, path, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))) from None
     except OSError as e:
         raise _write_error(what, path, e) from None
+
+
+#: Threads that sync a batch's blob files together (:meth:`BlobFiles.sync`).
+SYNC_THREADS = 4
+_SYNCERS: ThreadPoolExecutor | None = None  # made on first use; a forked child starts without
+_SYNCERS_LOCK = threading.Lock()
+
+
+def _syncers() -> ThreadPoolExecutor:
+    """The process's pool of :data:`SYNC_THREADS` sync threads."""
+    global _SYNCERS
+    pool = _SYNCERS
+    if pool is None:
+        with _SYNCERS_LOCK:
+            pool = _SYNCERS
+            if pool is None:
+                pool = _SYNCERS = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="ecstore-fsync")
+    return pool
 
 
 def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) -> bool:
@@ -445,7 +464,9 @@ class BlobFiles:
 
     def sync(self, names: Iterable[str], *, missing_ok: bool = False) -> None:
         """Make the named files (written by :meth:`write`) durable:
-        ``fdatasync`` each, then ``fsync`` the blob directory (their names),
+        ``fdatasync`` each (several at once on the process's sync threads,
+        :data:`SYNC_THREADS`: the file system joins concurrent syncs into one
+        journal commit and device flush), then ``fsync`` the blob directory (their names),
         and on a handle's first call the store directory (``blobs/`` itself).
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
@@ -455,9 +476,19 @@ class BlobFiles:
             dir_fd = self._dirfd()
         except OSError as e:
             raise _write_error("the directory", self.dir, e) from None
-        for name in names:
+        todo = list(names)
+
+        def one(name: str) -> None:
             _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file", name=name, dir_fd=dir_fd,
                        missing_ok=missing_ok)
+        if len(todo) < 2:
+            for name in todo:
+                one(name)
+        else:
+            errors = [f.exception() for f in [_syncers().submit(one, name) for name in todo]]
+            for err in errors:
+                if err is not None:
+                    raise err
         self.sync_store_dir()
         try:
             os.fsync(dir_fd)
@@ -602,6 +633,8 @@ _LIVE: weakref.WeakSet[BlobFiles] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    global _SYNCERS, _SYNCERS_LOCK
+    _SYNCERS, _SYNCERS_LOCK = None, threading.Lock()  # the parent's threads are not in the child
     for files in list(_LIVE):
         files._forget_inherited_token()
 

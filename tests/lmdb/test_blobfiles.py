@@ -141,6 +141,49 @@ def test_write_open_read_back(store):
         files.write(b"x")
 
 
+def test_a_batch_syncs_on_the_sync_threads_and_reports_a_missing_file(store, monkeypatch):
+    """Several files sync at once on the process's ``ecstore-fsync`` threads;
+    a file removed meanwhile is StoreFullError unless ``missing_ok``."""
+    files = BlobFiles(store, readonly=False)
+    refs = [files.write(pattern(i, 3 * MiB + i)) for i in range(4)]
+    threads: list[str] = []
+    real = os.fdatasync
+
+    def recording(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real(fd)
+    monkeypatch.setattr(os, "fdatasync", recording)
+    files.sync([r.name for r in refs])
+    assert len(threads) == 4 and all(t.startswith("ecstore-fsync") for t in threads)
+    os.unlink(os.path.join(files.dir, refs[1].name))
+    with pytest.raises(StoreFullError, match=refs[1].name):
+        files.sync([r.name for r in refs])
+    files.sync([r.name for r in refs], missing_ok=True)
+    assert [read_file(files, r) for r in refs[2:]] == [pattern(i, 3 * MiB + i).tobytes() for i in (2, 3)]
+    files.close()
+
+
+def test_a_forked_child_syncs_a_batch_on_threads_of_its_own(store):
+    """The parent's sync threads do not exist in a child forked after them:
+    the child makes its own (without that, its first batch waited forever
+    on the parent's idle threads; the alarm turns a hang into a failure)."""
+    files = BlobFiles(store, readonly=False)
+    files.sync([files.write(b"a").name, files.write(b"b").name])  # the pool's threads now run
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(120)
+            own = BlobFiles(store, readonly=False)
+            own.sync([own.write(b"c").name, own.write(b"d").name])
+            own.close()
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    files.close()
+
+
 def test_write_numpy_views_and_refuse_strided(store):
     files = BlobFiles(store, readonly=False)
     base = pattern(9, 4096)
