@@ -4,9 +4,8 @@ the previous one.
 
 Why: an ``O_DIRECT`` write pins the pages it reads; from base-page memory
 (torch's allocations, where THP is "madvise") the device gets many small
-segments, from 2 MiB pages few large ones: the same 34 MB file was written
-1.3-1.7x faster through these buffers on this project's VM (figures:
-docs/benchmarks.md, "O_DIRECT through huge-page buffers"). The copy costs
+segments, from 2 MiB pages few large ones, and the write is faster
+(docs/benchmarks.md, "O_DIRECT through huge-page buffers"). The copy costs
 one pass over the blob, overlapped with the device's work.
 
 Threads and processes: one :class:`DirectWriter` per process
