@@ -69,3 +69,26 @@ def check_same_process(opened_pid: int, what: str) -> None:
             f"open stores in the child process itself (a forked child cannot reopen a directory its "
             f"parent had open: start such processes with spawn/forkserver)"
         )
+
+
+class _ThisProcess:
+    """This process's id as an attribute (``THIS_PROCESS.pid``): the hot
+    path's fork checks read it instead of calling ``os.getpid()`` (a system
+    call each, several per lookup). An ``os.register_at_fork`` hook sets it
+    in a forked child before the child runs any other code of its own
+    (registered at import, ahead of ecstore's other fork hooks); a fork
+    that runs no Python fork hooks (a C extension's bare ``fork()`` without
+    ``PyOS_AfterFork_Child``) is not seen. Read from any thread."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def _after_fork_in_child(self) -> None:
+        self.pid = os.getpid()
+
+
+#: See :class:`_ThisProcess`.
+THIS_PROCESS = _ThisProcess()
+os.register_at_fork(after_in_child=THIS_PROCESS._after_fork_in_child)

@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import lmdb
 
-from ecstore.errors import SchemaError, StoreFullError, StoreOpenError, check_same_process
+from ecstore.errors import THIS_PROCESS, SchemaError, StoreFullError, StoreOpenError, check_same_process
 from ecstore.format import codec
 from ecstore.lmdb import schema
 from ecstore.lmdb.blobfiles import DIRECT_FROM, BlobFiles
@@ -169,7 +169,7 @@ class StoreHandle:
                                else codec.LEGACY_RECORD_VERSION)
 
     def _check(self) -> None:
-        if os.getpid() != self._pid:  # the message only then: every read checks
+        if THIS_PROCESS.pid != self._pid:  # the message only then: every read checks
             check_same_process(self._pid, f"the ecstore handle of {self.path}")
         if self._closed:
             raise StoreOpenError(f"store at {self.path} is closed")

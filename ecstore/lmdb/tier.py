@@ -15,12 +15,12 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import os
 import time
 
 import lmdb
 
 from ecstore.errors import (
+    THIS_PROCESS,
     CorruptEntryError,
     ECStoreError,
     InvalidEntryError,
@@ -147,7 +147,7 @@ class LMDBTier(TierReads):
         if leases is None or not keys:
             return
         self._check()
-        leases.lease([self._k(key) for key in keys], ttl_s, os.getpid() if pid is None else pid)
+        leases.lease([self._k(key) for key in keys], ttl_s, THIS_PROCESS.pid if pid is None else pid)
 
     @_lmdb_errors_as_store_errors
     def release(self, keys: list[str], pid: int | None = None, *, wait: bool = True) -> bool:
@@ -158,7 +158,7 @@ class LMDBTier(TierReads):
         if leases is None or not keys:
             return True
         self._check()
-        return leases.release([self._k(key) for key in keys], os.getpid() if pid is None else pid, wait=wait)
+        return leases.release([self._k(key) for key in keys], THIS_PROCESS.pid if pid is None else pid, wait=wait)
 
     def pin_if_present(self, key: str, identifier: str, ttl_s: float) -> bool:
         """Whether :meth:`pin` holds ``key`` (``Pin.HELD``): a True answer
@@ -204,7 +204,7 @@ class LMDBTier(TierReads):
         if leases is None:
             rec = self._decoded(key, seen[0])
             return PIN_ABSENT if rec is None else PinAnswer(Pin.HELD, rec)
-        leased = leases.try_pin(k, ttl_s, os.getpid())  # steps (a) and (b)
+        leased = leases.try_pin(k, ttl_s, THIS_PROCESS.pid)  # steps (a) and (b)
         if leased is None:
             return PinAnswer(Pin.BUSY)
         if not leased:

@@ -35,41 +35,70 @@ class _TxnGate:
     the tier; no serving path nests) cannot wait for that: it is not held
     back by a pending resize (it would deadlock with the resizer), and when
     it meets ``MDB_MAP_RESIZED`` itself it gets StoreOpenError (an
-    ECStoreError) and may retry once its transaction ended. Thread-safe;
-    costs one uncontended lock per begin and end.
+    ECStoreError) and may retry once its transaction ended. Thread-safe.
+
+    No lock while no resize is pending (every begin and end, the usual
+    case): a transaction announces itself by appending to ``_open`` (a list:
+    ``append`` and ``pop`` are each one C call, atomic under the GIL, which
+    also orders every read and write of these attributes as the threads run
+    them), then reads ``_resizing``; a resizer sets ``_resizing`` first,
+    then reads ``_open`` (under the lock). So either the resizer sees the
+    transaction (and waits for it to end) or the transaction sees the
+    resizer (and withdraws, under the lock, then waits in the slow path).
+    An ending transaction pops first, then reads ``_resizing``: if set, it
+    notifies under the lock, which the resizer holds from its ``_open``
+    check until it waits, so no wake-up is lost.
     """
 
     def __init__(self) -> None:
-        # The condition's own lock, held directly on the fast paths: a
+        # The condition's own lock, held directly on the slow paths: a
         # ``with`` on a plain lock is C code, ``with`` on a Condition is not.
         self._mutex = threading.Lock()
         self._cv = threading.Condition(self._mutex)
-        self._active = 0
+        #: One item per open transaction (its length is the count; see the
+        #: class doc for why a list and not an int).
+        self._open: list[None] = []
         self._resizing = False
         self._mine = threading.local()
+
+    @property
+    def _active(self) -> int:
+        """Transactions of this process open now (diagnostics, tests)."""
+        return len(self._open)
 
     def enter(self) -> None:
         local = self._mine
         mine = getattr(local, "depth", 0)
+        self._open.append(None)  # announce, then look: see the class doc
+        if self._resizing:
+            self._enter_during_resize(mine)
+        local.depth = mine + 1
+
+    def _enter_during_resize(self, mine: int) -> None:
+        """enter()'s slow path: a resize is pending or running; the caller
+        has announced itself in ``_open`` (withdrawn here unless let in)."""
         with self._mutex:
+            self._open.pop()
+            if not self._open:
+                self._cv.notify_all()  # the resizer may wait for our announcement to go
             # A thread that holds a transaction does not wait for a pending
             # resize: the resize waits for that very transaction to end. It
             # is safe to let it in while any transaction is open, as the
             # resize happens only once none is (under this condition's lock).
-            while self._resizing and not (mine > 0 and self._active > 0):
+            while self._resizing and not (mine > 0 and self._open):
                 self._cv.wait()
-            self._active += 1
-        local.depth = mine + 1
+            self._open.append(None)
 
     def leave(self) -> None:
         # max(): a transaction of an abandoned generator may be finalized by
         # the garbage collector in another thread.
         local = self._mine
         local.depth = max(0, getattr(local, "depth", 0) - 1)
-        with self._mutex:
-            self._active -= 1
-            if self._active == 0 and self._resizing:  # only a resize waits for no transaction
-                self._cv.notify_all()
+        self._open.pop()  # pop, then look: see the class doc
+        if self._resizing:  # only a resize waits for no transaction
+            with self._mutex:
+                if not self._open:
+                    self._cv.notify_all()
 
     def adopt_new_size(self, env: lmdb.Environment, path: str) -> None:
         """``env.set_mapsize(0)`` (adopt the size another process set) once no
@@ -83,9 +112,9 @@ class _TxnGate:
                 while self._resizing:
                     self._cv.wait()
                 return
-            self._resizing = True
+            self._resizing = True  # set, then look at _open: see the class doc
             try:
-                while self._active:
+                while self._open:
                     self._cv.wait()
                 env.set_mapsize(0)
             finally:

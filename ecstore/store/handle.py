@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from ecstore.config import ECStoreConfig
-from ecstore.errors import ECStoreError, StoreFullError, check_same_process
+from ecstore.errors import THIS_PROCESS, ECStoreError, StoreFullError, check_same_process
 from ecstore.format import Record, codec, split_read
 from ecstore.identity import EncoderIdentity, library_identity, qualify, split_stored
 from ecstore.key import (
@@ -94,7 +94,7 @@ def _gated(method: _F) -> _F:
     the handle only (ForkedStoreError)."""
     @functools.wraps(method)
     def call(self: ECStore, *args: Any, **kwargs: Any) -> Any:
-        if os.getpid() != self._pid:
+        if THIS_PROCESS.pid != self._pid:
             check_same_process(self._pid, repr(self))
         me = self._calls.enter()
         try:

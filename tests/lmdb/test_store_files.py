@@ -344,3 +344,27 @@ def test_size_check_does_not_mistake_a_file_growing_meanwhile_for_a_truncated_on
     monkeypatch.setattr(envmod, "os", OsDuringACommit())
     envmod._check_data_file(str(path))  # must not raise
     assert real_os.path.getsize(path) > 4 << 20  # the other process did grow it
+
+
+def test_leases_another_process_left_are_pruned_by_this_ones_next_leases(tmp_path: Path) -> None:
+    # This process counts the lease table only now and then (LEASE_COUNT_EVERY):
+    # keys another process added are still seen, and pruned, within that many
+    # of its own new keys.
+    from ecstore.lmdb.leases import LEASE_COUNT_EVERY, LEASE_PRUNE_MIN
+
+    store = tmp_path / "store"
+    make_store(store, n=1)
+    tier = LMDBTier(str(store), 1 << 30)
+    try:
+        tier.lease(["first"], 0.0)  # this process counted the table: nearly empty
+        n = 3 * LEASE_PRUNE_MIN
+        code = (f"from ecstore.lmdb import LMDBTier\nt = LMDBTier({str(store)!r}, 1 << 30)\n"
+                f"t.lease([f'other-{{i}}' for i in range({n})], 3600.0)\nt.close()\n")  # then dead
+        subprocess.run([sys.executable, "-c", code], check=True)
+        leases = tier._shared.leases
+        assert leases is not None and leases.stat()["entries"] >= n
+        for i in range(LEASE_COUNT_EVERY):
+            tier.lease([f"mine-{i}"], 3600.0)
+        assert leases.stat()["entries"] <= LEASE_COUNT_EVERY + 2
+    finally:
+        tier.close()
