@@ -10,6 +10,7 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,18 @@ def read_back(files: BlobFiles, ref: FileRef) -> bytes:
         return os.pread(fd, ref.size + 1, 0)
     finally:
         os.close(fd)
+
+
+def second_write_does(second: Callable[..., int]) -> tuple[Callable[[int, object], int], list[int]]:
+    """An ``os.write`` for monkeypatching whose second call is
+    ``second(real_write, fd, data)``, and the list of every call's length."""
+    real_write = os.write
+    calls: list[int] = []
+
+    def write(fd: int, data) -> int:
+        calls.append(len(data))
+        return second(real_write, fd, data) if len(calls) == 2 else real_write(fd, data)
+    return write, calls
 
 
 @pytest.fixture
@@ -157,18 +170,12 @@ def test_a_real_file_system_without_o_direct_takes_the_first_large_blob(tmp_path
 def test_a_direct_write_the_file_system_refuses_midway_finishes_buffered(store, monkeypatch):
     """EINVAL from a write (alignment a file system does not take) turns
     O_DIRECT off for the rest of the file and the handle; the file is whole."""
-    real_write = os.write
-    calls = []
-
-    def write_refusing_the_second(fd, data):
-        calls.append(len(data))
-        if len(calls) == 2:
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real_write(fd, data)
-
+    def refuse(real_write, fd, data):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    write, calls = second_write_does(refuse)
     files = BlobFiles(store, readonly=False)
     data = filled(3 * blobfiles.WRITEBACK_CHUNK + 77, 5)
-    monkeypatch.setattr(blobfiles.os, "write", write_refusing_the_second)
+    monkeypatch.setattr(blobfiles.os, "write", write)
     ref = files.write(data)
     monkeypatch.undo()
     assert files.direct_from is None and len(calls) >= 3
@@ -257,18 +264,10 @@ def test_direct_writes_go_through_the_huge_page_buffers_and_the_file_is_whole(st
 def test_a_short_direct_write_in_the_lane_finishes_through_the_page_cache(store, monkeypatch):
     """A write the device takes only partly (the lane's second chunk) stops
     the staged writes; the rest of the file goes through the page cache."""
-    real_write = os.write
-    calls = []
-
-    def short_second(fd, data):
-        calls.append(len(data))
-        if len(calls) == 2:
-            return real_write(fd, memoryview(data)[:DIRECT_ALIGN])
-        return real_write(fd, data)
-
+    write, calls = second_write_does(lambda real_write, fd, data: real_write(fd, memoryview(data)[:DIRECT_ALIGN]))
     files = BlobFiles(store, readonly=False)
     data = filled(3 * direct.CHUNK + 77, 12)
-    monkeypatch.setattr(blobfiles.os, "write", short_second)
+    monkeypatch.setattr(blobfiles.os, "write", write)
     ref = files.write(data)
     monkeypatch.undo()
     assert calls[:2] == [direct.CHUNK, direct.CHUNK] and len(calls) >= 3
