@@ -35,8 +35,8 @@ TOMBSTONE_MAX_AGE_NS = 60 * 10**9
 #: keys than this (and then at twice the live count): leases that are never
 #: released cannot grow the file or the cost of a pin without bound.
 LEASE_PRUNE_MIN = 1024
-#: A lease write counts the lease table's keys (``txn.stat()``, about 2 µs,
-#: a sixth of a pin) only when this process's own count of them may pass
+#: A lease write counts the lease table's keys (``txn.stat()``, a sizeable
+#: part of a pin: docs/benchmarks.md) only when this process's own count of them may pass
 #: the prune threshold, or once it added this many keys since it last
 #: counted: keys other processes add are seen within that many of its own.
 LEASE_COUNT_EVERY = 64
@@ -275,12 +275,9 @@ class LeaseTable:
         expiry = now + int(ttl_s * 1e9)
         for k in keys:
             cur = txn.get(k)
-            if cur is None:
-                self._added += 1
-                txn.put(k, _LEASE.pack(pid, expiry))
-                continue
+            self._added += cur is None
             # Expired leases of this key go (a pin costs what is live).
-            kept = b"".join(
+            kept = b"" if cur is None else b"".join(
                 bytes(cur[i:i + _LEASE.size]) for i in range(0, len(cur) - _LEASE.size + 1, _LEASE.size)
                 if _LEASE.unpack_from(cur, i)[1] > now)
             txn.put(k, kept + _LEASE.pack(pid, expiry))
