@@ -230,38 +230,39 @@ class BufferPool:
 
     def _prefault(self, cls: int, want: Layout | None) -> None:
         """Pool thread: fault in a spare slab of class ``cls`` (into the free
-        list), or with ``want`` make one ready for that layout."""
+        list), or with ``want`` make one ready for that layout. A free slab
+        made ready moves from the free list to ``_ready`` in one critical
+        section: a request never finds it in neither (and faults a fresh one)."""
         with self._lock:
             free = self._free.get(cls)
-            slab = free.pop() if (want is not None and free) else None  # stays counted in _idle
-            if slab is not None:
-                self._order.pop(id(slab), None)
-            if slab is None and (free or self._idle + cls > self.idle_cap):
+            if want is not None and free:
+                self._make_ready(free.pop(), cls, want)  # stays counted in _idle
                 return
-        if slab is None:
-            fresh = new_slab(cls)
-            torch.from_numpy(fresh).fill_(0)  # faults every page in (torch releases the GIL)
-            with self._lock:
-                if self._idle + cls > self.idle_cap:
-                    return
-                self._idle += cls
-                self.prefaulted += 1
-                if want is None:
-                    slab = fresh
-                    self._free.setdefault(cls, []).append(slab)
-                    self._order[id(slab)] = (cls, False)
-                    return
-            slab = fresh
-        assert want is not None
+            if free or self._idle + cls > self.idle_cap:
+                return
+        fresh = new_slab(cls)
+        torch.from_numpy(fresh).fill_(0)  # faults every page in (torch releases the GIL)
+        with self._lock:
+            if self._idle + cls > self.idle_cap:
+                return
+            self._idle += cls
+            self.prefaulted += 1
+            if want is None:
+                self._free.setdefault(cls, []).append(fresh)
+                self._order[id(fresh)] = (cls, False)
+            else:
+                self._make_ready(fresh, cls, want)
+
+    def _make_ready(self, slab: np.ndarray, cls: int, want: Layout) -> None:
+        """Put ``slab`` (counted in ``_idle``, in no free list) in ``_ready``
+        for ``want``, replacing what was ready for its class. Holds ``_lock``."""
+        self._order.pop(id(slab), None)
         nbytes, offset, dtype, shape = want
-        with self._lock:
-            buf = self._hand_out(slab, nbytes, False)
-        tensor = _tensor_over(buf, offset, dtype, shape)
-        with self._lock:
-            old = self._ready.pop(cls, None)
-            self._ready[cls] = (want, buf, tensor)
-            if old is not None:
-                self._idle -= cls  # its buffer dies below: _on_dead counts its slab again
+        buf = self._hand_out(slab, nbytes, False)
+        old = self._ready.pop(cls, None)
+        self._ready[cls] = (want, buf, _tensor_over(buf, offset, dtype, shape))
+        if old is not None:
+            self._idle -= cls  # its buffer dies below: _on_dead counts its slab again
         del old
 
     def wait_prefaulted(self, timeout_s: float | None = None) -> bool:

@@ -419,13 +419,7 @@ class Writer(threading.Thread):
                 self.vouching_since = vouched_since  # until their sync job is queued
                 self.busy = True
                 self.busy_since = min((t.since for t in touches.values()), default=None)
-            try:
-                for item in batch:
-                    if item.prefault and item.blob is not None:  # before the commit: flush() returns after it
-                        t = item.tensor
-                        POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
-            except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway  # noqa: BLE001
-                log.warning("ecstore: could not ready memory for the next save: %r", e)
+            self._prefault_after(batch)
             to_sync: list[str] = []
             try:
                 to_sync = self._write(batch, touches, vouches)
@@ -443,11 +437,26 @@ class Writer(threading.Thread):
                                     + ([] if vouched_since is None else [vouched_since]))
                         self.sync_jobs.append(SyncJob(to_sync, since))
                         inline = not self._syncer_running()
+                    # Before a drainer wakes: the written puts' blobs return to the
+                    # pool now, not when the next batch is taken (the next saves reuse them).
+                    batch.clear()
                     self.vouching_since = None
                     self.progress += 1
                     self.cv.notify_all()
             if inline:  # no sync thread could be started: sync here, before the next batch
                 self._sync_next()
+
+    @staticmethod
+    def _prefault_after(batch: list[PendingPut]) -> None:
+        """Writer thread, before the commit (``flush`` returns after it): ask
+        the pool for a spare slab for each pooled blob's next save."""
+        try:
+            for item in batch:
+                if item.prefault and item.blob is not None:
+                    t = item.tensor
+                    POOL.prefault_soon(len(item.blob), (len(item.blob) - item.nbytes, t.dtype, tuple(t.shape)))
+        except Exception as e:  # only an optimisation (e.g. no thread can be started): write anyway  # noqa: BLE001
+            log.warning("ecstore: could not ready memory for the next save: %r", e)
 
     def _syncer_running(self) -> bool:
         """Holds ``cv``: whether the sync thread runs (started now if not

@@ -259,6 +259,43 @@ def test_a_ready_slab_serves_a_request_of_another_layout_and_clear_drops_it() ->
     assert pool.fresh == 2 and t.shape == (100, 512)
 
 
+def test_a_free_slab_being_made_ready_is_never_out_of_reach(monkeypatch) -> None:
+    """Regression (CI, the second burst of a store's saves faulted one fresh
+    slab): the pool thread took a free slab off its list, then built the
+    ready tensor over it outside the lock, so a request in that window found
+    neither a free nor a ready slab and faulted a new one. Another thread
+    that looks while the tensor is being built must find the pool locked."""
+    import threading
+
+    from ecstore import pool as pool_mod
+
+    pool = BufferPool(idle_bytes=8 << 20, min_bytes=1024)
+    pool.buffer(NBYTES)  # dropped at once: one free slab, which the prefault makes ready
+    seen: list[tuple[int, bool]] = []  # (free slabs of the class, ready) seen by another thread
+    tensor_over = pool_mod._tensor_over
+
+    def look_from_another_thread() -> None:
+        if pool._lock.acquire(blocking=False):
+            try:
+                seen.append((len(pool._free.get(size_class(NBYTES), [])), size_class(NBYTES) in pool._ready))
+            finally:
+                pool._lock.release()
+
+    def watched(*args, **kwargs):
+        if threading.current_thread().name == "ecstore-pool":
+            t = threading.Thread(target=look_from_another_thread)
+            t.start()
+            t.join()
+        return tensor_over(*args, **kwargs)
+
+    monkeypatch.setattr(pool_mod, "_tensor_over", watched)
+    pool.prefault_soon(NBYTES, LAYOUT)
+    assert pool.wait_prefaulted(timeout_s=120)
+    assert seen == [], f"another thread found the slab in neither place: {seen}"
+    buf, t = pool.typed_buffer(NBYTES, *LAYOUT)
+    assert pool.fresh == 1 and pool.prefaulted == 0 and t.shape == (100, 512)
+
+
 def test_saves_of_one_shape_take_the_slab_the_writer_had_made_ready(tmp_path) -> None:
     """The writer has the pool make a slab ready for the layout of the put it
     takes; the next put of that shape copies into that very tensor."""

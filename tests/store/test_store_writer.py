@@ -443,6 +443,34 @@ def test_a_failure_to_ready_the_next_saves_memory_does_not_stop_the_writer(tmp_p
     assert _bounded(s.close) == [None]
 
 
+def test_once_flush_returns_the_writer_holds_no_blob_it_wrote(tmp_path, monkeypatch):
+    """Regression (CI, test_pool's second burst faulted one fresh slab): the
+    writer thread kept its last batch in a local until it took the next one,
+    so after ``flush`` the blobs it had just written stayed referenced and
+    their slabs out of the pool: the next save faulted fresh memory. The
+    batch is released before a drainer wakes."""
+    import weakref
+
+    bufs: list[weakref.ref] = []
+    typed_buffer = writer_mod.POOL.typed_buffer
+
+    def recorded(*args, **kwargs):
+        buf, tensor = typed_buffer(*args, **kwargs)
+        bufs.append(weakref.ref(buf))
+        return buf, tensor
+
+    monkeypatch.setattr(writer_mod.POOL, "typed_buffer", recorded)
+    s = _open(tmp_path)  # local_cpu=False: no memory tier holds a blob
+    try:
+        for i in range(3):
+            assert s.put(f"k{i}", torch.randn(512, 512))  # 1 MiB: pooled blobs
+        assert _bounded(s.flush) == [None]
+        assert len(bufs) == 3
+        assert [r() is None for r in bufs] == [True] * 3, "a written blob is still referenced after flush"
+    finally:
+        s.close()
+
+
 def test_a_writer_thread_that_dies_fails_flush_and_puts_instead_of_hanging(tmp_path, monkeypatch):
     """Whatever ends the writer thread early (a defect, an exhausted
     process), every caller waiting for it must be told: the puts it did not
