@@ -6,6 +6,7 @@ anything still references it (the tensor, a view of it, or its storage).
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import torch
@@ -133,7 +134,10 @@ def test_a_store_keeps_what_its_write_queue_may_hold_faulted(tmp_path, monkeypat
     written, those beyond the pool's idle cap went back to the system, so the
     next burst copied into fresh memory (page faults: 7-10x a memcpy). A store
     with a writer raises the process pool's idle cap to its write queue's
-    bound, never lowering it: the second burst reuses a slab for every save."""
+    bound, never lowering it: the second burst reuses a slab for every save.
+    The first burst's writer is held until all its blobs exist, so that burst
+    holds as many slabs at once as the second can ever need (a fast writer
+    would otherwise let it make do with fewer: CI, under load)."""
     monkeypatch.setattr(POOL, "idle_cap", 2 * size_class(ROWS * COLS * 2 + 4096))  # room for two slabs
     queue = 32 << 20
     cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=gib(64 << 20), local_cpu=False,
@@ -141,11 +145,19 @@ def test_a_store_keeps_what_its_write_queue_may_hold_faulted(tmp_path, monkeypat
     src = [make_tensor(60 + i, ROWS, COLS) for i in range(8)]
     with ECStore(cfg, model=MODEL, dtype=torch.bfloat16) as st:
         assert POOL.idle_cap == queue
+        real_write, all_put = st.disk.write_batch, threading.Event()
+
+        def held_write(*args, **kwargs):
+            all_put.wait(120)  # a bound for a broken build only
+            return real_write(*args, **kwargs)
+
         for burst in range(2):
             POOL.wait_prefaulted(timeout_s=120)
             fresh = POOL.fresh
+            st.disk.write_batch = held_write if burst == 0 else real_write
             for i, t in enumerate(src):
                 assert st.put(f"{burst}{i}" * 32, t)
+            all_put.set()
             st.flush()
             gc.collect()
             if burst:
@@ -265,8 +277,6 @@ def test_a_free_slab_being_made_ready_is_never_out_of_reach(monkeypatch) -> None
     ready tensor over it outside the lock, so a request in that window found
     neither a free nor a ready slab and faulted a new one. Another thread
     that looks while the tensor is being built must find the pool locked."""
-    import threading
-
     from ecstore import pool as pool_mod
 
     pool = BufferPool(idle_bytes=8 << 20, min_bytes=1024)
