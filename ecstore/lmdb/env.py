@@ -26,6 +26,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import struct
 import threading
 
@@ -33,6 +34,7 @@ import lmdb
 
 from ecstore.errors import StoreOpenError
 from ecstore.lmdb.leases import LeaseTable
+from ecstore.lmdb.prealloc import reserve
 from ecstore.lmdb.store_files import (
     FilePolicy,
     check_file_types,
@@ -47,6 +49,10 @@ from ecstore.lmdb.txngate import _Txn, _TxnGate
 log = logging.getLogger("ecstore")
 
 MiB = 1 << 20
+
+#: The lease file's map size (bytes), the most it grows to; reserved on disk
+#: where it is mapped writable (see _open_lease_env).
+LEASE_MAP_SIZE = 64 * MiB
 
 MAP_HEADROOM_FACTOR = 1.25
 MAP_HEADROOM_BYTES = 1 * MiB  # floor for small caps (B-tree and meta pages)
@@ -334,11 +340,47 @@ def _open_leases(path: str, policy: FilePolicy) -> lmdb.Environment:
 
 
 def _open_lease_env(path: str, policy: FilePolicy) -> lmdb.Environment:
+    """The lease environment, through a writable map (``MDB_WRITEMAP``: a
+    lease commit writes no pages with system calls) where the lease file's
+    blocks could be reserved up to its map size (:func:`_reserve_lease_file`),
+    else as before (writes with ``pwrite``; a full disk is an error, not a
+    SIGBUS). Processes of either kind share the file."""
     created = missing_files(path, ("leases.mdb", "leases.mdb-lock"))
-    env = lmdb.open(os.path.join(path, "leases.mdb"), subdir=False, map_size=64 * MiB, max_dbs=0, sync=False,
-                    metasync=False, lock=True, max_readers=256, mode=policy.file_mode)
+    lpath = os.path.join(path, "leases.mdb")
+    writemap = _reserve_lease_file(lpath, policy)
+    try:
+        env = _lmdb_open_leases(lpath, policy, writemap)
+    except lmdb.Error as e:
+        if not writemap or isinstance(e, _LEASE_FILE_DAMAGE):
+            raise
+        log.debug("ecstore: lease file %s through a writable map failed (%s); opened without", lpath, e)
+        env = _lmdb_open_leases(lpath, policy, False)
     fix_created_modes(path, created, policy)
     return env
+
+
+def _lmdb_open_leases(lpath: str, policy: FilePolicy, writemap: bool) -> lmdb.Environment:
+    return lmdb.open(lpath, subdir=False, map_size=LEASE_MAP_SIZE, max_dbs=0, sync=False, metasync=False,
+                     lock=True, max_readers=256, mode=policy.file_mode, writemap=writemap)
+
+
+def _reserve_lease_file(lpath: str, policy: FilePolicy) -> bool:
+    """Reserve ``leases.mdb``'s blocks up to :data:`LEASE_MAP_SIZE` (creating
+    it empty if missing: LMDB initialises an empty file); whether it may be
+    mapped writable. Not under a file size limit below the map size (LMDB
+    extends the file to it: SIGXFSZ), nor where blocks cannot be reserved
+    (:func:`ecstore.lmdb.prealloc.reserve`)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < LEASE_MAP_SIZE:
+        return False
+    try:
+        fd = os.open(lpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, policy.file_mode)
+    except OSError:
+        return False  # lmdb.open reports why
+    try:
+        return reserve(fd, LEASE_MAP_SIZE)
+    finally:
+        os.close(fd)  # leases.mdb holds no fcntl lock of LMDB's (those are on leases.mdb-lock)
 
 
 def _lease_file_unused(lock_path: str) -> bool:

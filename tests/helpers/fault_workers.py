@@ -136,26 +136,23 @@ def ops_on_damaged_store(path: str, ident: str) -> list[str]:
     return out
 
 
-def lease_until_full(path: str, limit_headroom: int | None) -> dict:
+def lease_until_full(path: str, limit_bytes: int | None) -> dict:
     """Store one entry, then lease ever more keys until a lease fails.
 
-    ``limit_headroom``: cap every file's growth (``leases.mdb``'s included)
-    with RLIMIT_FSIZE at the lease file's size plus this (SIGXFSZ ignored:
-    writes fail with EFBIG); None: the file system itself fills up (a small
-    tmpfs, filled by a filler file first). Returns the error (type, message)
-    and whether the entry still read back in this handle."""
+    ``limit_bytes``: RLIMIT_FSIZE from before the store is opened (SIGXFSZ
+    ignored: writes fail with EFBIG; below the lease file's map size, so it
+    is not mapped writable and grows by writes); None: the file system itself
+    fills up (a small tmpfs, filled by a filler file first). Returns the
+    error (type, message), whether the entry still read back in this handle
+    and whether the lease file was mapped writable."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if limit_bytes is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
     s = open_store(path, cap=8 * MiB)
     s.put("kept", blob_tensor(1, 4))
     s.flush()
-    if limit_headroom is not None:
-        size = os.path.getsize(os.path.join(path, "leases.mdb"))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size + limit_headroom, resource.RLIM_INFINITY))
-    else:
-        with contextlib.suppress(OSError), open(os.path.join(os.path.dirname(path), "filler"), "wb") as f:
-            while True:
-                f.write(bytes(1 << 16))
-                f.flush()
+    if limit_bytes is None:
+        _fill(os.path.join(os.path.dirname(path), "filler"))
     error: tuple[str, str] | None = None
     try:
         for r in range(2000):
@@ -163,5 +160,48 @@ def lease_until_full(path: str, limit_headroom: int | None) -> dict:
     except Exception as e:  # noqa: BLE001 - reported: the test checks its type
         error = (type(e).__name__, str(e))
     readable = s.get("kept") is not None
+    writemap = _lease_env_writemap(s)
     s.close()
-    return {"error": error, "readable": readable}
+    return {"error": error, "readable": readable, "writemap": writemap}
+
+
+def lease_past_a_full_disk(path: str, rounds: int, fill: bool = True) -> dict:
+    """Store one entry, fill the file system (a filler file; not if
+    ``fill`` is False: a ramfs has no bound), then lease ``rounds`` × 256
+    keys: more than the lease file held when the disk filled. Returns the
+    error (type, message) if one was raised, whether the entry still reads
+    back and is pinnable, and whether the lease file was mapped writable (a
+    store into its map that met the full disk would be a SIGBUS: the child
+    dies)."""
+    s = open_store(path, cap=8 * MiB)
+    s.put("kept", blob_tensor(1, 4))
+    s.flush()
+    size = os.path.getsize(os.path.join(path, "leases.mdb"))
+    if fill:
+        _fill(os.path.join(os.path.dirname(path), "filler"))
+    error: tuple[str, str] | None = None
+    try:
+        for r in range(rounds):
+            s.lease([f"key-{r}-{i}" for i in range(256)], 600)
+    except Exception as e:  # noqa: BLE001 - reported: the test checks it
+        error = (type(e).__name__, str(e))
+    used = s.disk._shared.leases.info()["last_pgno"] * 4096
+    out = {"error": error, "readable": s.get("kept") is not None, "pinned": bool(s.pin_if_present("kept")),
+           "writemap": _lease_env_writemap(s), "lease_file": size, "lease_pages_used": used,
+           "free": os.statvfs(path).f_bavail}
+    s.close()
+    return out
+
+
+def _fill(filler: str) -> None:
+    """Write ``filler`` until its file system is full."""
+    with contextlib.suppress(OSError), open(filler, "wb") as f:
+        while True:
+            f.write(bytes(1 << 16))
+            f.flush()
+
+
+def _lease_env_writemap(s: ECStore) -> bool:
+    leases = s.disk._shared.leases
+    return bool(leases is not None and leases.flags()["writemap"])
+
