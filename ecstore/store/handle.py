@@ -383,7 +383,7 @@ class ECStore:
         self.disk.sync()
         errors = self._writer.take_errors()
         if errors:
-            raise StoreFullError(f"{len(errors)} write(s) failed since the last flush: {errors[-1]}")
+            raise StoreFullError(f"{errors.count} write(s) failed since the last flush: {errors.last[-1]}")
 
     @_gated
     def wait_committed(self) -> None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -40,6 +40,40 @@ TOUCH_DELAY_S = 1.0
 #: load does not run beside the commit the previous step asked for
 #: (measured: docs/benchmarks.md, "Figures behind constants").
 TOUCH_SOON_GAP_S = 0.2
+
+
+#: The most recent write errors a writer keeps for ``flush`` and ``close`` to
+#: report (the count stays exact): a producer that never flushes (the
+#: connector) keeps no more than this many on a disk that stays full.
+KEPT_ERRORS = 16
+
+
+@dataclass(frozen=True)
+class WriteErrors:
+    """What :meth:`Writer.take_errors` hands on: ``count`` errors recorded
+    since the last call, ``last`` the most recent of them (oldest first, at
+    most :data:`KEPT_ERRORS`); false when there were none."""
+
+    count: int
+    last: list[BaseException]
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """``error``, and the errors it chains to, without their tracebacks:
+    their frames held a failed batch's requests, and so its blobs (a
+    finished frame keeps its locals, and its caller's frame through
+    ``f_back``). Only the messages are reported (``flush``, ``close``); an
+    unforeseen error's traceback is logged when it happens."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
 
 
 class SyncJob(NamedTuple):
@@ -90,7 +124,10 @@ class Writer(threading.Thread):
         self.admissions = 0  # puts that came to submit (their turns in line)
         self.in_line: deque[int] = deque()  # turns of the puts in submit, oldest first
         self.stopping = False
-        self.errors: list[BaseException] = []
+        # the most recent errors recorded since take_errors, and how many
+        # (see _record_error: guarded by cv)
+        self._errors: deque[BaseException] = deque(maxlen=KEPT_ERRORS)
+        self._error_count = 0
         self.write_errors = 0  # failed puts since start
         # blob files of committed entries whose sync after the commit failed
         # since start (those puts were reported stored: not write_errors)
@@ -175,14 +212,21 @@ class Writer(threading.Thread):
     def add_error(self, error: BaseException) -> None:
         """Record a failed write (any thread); :meth:`take_errors` hands it on."""
         with self.cv:
-            self.errors.append(error)
+            self._record_error(error)
 
-    def take_errors(self) -> list[BaseException]:
+    def _record_error(self, error: BaseException) -> None:
+        """Record ``error`` (``cv`` held) without its frames' locals."""
+        self._errors.append(_without_frames(error))
+        self._error_count += 1
+
+    def take_errors(self) -> WriteErrors:
         """The write errors recorded since the last call, atomically (each
-        error is returned by exactly one call)."""
+        is counted by exactly one call)."""
         with self.cv:
-            errors, self.errors = self.errors, []
-        return errors
+            taken = WriteErrors(self._error_count, list(self._errors))
+            self._errors.clear()
+            self._error_count = 0
+        return taken
 
     def vouch(self, key: str, identifier: str) -> None:
         """A put of ``identifier`` under ``key`` skipped because the store
@@ -206,7 +250,7 @@ class Writer(threading.Thread):
         if errors:
             log.error("ecstore: closing %s: %d write error(s) since the last flush() were not raised "
                       "(call flush() before close() to have them raised); the last: %s",
-                      self.disk.path, len(errors), errors[-1])
+                      self.disk.path, errors.count, errors.last[-1])
 
     def touch(self, key: str, identifier: str) -> None:
         with self.cv:
@@ -384,7 +428,7 @@ class Writer(threading.Thread):
             self.stopping = True
             lost = self.puts.clear()
             if lost:
-                self.errors.append(ECStoreError(f"{lost} put(s) not written: the background writer "
+                self._record_error(ECStoreError(f"{lost} put(s) not written: the background writer "
                                                 f"stopped ({error!r})"))
                 self.write_errors += lost
             self.touches.clear()
@@ -424,7 +468,7 @@ class Writer(threading.Thread):
             try:
                 to_sync = self._write(batch, touches, vouches)
             except BaseException as e:  # never let the writer die silently  # noqa: BLE001
-                log.error("ecstore: background write failed: %s", e)
+                log.error("ecstore: background write failed: %s", e, exc_info=not isinstance(e, ECStoreError))
                 self.add_error(e)
             finally:
                 inline = False
@@ -506,7 +550,7 @@ class Writer(threading.Thread):
             log.error("ecstore: %d committed blob file(s) could not be made durable: %s", len(names), e)
             with self.cv:
                 self.sync_errors += len(names)
-                self.errors.append(StoreFullError(
+                self._record_error(StoreFullError(
                     f"{len(names)} committed blob file(s) not made durable (the entries stay readable "
                     f"until a power loss; a torn file is a miss): {e}"))
         finally:
@@ -548,7 +592,7 @@ class Writer(threading.Thread):
                 log.error("ecstore: cannot find the blob file of %s to make it durable: %s", identifier, e)
                 with self.cv:
                     self.sync_errors += 1
-                    self.errors.append(StoreFullError(f"blob file of {identifier} not made durable: {e}"))
+                    self._record_error(StoreFullError(f"blob file of {identifier} not made durable: {e}"))
                 continue
             if name is not None:
                 names.append(name)
@@ -569,4 +613,4 @@ class Writer(threading.Thread):
             log.error("ecstore: could not store mm_hash=%s: %s", mm_hash, res.error)
             with self.cv:
                 self.write_errors += 1
-                self.errors.append(res.error or StoreFullError("write failed"))
+                self._record_error(res.error or StoreFullError("write failed"))

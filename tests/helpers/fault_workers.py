@@ -109,6 +109,46 @@ def fill_until_full(path: str, limit_headroom: int | None, file_blob_mib: float 
     return {"flushed": flushed, "failed": failed, "error": error, "readable": readable, "small_ok": small_ok}
 
 
+def failed_puts_unflushed(path: str, limit_headroom: int, n: int = 24) -> dict:
+    """Put ``n`` 512 KiB entries, each in a blob file of its own, under
+    RLIMIT_FSIZE at data.mdb's size plus ``limit_headroom`` (SIGXFSZ
+    ignored), so that they fail; wait until they are written, never flush
+    (as the connector). Returns how many of the blobs the puts were copied
+    into are still referenced (weak references to the pool's buffers), the
+    writer's count of failed puts, and what flush then raises."""
+    import gc
+    import weakref
+
+    from ecstore.store import writer as writer_mod
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    bufs: list[weakref.ref] = []
+    typed_buffer = writer_mod.POOL.typed_buffer
+
+    def recorded(*args, **kwargs):
+        buf, tensor = typed_buffer(*args, **kwargs)
+        bufs.append(weakref.ref(buf))
+        return buf, tensor
+
+    writer_mod.POOL.typed_buffer = recorded  # type: ignore[method-assign]
+    s = open_store(path, cap=256 * MiB, file_blob_mib=0.0)
+    size = os.path.getsize(os.path.join(path, "data.mdb"))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + limit_headroom, resource.RLIM_INFINITY))
+    for i in range(n):
+        s.put(f"full-{i}", blob_tensor(100 + i, 512))
+    s.wait_committed()
+    gc.collect()
+    held = sum(r() is not None for r in bufs)
+    failed = s._writer.write_errors
+    try:
+        s.flush()
+        error = None
+    except StoreFullError as e:
+        error = str(e)
+    s.close()
+    return {"blobs": len(bufs), "held": held, "failed": failed, "error": error}
+
+
 def ops_on_damaged_store(path: str, ident: str) -> list[str]:
     """contains/get/put/flush/delete/stats on a store whose B-tree is
     damaged: each one's outcome as "ok: <value>" or "<ExceptionType>"."""

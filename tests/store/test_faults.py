@@ -514,6 +514,19 @@ def test_full_disk_fails_the_flush_clearly_and_keeps_earlier_entries(tmp_path, h
                 assert len(s.disk.referenced_files()) == 4 + len(r["flushed"]) + 1
 
 
+def test_failed_puts_that_nobody_flushes_keep_no_blob(tmp_path):
+    """Regression: each failed put's error was kept, with its traceback,
+    until a flush, and a traceback's frames (the tier's, the blob file's
+    write) held the failed batch's blobs: a producer on a full disk (the
+    connector never flushes) kept every failed save's pooled buffer. The
+    writer keeps the last few errors without their frames' locals; flush
+    still counts every failure."""
+    r = fc.run_forked(fw.failed_puts_unflushed, str(tmp_path / "s"), 256 << 10, 24, timeout=300).ok()
+    assert r["failed"] == r["blobs"] == 24, r  # each put's blob file was refused
+    assert r["held"] == 0, r
+    assert r["error"].startswith("24 write(s) failed") and "file size limit" in r["error"], r
+
+
 def test_readonly_handle_reads_and_changes_nothing(tmp_path):
     path = tmp_path / "s"
     with open_store(path) as s:

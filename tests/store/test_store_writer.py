@@ -14,6 +14,9 @@ timeouts below only keep a broken build from hanging the suite.
 from __future__ import annotations
 
 import contextlib
+import gc
+import io
+import logging
 import subprocess
 import sys
 import threading
@@ -468,6 +471,52 @@ def test_once_flush_returns_the_writer_holds_no_blob_it_wrote(tmp_path, monkeypa
         assert len(bufs) == 3
         assert [r() is None for r in bufs] == [True] * 3, "a written blob is still referenced after flush"
     finally:
+        s.close()
+
+
+def test_a_failed_write_leaves_no_blob_referenced_by_its_recorded_error(tmp_path, monkeypatch):
+    """Regression: a write that failed with an error ecstore did not foresee
+    was recorded with its traceback, whose frames (the writer's, the tier's)
+    held the batch's requests and so their blobs until a flush took it. The
+    error is recorded without its traceback (flush reports its message), and
+    its traceback is logged when it happens."""
+    import weakref
+
+    bufs: list[weakref.ref] = []
+    typed_buffer = writer_mod.POOL.typed_buffer
+
+    def recorded(*args, **kwargs):
+        buf, tensor = typed_buffer(*args, **kwargs)
+        bufs.append(weakref.ref(buf))
+        return buf, tensor
+
+    monkeypatch.setattr(writer_mod.POOL, "typed_buffer", recorded)
+    s = _open(tmp_path)  # local_cpu=False: no memory tier holds a blob
+
+    def broken(reqs, touches, sync_files=True):
+        raise RuntimeError(f"unforeseen, with {len(reqs)} requests at hand")
+
+    monkeypatch.setattr(s.disk, "write_batch", broken)
+    try:
+        # A handler that prints, as in a server (pytest's own keep every record, and so its traceback).
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        monkeypatch.setattr(logging.getLogger("ecstore"), "propagate", False)
+        logging.getLogger("ecstore").addHandler(handler)
+        try:
+            for i in range(3):
+                assert s.put(f"k{i}", torch.randn(512, 512))  # 1 MiB: pooled blobs
+            s.wait_committed()  # written (failed): no flush has taken the errors yet
+        finally:
+            logging.getLogger("ecstore").removeHandler(handler)
+        assert "background write failed" in out.getvalue() and "in broken" in out.getvalue()  # where: logged
+        gc.collect()
+        assert len(bufs) == 3
+        assert [r() is None for r in bufs] == [True] * 3, "a recorded error keeps the failed batch's blobs"
+        got = _bounded(s.flush)
+        assert got and isinstance(got[0], ECStoreError) and "unforeseen" in str(got[0]), got
+    finally:
+        monkeypatch.undo()
         s.close()
 
 
