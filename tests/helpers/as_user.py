@@ -35,14 +35,22 @@ def _import_everything_lazy() -> None:
     import ecstore
 
     skips = {ecstore: ("ecstore.connector", "ecstore.testing"), lmdb: ("lmdb.tool", "lmdb.__main__", "lmdb.cffi")}
-    for pkg, skip in skips.items():
-        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+
+    def walk(path: list[str], prefix: str, skip: tuple[str, ...]) -> None:
+        # Not pkgutil.walk_packages: it imports every package it recurses
+        # into, skipped ones too (ecstore.connector imports vLLM: 8 s a run).
+        for info in pkgutil.iter_modules(path, prefix):
             if info.name.startswith(skip):
                 continue
             try:
-                importlib.import_module(info.name)
+                module = importlib.import_module(info.name)
             except ImportError:  # optional parts
-                pass
+                continue
+            if info.ispkg:
+                walk(list(module.__path__), info.name + ".", skip)
+
+    for pkg, skip in skips.items():
+        walk(list(pkg.__path__), pkg.__name__ + ".", skip)
     from ecstore.lmdb import schema
 
     schema.migrations()  # imported once, then cached
