@@ -14,7 +14,6 @@ elsewhere always False. Thread-safe (no state).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -31,7 +30,7 @@ def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the C library already loaded (no find_library: it runs ldconfig)
         libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
     except (OSError, AttributeError):
