@@ -117,20 +117,12 @@ def failed_puts_unflushed(path: str, limit_headroom: int, n: int = 24) -> dict:
     into are still referenced (weak references to the pool's buffers), the
     writer's count of failed puts, and what flush then raises."""
     import gc
-    import weakref
 
     from ecstore.store import writer as writer_mod
+    from helpers.pool_refs import record_pool_buffers
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    bufs: list[weakref.ref] = []
-    typed_buffer = writer_mod.POOL.typed_buffer
-
-    def recorded(*args, **kwargs):
-        buf, tensor = typed_buffer(*args, **kwargs)
-        bufs.append(weakref.ref(buf))
-        return buf, tensor
-
-    writer_mod.POOL.typed_buffer = recorded  # type: ignore[method-assign]
+    bufs = record_pool_buffers(writer_mod.POOL)
     s = open_store(path, cap=256 * MiB, file_blob_mib=0.0)
     size = os.path.getsize(os.path.join(path, "data.mdb"))
     resource.setrlimit(resource.RLIMIT_FSIZE, (size + limit_headroom, resource.RLIM_INFINITY))

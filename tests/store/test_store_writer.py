@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.pool_refs import record_pool_buffers
 
 import ecstore
 from ecstore.errors import ECStoreError
@@ -452,17 +453,7 @@ def test_once_flush_returns_the_writer_holds_no_blob_it_wrote(tmp_path, monkeypa
     so after ``flush`` the blobs it had just written stayed referenced and
     their slabs out of the pool: the next save faulted fresh memory. The
     batch is released before a drainer wakes."""
-    import weakref
-
-    bufs: list[weakref.ref] = []
-    typed_buffer = writer_mod.POOL.typed_buffer
-
-    def recorded(*args, **kwargs):
-        buf, tensor = typed_buffer(*args, **kwargs)
-        bufs.append(weakref.ref(buf))
-        return buf, tensor
-
-    monkeypatch.setattr(writer_mod.POOL, "typed_buffer", recorded)
+    bufs = record_pool_buffers(writer_mod.POOL, monkeypatch.setattr)
     s = _open(tmp_path)  # local_cpu=False: no memory tier holds a blob
     try:
         for i in range(3):
@@ -480,17 +471,7 @@ def test_a_failed_write_leaves_no_blob_referenced_by_its_recorded_error(tmp_path
     held the batch's requests and so their blobs until a flush took it. The
     error is recorded without its traceback (flush reports its message), and
     its traceback is logged when it happens."""
-    import weakref
-
-    bufs: list[weakref.ref] = []
-    typed_buffer = writer_mod.POOL.typed_buffer
-
-    def recorded(*args, **kwargs):
-        buf, tensor = typed_buffer(*args, **kwargs)
-        bufs.append(weakref.ref(buf))
-        return buf, tensor
-
-    monkeypatch.setattr(writer_mod.POOL, "typed_buffer", recorded)
+    bufs = record_pool_buffers(writer_mod.POOL, monkeypatch.setattr)
     s = _open(tmp_path)  # local_cpu=False: no memory tier holds a blob
 
     def broken(reqs, touches, sync_files=True):
