@@ -68,11 +68,14 @@ def _without_frames(error: BaseException) -> BaseException:
     ``f_back``). Only the messages are reported (``flush``, ``close``); an
     unforeseen error's traceback is logged when it happens."""
     seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         e.__traceback__ = None
-        e = e.__cause__ or e.__context__
+        todo += (e.__cause__, e.__context__)  # both: "raise X from A" inside "except B" chains to each
     return error
 
 

@@ -24,7 +24,7 @@ from ecstore.lmdb.env import LEASE_MAP_SIZE
 from ecstore.testing import faults as fc
 
 FULL = ["rlimit-fsize"] + (["tmpfs-enospc"] if fault_fs.can_mount() else [])
-needs_mount = pytest.mark.skipif(not fault_fs.can_mount(), reason="needs to mount a tmpfs (root)")
+needs_mount = pytest.mark.skipif(not fault_fs.can_mount(), reason="needs to mount a tmpfs or ramfs (root)")
 
 
 @pytest.mark.parametrize("how", FULL)
@@ -68,10 +68,9 @@ def test_a_lease_file_mapped_writable_takes_leases_past_a_full_disk(tmp_path):
         assert fc.run_verify_cli(path).returncode == 0
 
 
+@needs_mount
 def test_a_lease_file_is_not_mapped_writable_where_its_blocks_cannot_be_reserved(tmp_path):
     """ramfs has no fallocate: the lease file grows by writes, as before."""
-    if not fault_fs.can_mount():
-        pytest.skip("needs to mount a ramfs (root)")
     with fault_fs.ramfs(tmp_path / "mnt"):
         path = tmp_path / "mnt" / "s"
         r = fc.run_forked(fw.lease_past_a_full_disk, str(path), 1, False, timeout=300).ok()
