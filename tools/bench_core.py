@@ -230,6 +230,39 @@ class Bench:
             freeze_gc()
         return cached[ec_role]
 
+    def image_request(self, req_id: str, identifier: str, rows: int | None = None):
+        """vLLM's real ``Request`` for one image of the tiny BLIP-2 (processed
+        once by vLLM's own input processor, then reused) under
+        ``identifier``: vLLM holds its pixels, so it can encode the item.
+        ``rows``: its placeholder's length instead (the bench's tiny entries
+        have fewer rows than an image)."""
+        from dataclasses import replace
+
+        from vllm.multimodal.inputs import PlaceholderRange
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        if getattr(self, "_image_feature", None) is None:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+            from vllm.v1.engine.input_processor import InputProcessor
+
+            from ecstore.testing import tiny_model
+
+            ip = InputProcessor(self.vllm_config())
+            prompt = {"prompt": tiny_model.prompt(), "multi_modal_data": {"image": tiny_model.make_image(1)}}
+            (engine_input,) = ip.renderer.render_cmpl([parse_model_prompt(ip.model_config, prompt)],
+                                                      ip.renderer.default_cmpl_tok_params)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            ecr = ip.process_inputs("template", engine_input, params, ("generate",))
+            (self._image_feature,) = Request.from_engine_core_request(ecr, block_hasher=None).mm_features
+            freeze_gc()
+        feature = self._image_feature
+        n = feature.mm_position.length if rows is None else rows
+        feature = replace(feature, identifier=identifier, mm_hash=identifier,
+                          mm_position=PlaceholderRange(offset=0, length=n))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        return Request(req_id, [0] * n + [1, 2], params, None, mm_features=[feature])
+
     def store_connector(self, role_name: str, **extra: Any):
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 

@@ -5,8 +5,10 @@ single-process mode). Called from the scheduler thread only; never waits on
 another process's long write (remote fetches run on ``ecstore-fetch``).
 
 A load is announced exactly for the items ``has_cache_item`` said yes to, and
-each yes on a disk store holds a lease until the worker reports that load (or
-the request ends, or the lease expires). Entries of another encoder identity
+each such load from a disk store holds a lease until the worker reports it (or
+the request ends, or the lease expires): taken at the lookup for items vLLM
+could not encode again, else with the step's other lease writes at its end
+(one commit), before the load reaches the worker. Entries of another encoder identity
 are misses. The flows (disk and memory-only modes, producers, the remote
 tier, items vLLM cannot encode again) are in docs/architecture.md.
 """
@@ -66,6 +68,12 @@ class SchedulerSide:
         self._step_hits: dict[str, bool] = {}
         self._release_later: list[str] = []  # leases a busy lease file kept us from releasing
         self._producer_hits: set[str] = set()  # producer-only: yes this step (nothing pinned)
+        # this step: items ensure_cache_available found vLLM can encode (the
+        # request being scheduled); their yeses are leased at the step's end,
+        # and only if allocated (_pin_later, then _alloc_pins: (identifier, req_id))
+        self._deferrable: set[str] = set()
+        self._pin_later: set[str] = set()
+        self._alloc_pins: list[tuple[str, str]] = []
         self._producer_allocated: set[str] = set()  # producer-only: allocated this step
         self._req_items: dict[str, list[str]] = {}  # producer-only: req_id -> its item identifiers
         # Producer-only (encode-only) instances: vLLM drops the worker
@@ -137,13 +145,15 @@ class SchedulerSide:
             # yes and that one was not (then asked again below).
             if identifier not in self._verify_first or identifier in self._step_verified:
                 return True
+            self._pin_later.discard(identifier)
             if self._step_hits.pop(identifier):
                 self._release([identifier])
         elif self._kept_out(identifier):
             return False
         if not self.is_consumer:
             return self._producer_has(identifier)
-        pinned = busy = False
+        pinned = busy = deferred = False
+        handed: PinAnswer | None = None
         self._lease_busy.discard(identifier)
         self._verifying.discard(identifier)
         if self.memory_only or self.store is None:
@@ -162,8 +172,16 @@ class SchedulerSide:
                     local = rec is not None
                     if rec is not None:
                         self._start_verification(identifier, rec)
+                elif verified is None and identifier in self._deferrable \
+                        and (handed := self._handed_pin(identifier)) is None:
+                    # vLLM can encode it in the step should the entry be gone
+                    # by then: leased at the step's end if allocated, with the
+                    # step's other leases (one commit; see _commit_step_leases).
+                    rec = self.store.stored_record(identifier)
+                    local = rec is not None
+                    found = deferred = local and self._fits(identifier, rec, pinned=False)
                 else:
-                    answer = self._handed_pin(identifier) or self.store.pin_entry(identifier)
+                    answer = handed or self._handed_pin(identifier) or self.store.pin_entry(identifier)
                     local = held = answer.pin is Pin.HELD
                     if answer.pin is Pin.BUSY:  # stored, but not pinnable now: a miss this time
                         busy = True
@@ -184,7 +202,7 @@ class SchedulerSide:
                 log.warning("ecstore: lookup of %s failed, treated as a miss: %s", identifier, e)
                 if held or pinned:  # pinned, then found unusable: the pin must not outlive the answer
                     self._release([identifier])
-                found = pinned = local = False
+                found = pinned = local = deferred = False
         # The remote only when no local tier holds the item (a local entry
         # refused as a misfit is not looked up again there).
         if not local and not busy and self.store is not None and self.store.has_remote_tier:
@@ -206,6 +224,8 @@ class SchedulerSide:
                 self.stats.add("remote_lookup_hits")
         if found:
             self._step_hits[identifier] = pinned  # a remote yes holds no lease
+            if deferred:
+                self._pin_later.add(identifier)
         elif self._foreign is not None and not local:
             self._foreign.on_miss(identifier)  # held under another identity? logged once
         return found
@@ -233,26 +253,28 @@ class SchedulerSide:
         if self._verifications is not None and self._verifications.start(identifier, tag, now=False):
             self._verifying.add(identifier)  # the thread starts when the step ends (build_connector_meta)
 
-    def _fits(self, identifier: str, record: Record | None = None) -> bool:
-        """Whether the pinned entry's shape fits what the request expects
-        (rows, and the encoder width where vLLM measured it). A misfit (e.g.
-        a client uuid reused for an image of another size) is a miss: the
-        pin is let go and vLLM runs the encoder; nothing is loaded. So is an
-        entry gone since the pin (its record unreadable: dropped; deleted),
-        without counting as a misfit."""
+    def _fits(self, identifier: str, record: Record | None = None, *, pinned: bool = True) -> bool:
+        """Whether the entry's shape fits what the request expects (rows, and
+        the encoder width where vLLM measured it). A misfit (e.g. a client
+        uuid reused for an image of another size) is a miss: the pin (if
+        ``pinned``) is let go and vLLM runs the encoder; nothing is loaded. So
+        is an entry gone since the pin (its record unreadable: dropped;
+        deleted), without counting as a misfit."""
         assert self.store is not None
         shape = record.shape if record is not None else self.store.stored_shape(identifier)
         if shape is None:
             # Pinned, so not evicted: its record was unreadable (dropped by
             # stored_shape, a miss) or another process deleted it.
-            self._release([identifier])
+            if pinned:
+                self._release([identifier])
             return False
         rows = self._expected_rows.get(identifier)
         widths = set(self._widths().values())
         ok = len(shape) == 2 and (rows is None or shape[0] == rows) \
             and (not widths or shape[1] in widths)
         if not ok:
-            self._release([identifier])
+            if pinned:
+                self._release([identifier])
             self.stats.add("rejected")
             if identifier not in self._rejected_logged:
                 self._rejected_logged.add(identifier)
@@ -308,6 +330,9 @@ class SchedulerSide:
                 self._step_load_inputs.append((request.request_id, index, feature.data))
             if pinned:  # its report (or the request's end) releases the lease
                 self._inflight[identifier].add(request.request_id)
+            elif identifier in self._pin_later:  # leased at the step's end (then as if pinned)
+                self._pin_later.discard(identifier)
+                self._alloc_pins.append((identifier, request.request_id))
             self.stats.add("hits")
         else:
             self.stats.add("misses")
@@ -337,6 +362,7 @@ class SchedulerSide:
                 pass
         if not self.is_consumer:
             return True
+        self._deferrable = set()
         pending = [f for f in features if not placeholder_computed(f, num_computed_tokens)]
         for feature in pending:
             if feature.identifier in self._poisoned:
@@ -355,6 +381,7 @@ class SchedulerSide:
         for feature in pending:
             has_inputs = self._inputs.at_hand(feature)
             if self._can_recompute and has_inputs:
+                self._deferrable.add(feature.identifier)
                 continue
             identifier = feature.identifier
             self._verify_first.add(identifier)
@@ -402,21 +429,55 @@ class SchedulerSide:
         self._loads, self._acks = [], []
         self._restore_inputs(scheduler_output)
         # has_cache_item said yes but vLLM did not allocate (e.g. no KV space
-        # this step): let go of the pins; it will be asked again.
-        self._release([i for i, pinned in self._step_hits.items() if pinned])
+        # this step): let go of the pins; it will be asked again. Likewise
+        # the pins the verification thread took that no lookup came for.
+        release = [i for i, pinned in self._step_hits.items() if pinned]
+        if self._verifications is not None:
+            release += self._verifications.unclaimed()
+        self._commit_step_leases(release)
         self._step_hits = {}
+        self._pin_later.clear()
+        self._deferrable = set()
         self._producer_hits.clear()
         self._verify_first.clear()
         self._step_verified.clear()
         self._step_widths.clear()
         if self._verifications is not None:
-            self._release(self._verifications.unclaimed())  # pins it took that no lookup came for
             self._verifications.kick()  # this step's verifications, now that its scheduling is done
         freed = getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()
         self._vllm_holds.difference_update(freed)
         if self._poisoned:
             self._unpoison(freed)
         return meta
+
+    def _commit_step_leases(self, release: list[str]) -> None:
+        """The step's lease writes in one lease-file commit, before its loads
+        reach the workers: one lease per allocated yes that was not pinned at
+        its lookup (``_alloc_pins``: items vLLM can encode in the step) and
+        the releases ``release`` (with those a busy lease file kept back).
+        Such a load whose entry is gone by now (evicted or deleted since the
+        lookup), or whose lease the busy lease file refused, goes ahead
+        unpinned: the worker reads what is there (checked as always) or has
+        vLLM encode the item in the step (``recomputed``)."""
+        pins, self._alloc_pins = self._alloc_pins, []
+        if not pins or self.store is None:
+            self._release(release)
+            return
+        release = self._release_later + release
+        self._release_later = []
+        try:
+            answers = self.store.pin_entries([i for i, _ in pins], release=release)
+        except ECStoreError as e:
+            log.warning("ecstore: leasing this step's loads failed (they go ahead unpinned): %s", e)
+            self._release_later = release
+            return
+        if answers and answers[0] is Pin.BUSY:  # nothing leased, nothing released
+            self._release_later = release
+            self.stats.add("lease_busy", len(pins))
+            return
+        for (identifier, req_id), answer in zip(pins, answers):
+            if answer is Pin.HELD:  # its report (or the request's end) releases the lease
+                self._inflight[identifier].add(req_id)
 
     def _restore_inputs(self, scheduler_output: Any) -> None:
         """vLLM 0.33, Model Runner V2: the scheduler has the worker release an

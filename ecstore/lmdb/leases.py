@@ -270,6 +270,33 @@ class LeaseTable:
         finally:
             self._unlock()
 
+    def try_pin_many(self, keys: list[bytes], ttl_s: float, pid: int,
+                     release: list[bytes] | None = None) -> list[bool] | None:
+        """:meth:`try_pin` for each of ``keys`` (a key given twice is leased
+        twice) after dropping one lease of ``pid`` on each of ``release``,
+        all in one lease write transaction; per key, whether it was leased.
+        None (nothing leased, nothing released) when the lease write lock
+        stays held, as for :meth:`try_lease`."""
+        if not self._lock(False):
+            return None
+        try:
+            out: list[bool] = []
+            with self.env.begin(write=True) as txn:
+                if release:
+                    self._release_in(txn, release, pid)
+                live: list[bytes] = []
+                for k in keys:
+                    tomb = txn.get(_TOMB + k)
+                    ok = tomb is None or not self._tombstone_live(bytes(tomb))
+                    out.append(ok)
+                    if ok:
+                        live.append(k)
+                if live:
+                    self._lease_in(txn, live, ttl_s, pid)
+            return out
+        finally:
+            self._unlock()
+
     def _lease_in(self, txn: lmdb.Transaction, keys: list[bytes], ttl_s: float, pid: int) -> None:
         now = time.time_ns()
         expiry = now + int(ttl_s * 1e9)

@@ -221,6 +221,54 @@ class LMDBTier(TierReads):
                 self.release([key], wait=False)  # refused while busy: the lease expires
         return PIN_ABSENT if rec is None else PinAnswer(Pin.HELD, rec)
 
+    @_lmdb_errors_as_store_errors
+    def pin_entries(self, pins: list[tuple[str, str]], ttl_s: float,
+                    release: list[str] | None = None) -> list[Pin]:
+        """:meth:`pin_entry` for each (key, identifier) of ``pins`` (one lease
+        each, a pair given twice is leased twice), after dropping one lease of
+        this process on each key of ``release``: one lease-file commit
+        (steps (a) and (b) for all) and a read of the data file (step (c)
+        for all); the leases of entries found gone are dropped again (one
+        more commit, not waited for). Per pair, ``Pin.HELD`` or ``Pin.ABSENT``;
+        all ``Pin.BUSY`` (nothing leased, nothing released) while the lease
+        write lock is busy, as for :meth:`pin_entry`. Misses (one first read
+        for all) are not leased; the second read is skipped when no write
+        committed since the first."""
+        ttl_s = _check_ttl(ttl_s)
+        self._check()
+        leases = self._leases
+        if leases is None:
+            return [Pin.HELD if self._record_of(key, self._k(key), ident) is not None else Pin.ABSENT
+                    for key, ident in pins]
+        ks = [self._k(key) for key, _ in pins]
+        there, snapshot = self._present(ks, pins)  # misses are not leased
+        leased = leases.try_pin_many([k for k, ok in zip(ks, there) if ok], ttl_s, THIS_PROCESS.pid,
+                                     [self._k(key) for key in release or ()])
+        if leased is None:
+            return [Pin.BUSY] * len(pins)
+        it = iter(leased)
+        held = [ok and next(it) for ok in there]  # steps (a) and (b)
+        if self._last_txnid() != snapshot:  # step (c), unless nothing committed since the first read
+            there, _ = self._present(ks, pins)
+        out = [Pin.HELD if h and t else Pin.ABSENT for h, t in zip(held, there)]
+        gone = [key for (key, _), h, t in zip(pins, held, there) if h and not t]
+        if gone:
+            self.release(gone, wait=False)  # refused while busy: the leases expire
+        return out
+
+    def _present(self, ks: list[bytes], pins: list[tuple[str, str]]) -> tuple[list[bool], int]:
+        """Whether each of ``ks`` holds the entry of its pair's identifier, and
+        the id of the snapshot that was read in (one read for all)."""
+        shared = self._shared
+        txn = begin_read(shared)
+        try:
+            raws = [txn.get(k, db=self._dbs.entries) for k in ks]
+            snapshot = txn.id()
+        finally:
+            end_read(shared, txn)
+        return [raw is not None and codec.record_identifier(raw, self.record_version) == ident
+                for raw, (_, ident) in zip(raws, pins)], snapshot
+
     def _seen_record(self, k: bytes, identifier: str) -> tuple[bytes, int] | None:
         """``k``'s packed record and the id of the snapshot it was read in
         (one read; only the record's identifier is decoded), if it is

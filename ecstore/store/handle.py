@@ -474,6 +474,24 @@ class ECStore:
         no record."""
         return self._pin_entry(mm_hash, ttl_s)
 
+    @_gated
+    def pin_entries(self, mm_hashes: list[str], *, release: list[str] | None = None,
+                    ttl_s: float | None = None) -> list[Pin]:
+        """:meth:`pin` for each of ``mm_hashes`` (one lease per occurrence),
+        after :meth:`release` of ``release``, in one lease-file commit: a
+        caller that pins a step's worth of entries pays one. All ``Pin.BUSY``
+        (nothing leased, nothing released) while another process holds the
+        lease file's write lock. Memory-only and read-only stores answer from
+        :meth:`contains`."""
+        mm_hashes = check_identifier_list(mm_hashes)
+        release = check_identifier_list(release or [])
+        names = [self.stored_name(h) for h in mm_hashes]
+        if self.disk is None or self.readonly:
+            return [Pin.HELD if self._reads.contains(self._key_of(n), n) else Pin.ABSENT for n in names]
+        return self.disk.pin_entries([(self._key_of(n), n) for n in names],
+                                     self.config.lease_seconds if ttl_s is None else ttl_s,
+                                     [self.key(h) for h in release])
+
     def _pin(self, mm_hash: str, ttl_s: float | None) -> Pin:
         return self._pin_entry(mm_hash, ttl_s).pin
 

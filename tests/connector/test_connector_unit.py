@@ -233,6 +233,85 @@ def test_unallocated_yes_is_released(connectors, disk_extra):
     assert leased(sched, A) == set()
 
 
+def lease_commits(conn: ECStoreConnector) -> int:
+    """The lease file's last committed transaction id (every lease write is one)."""
+    side = conn.scheduler_side
+    assert side is not None and side.store is not None and side.store.disk is not None
+    table = side.store.disk._leases
+    assert table is not None
+    return int(table.env.info()["last_txnid"])
+
+
+def test_yeses_vllm_could_encode_are_leased_at_the_steps_end_in_one_commit(qwen_connectors, disk_extra):
+    """Items vLLM holds inputs for (it could encode them in the step) are
+    not leased at the lookup: the step's end leases the allocated ones,
+    together with the step's releases, in one lease-file commit, before the
+    loads reach the worker; a yes vLLM does not allocate writes nothing.
+    Each load then holds its lease until its report, as before."""
+    sched, worker = qwen_connectors("ec_both", disk_extra)
+    t_a = embedding(1)
+    seed_store(sched, {A: t_a, B: embedding(2), C: embedding(3)})
+    # r0's C (metadata-only) is verified first: the request waits a step.
+    r0 = vo.make_request("r0", [C], inputs=False)
+    assert sched.ensure_cache_available(r0, 0) is False
+    sched.build_connector_meta(empty_output())
+    side = sched.scheduler_side
+    assert side is not None and side._verifications is not None and side._verifications.wait_idle(60)
+    # This step r0's yes is pinned at its lookup (by the verifier) but not
+    # allocated, so the step's end releases it; r1's A is allocated, its B not.
+    assert sched.ensure_cache_available(r0, 0) is True
+    assert leased(sched, C) == {C}
+    r1 = vo.make_request("r1", [A, B], model=vo.QWEN2_5_VL)
+    assert sched.ensure_cache_available(r1, 0) is True
+    before = lease_commits(sched)
+    assert sched.has_cache_item(A) and sched.has_cache_item(B) and sched.has_cache_item(A)
+    assert lease_commits(sched) == before and leased(sched, A, B) == set()  # nothing written yet
+    sched.update_state_after_alloc(r1, 0)
+    meta = sched.build_connector_meta(empty_output())
+    assert lease_commits(sched) == before + 1  # A's lease and C's release: one commit
+    assert leased(sched, A, B, C) == {A}
+    assert [(s.req_id, s.identifier, s.recomputable) for s in meta.loads] == [("r1", A, True)]
+    cache: dict[str, torch.Tensor] = {}
+    wm = worker_step(worker, meta, cache)
+    assert wm is not None and wm.loaded == [("r1", A)] and torch.equal(cache[A], t_a)
+    assert leased(sched, A) == {A}  # held until the worker reports the load
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert leased(sched, A, B, C) == set()
+    # Two requests allocating the same item in one step hold a lease each.
+    r2, r3 = (vo.make_request(r, [B], model=vo.QWEN2_5_VL) for r in ("r2", "r3"))
+    for r in (r2, r3):
+        assert sched.ensure_cache_available(r, 0) and sched.has_cache_item(B)
+        sched.update_state_after_alloc(r, 0)
+    sched.build_connector_meta(empty_output())
+    r2.status = r3.status = RequestStatus.FINISHED_ABORTED
+    sched.request_finished(r2)
+    assert leased(sched, B) == {B}  # r3's lease
+    sched.request_finished(r3)
+    assert leased(sched, B) == set()
+
+
+def test_an_entry_gone_before_the_steps_end_is_encoded_in_the_step(qwen_connectors, disk_extra, caplog):
+    """Between the lookup's yes and the step's end another process deleted
+    the entry (an eviction can too): its lease is not taken, the load still
+    reaches the worker, which has vLLM encode the item in the step
+    (``recomputed``); nothing fails, nothing stays leased."""
+    sched, worker = qwen_connectors("ec_both", disk_extra)
+    seed_store(sched, {A: embedding(1)})
+    r1 = vo.make_request("r1", [A], model=vo.QWEN2_5_VL)
+    assert sched.ensure_cache_available(r1, 0) and sched.has_cache_item(A)
+    sched.update_state_after_alloc(r1, 0)
+    with open_store(sched) as st:
+        assert st.delete(A)
+    meta = sched.build_connector_meta(empty_output())
+    assert leased(sched, A) == set()
+    wm = worker_step(worker, meta, {})
+    assert wm is not None and wm.recomputed == [("r1", A)] and wm.failed == [] and wm.loaded == []
+    assert meta.encoder_inputs == {"r1": [0]}  # vLLM's runner encodes it in this step
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert leased(sched, A) == set()
+    assert sched.scheduler_side is not None and not sched.scheduler_side.take_unavailable_requests()
+
+
 def test_producer_never_loads(qwen_connectors, disk_extra, caplog):
     """ec_producer (encode-only): has_cache_item answers from the store, so
     vLLM does not run the encoder for a present item; nothing is announced,

@@ -128,6 +128,41 @@ def test_the_scheduler_step_neither_waits_to_pin_nor_to_release(connectors, tmp_
     assert key_a not in side.store.disk.leased_keys()
 
 
+@pytest.mark.vllm
+def test_loads_vllm_could_encode_go_ahead_unpinned_while_the_lease_file_is_busy(
+        connectors, tmp_path: Path, no_lmcache_env) -> None:
+    """The step's end leases its allocated yeses (items vLLM could encode)
+    while another process is stopped inside a lease write: it does not wait;
+    the load goes ahead unpinned (counted as ``lease_busy``; the worker reads
+    what is there, checked as always) and nothing stays leased."""
+    from dataclasses import replace
+
+    import torch
+    from helpers import vllm_objects as vo
+
+    from ecstore import ECStore
+
+    store_dir = tmp_path / "ec"
+    sched, _ = connectors("ec_both", {"local_disk": str(store_dir), "max_local_disk_size": 0.01,
+                                      "lease_seconds": 600})
+    side = sched.scheduler_side
+    assert side is not None and side.store is not None and side.store.disk is not None
+    a = "a1" * 32
+    with ECStore(replace(sched.config, local_cpu=False), model=sched._vllm_config.model_config.model,
+                 dtype=torch.float32, identity=sched.identity) as producer:
+        assert producer.put(a, torch.full((vo.EMBEDS_PER_IMAGE, vo.EMBED_WIDTH), 1.0))
+        producer.flush()
+    req = vo.make_request("r1", [a])  # vLLM holds its inputs
+    with stopped_inside_a_lease_write(store_dir):
+        assert sched.ensure_cache_available(req, 0) and sched.has_cache_item(a)  # no lease write yet
+        sched.update_state_after_alloc(req, 0)
+        finished, meta = call_with_hang_guard(lambda: sched.build_connector_meta(vo.SchedulerOutput.make_empty()))
+        assert finished, "the scheduler's step waited to lease its loads"
+        assert [s.identifier for s in meta.loads] == [a]  # type: ignore[attr-defined]
+    assert side.store.disk.leased_keys() == set()
+    assert sched.get_ec_connector_stats().reduce()["lease_busy"] == 1
+
+
 def test_pins_in_a_row_while_the_lock_stays_held_make_one_bounded_wait(tmp_path: Path, monkeypatch) -> None:
     """A scheduler step asks about many items: while another process is
     stopped inside a lease write, only the first pin polls the lock (up to

@@ -403,3 +403,58 @@ def test_a_pin_answers_with_the_record_whether_or_not_a_write_committed_since_it
         assert touched.pin is Pin.HELD and touched.record == after
     finally:
         tier.close()
+
+
+def test_pin_entries_leases_a_steps_worth_in_one_commit(tmp_path: Path, monkeypatch) -> None:
+    """``ECStore.pin_entries``: one lease per occurrence, releases first, in
+    one lease-file commit; an absent entry, one being evicted (a live
+    tombstone) and one deleted between the lease and the entry check are
+    ``ABSENT`` and keep no lease. The only hook deletes a real entry right
+    after this process's real lease write."""
+    from ecstore import ECStore, ECStoreConfig, InvalidEntryError
+    from ecstore.lmdb.leases import Pin
+
+    cfg = ECStoreConfig(local_cpu=False, local_disk=str(tmp_path / "s"), max_local_disk_size=CAP / 2**30)
+    with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as store:
+        for n in ("a", "b", "c", "d"):
+            store.put(n, fc.entry_tensor(0, 4))
+        store.flush()
+        disk = store.disk
+        assert disk is not None and disk._leases is not None
+        table, lease_env = disk._leases, disk._leases.env
+
+        def leased() -> set[str]:
+            keys = disk.leased_keys()
+            return {n for n in ("a", "b", "c", "d") if store.key(n).encode() in keys}
+
+        store.lease(["d"])
+        table.mark_evicting([store.key("c").encode()])
+        before = lease_env.info()["last_txnid"]
+        assert store.pin_entries(["a", "a", "b", "zz", "c"], release=["d"]) == [
+            Pin.HELD, Pin.HELD, Pin.HELD, Pin.ABSENT, Pin.ABSENT]
+        assert lease_env.info()["last_txnid"] == before + 1  # pins and the release: one commit
+        assert leased() == {"a", "b"}
+        store.release(["a"])
+        assert leased() == {"a", "b"}  # "a" was leased twice
+        store.release(["a", "b"])
+        assert leased() == set()
+        table.clear_tombstones()
+
+        real = table.try_pin_many
+
+        def lease_then_delete(*args):
+            taken = real(*args)
+            with ECStore(cfg, model=fc.MODEL, dtype=torch.bfloat16) as other:
+                assert other.delete("b")
+            return taken
+
+        monkeypatch.setattr(table, "try_pin_many", lease_then_delete)
+        assert store.pin_entries(["a", "b"]) == [Pin.HELD, Pin.ABSENT]
+        assert leased() == {"a"}  # the lease of the entry found gone is dropped again
+        monkeypatch.undo()
+        for bad in ("abc", ["a", 7]):
+            with pytest.raises(InvalidEntryError, match="identifier"):
+                store.pin_entries(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEntryError, match="ttl_s"):
+            store.pin_entries(["a"], ttl_s=float("nan"))
+        assert leased() == {"a"}
