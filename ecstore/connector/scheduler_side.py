@@ -469,7 +469,7 @@ class SchedulerSide:
             answers = self.store.pin_entries([i for i, _ in pins], release=release)
         except ECStoreError as e:
             log.warning("ecstore: leasing this step's loads failed (they go ahead unpinned): %s", e)
-            self._release_later = release
+            self._release(release)  # (dropped if that fails too: the leases expire)
             return
         if answers and answers[0] is Pin.BUSY:  # nothing leased, nothing released
             self._release_later = release
