@@ -7,6 +7,7 @@
     python tools/bench_profile.py touch     # LRU touches: one fdatasync'd commit per burst of hits
     python tools/bench_profile.py writer    # background writer: encode / checksum / puts / commit
     python tools/bench_profile.py churn     # failed writes under churn vs the writer's batch size
+    python tools/bench_profile.py coldread  # a record read right after a large write (the scheduler's first step)
     python tools/bench_profile.py all
 
 Nothing here changes ecstore's code: the "proposed" variants are simulated
@@ -358,9 +359,53 @@ def cmd_churn(args) -> None:
     es.MAX_BATCH_BYTES = default
 
 
+def cmd_coldread(args) -> None:
+    """What the scheduler thread's first lookup of a fresh entry meets: a
+    record read (``stored_record``) right after another handle wrote a
+    34.3 MB entry (its copy and file write stream through the CPU caches):
+    first as is, after a ``gc.collect()``, after sweeping 64 MiB, then a
+    second read of the same record. A miss's read first tells whether the
+    cost is the entry's or any first LMDB access's."""
+    import gc
+
+    from ecstore import ECStore, ECStoreConfig
+
+    d = tempfile.mkdtemp(prefix="ecstore-prof-")
+    cfg = ECStoreConfig(local_cpu=False, local_disk=d, max_local_disk_size=2.0)
+    sweep = torch.empty(64 * MiB, dtype=torch.uint8)
+    t = torch.randn(4785, HIDDEN).to(torch.bfloat16)
+    out: dict[str, list[float]] = defaultdict(list)
+    try:
+        with ECStore(cfg, model="prof", dtype=torch.bfloat16) as w, \
+                ECStore(cfg, model="prof", dtype=torch.bfloat16) as r:
+            for i in range(max(9, 3 * args.reps)):
+                h = f"{i:064x}"
+                w.put(h, t)
+                w.flush()
+                how = ("as is", "after gc.collect()", "after a 64 MiB sweep")[i % 3]
+                if i % 3 == 1:
+                    gc.collect()
+                elif i % 3 == 2:
+                    sweep.fill_(i)
+                t0 = time.perf_counter()
+                assert not r.contains(f"{i + 10**6:064x}")
+                t1 = time.perf_counter()
+                assert r.stored_record(h) is not None
+                t2 = time.perf_counter()
+                assert r.stored_record(h) is not None
+                t3 = time.perf_counter()
+                out[f"first LMDB access (a miss), {how}"].append(t1 - t0)
+                out[f"then the entry's record, {how}"].append(t2 - t1)
+                out["the same record again"].append(t3 - t2)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    for label, xs in out.items():
+        print(f"{label:55s} {statistics.median(xs) * 1e6:8.1f} µs  (n={len(xs)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["alloc", "save", "get", "touch", "writer", "churn", "all"])
+    ap.add_argument("what", choices=["alloc", "save", "get", "touch", "writer", "churn", "coldread", "all"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cap-mib", type=float, default=256)
     ap.add_argument("--batches", type=float, nargs="*", default=[32])
@@ -369,7 +414,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()}")
-    for what in (["alloc", "save", "get", "touch", "writer", "churn"] if args.what == "all" else [args.what]):
+    for what in (["alloc", "save", "get", "touch", "writer", "churn", "coldread"] if args.what == "all"
+                 else [args.what]):
         globals()[f"cmd_{what}"](args)
         print()
     print(f"load average {os.getloadavg()}")
