@@ -138,6 +138,7 @@ class Bench:
         self.base_dev = self.base if DEVICE.type == "cpu" else self.base.to(DEVICE)
         self.vcfg = None
         self.model = None
+        self._image_feature = None  # image_request's template (vLLM's own processing, once)
 
     # -- bookkeeping -----------------------------------------------------------
     def sample_load(self) -> None:
@@ -242,7 +243,7 @@ class Bench:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        if getattr(self, "_image_feature", None) is None:
+        if self._image_feature is None:
             from vllm.renderers.inputs.preprocess import parse_model_prompt
             from vllm.v1.engine.input_processor import InputProcessor
 

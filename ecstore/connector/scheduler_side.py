@@ -153,7 +153,6 @@ class SchedulerSide:
         if not self.is_consumer:
             return self._producer_has(identifier)
         pinned = busy = deferred = False
-        handed: PinAnswer | None = None
         self._lease_busy.discard(identifier)
         self._verifying.discard(identifier)
         if self.memory_only or self.store is None:
@@ -164,7 +163,9 @@ class SchedulerSide:
             found = local = held = False
             verified = self._verified if identifier in self._verify_first else None
             try:
-                if verified is not None and not verified.known(identifier):
+                unverified = verified is not None and not verified.known(identifier)
+                handed = None if unverified else self._handed_pin(identifier)
+                if unverified:
                     # Never verified here: not pinned, and no blob is read on
                     # this thread. The entry is verified in the background and
                     # the request waits a step (see ensure_cache_available).
@@ -172,8 +173,7 @@ class SchedulerSide:
                     local = rec is not None
                     if rec is not None:
                         self._start_verification(identifier, rec)
-                elif verified is None and identifier in self._deferrable \
-                        and (handed := self._handed_pin(identifier)) is None:
+                elif handed is None and verified is None and identifier in self._deferrable:
                     # vLLM can encode it in the step should the entry be gone
                     # by then: leased at the step's end if allocated, with the
                     # step's other leases (one commit; see _commit_step_leases).
@@ -181,7 +181,7 @@ class SchedulerSide:
                     local = rec is not None
                     found = deferred = local and self._fits(identifier, rec, pinned=False)
                 else:
-                    answer = handed or self._handed_pin(identifier) or self.store.pin_entry(identifier)
+                    answer = handed or self.store.pin_entry(identifier)
                     local = held = answer.pin is Pin.HELD
                     if answer.pin is Pin.BUSY:  # stored, but not pinnable now: a miss this time
                         busy = True

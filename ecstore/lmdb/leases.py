@@ -262,8 +262,7 @@ class LeaseTable:
             return None
         try:
             with self.env.begin(write=True) as txn:  # _locked_write's transaction, inline (every hit pins)
-                tomb = txn.get(_TOMB + k)
-                if tomb is not None and self._tombstone_live(bytes(tomb)):
+                if self._evicting_in(txn, k):
                     return False
                 self._lease_in(txn, [k], ttl_s, pid)
             return True
@@ -286,8 +285,7 @@ class LeaseTable:
                     self._release_in(txn, release, pid)
                 live: list[bytes] = []
                 for k in keys:
-                    tomb = txn.get(_TOMB + k)
-                    ok = tomb is None or not self._tombstone_live(bytes(tomb))
+                    ok = not self._evicting_in(txn, k)
                     out.append(ok)
                     if ok:
                         live.append(k)
@@ -373,8 +371,13 @@ class LeaseTable:
     def evicting(self, k: bytes) -> bool:
         """Step (b) of the protocol: whether ``k`` carries a live tombstone."""
         with self.env.begin() as txn:
-            tomb = txn.get(_TOMB + k)
-        return tomb is not None and self._tombstone_live(tomb)
+            return self._evicting_in(txn, k)
+
+    @classmethod
+    def _evicting_in(cls, txn: lmdb.Transaction, k: bytes) -> bool:
+        """Whether ``k`` carries a live tombstone, read in ``txn``."""
+        tomb = txn.get(_TOMB + k)
+        return tomb is not None and cls._tombstone_live(bytes(tomb))
 
     @staticmethod
     def _tombstone_live(raw: bytes) -> bool:

@@ -236,12 +236,11 @@ class LMDBTier(TierReads):
         committed since the first."""
         ttl_s = _check_ttl(ttl_s)
         self._check()
-        leases = self._leases
-        if leases is None:
-            return [Pin.HELD if self._record_of(key, self._k(key), ident) is not None else Pin.ABSENT
-                    for key, ident in pins]
         ks = [self._k(key) for key, _ in pins]
         there, snapshot = self._present(ks, pins)  # misses are not leased
+        leases = self._leases
+        if leases is None:
+            return [Pin.HELD if t else Pin.ABSENT for t in there]
         leased = leases.try_pin_many([k for k, ok in zip(ks, there) if ok], ttl_s, THIS_PROCESS.pid,
                                      [self._k(key) for key in release or ()])
         if leased is None:
