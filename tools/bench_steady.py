@@ -30,6 +30,7 @@ from bench_core import Bench, GiB, MiB, now_ns, sync_device, timed, ws_load
 from bench_io import device_floor, fill_ratios
 
 BURST = 10  # saves in a row
+STEP_SAVES = 8  # saves in one encode-only step (the producer section's info row, smallest entries)
 
 
 def sec_burst(b: Bench) -> None:
@@ -101,10 +102,30 @@ def sec_producer(b: Bench) -> None:
                 wait.append((t2 - t1) * 1e-9)
         other = b.store(d, disk_bytes=max(4 * (reps + 1) * nb, 512 * MiB), local_cpu=False, model=b.model)
         visible = all(other.contains(h) for h in hs)  # another handle (as another process) sees them
+        several, commits = [], []
+        if name == b.workloads[0][0]:  # the smallest entries: a step with several saves
+            for i in range(reps + 1):
+                step_hs = b.ids(f"producer-{name}-step{i}", STEP_SAVES)
+                gc.collect()
+                b.settle()
+                txn0 = other.disk.env_info()["last_txnid"]
+                t0 = now_ns()
+                for h in step_hs:
+                    conn.save_caches({h: src}, h)
+                conn.build_connector_worker_meta()
+                sync_device()
+                t1 = now_ns()
+                if i:
+                    several.append((t1 - t0) * 1e-9)
+                    commits.append(other.disk.env_info()["last_txnid"] - txn0)
         other.close()
         conn.shutdown()
         sched.shutdown()
         b.rm(d)
+        if several:
+            b.add("producer", f"encode-only step with {STEP_SAVES} saves (info)", several, workload=name,
+                  note=f"{STEP_SAVES} `save_caches` + `build_connector_worker_meta`; LMDB commits per step: "
+                  f"{min(commits)}–{max(commits)}")
         b.add("producer", "encode-only step per save", step, workload=name,
               note="`save_caches` + `build_connector_worker_meta` (returns once the entry is visible to "
               f"other processes); every entry seen by a second handle: {visible}")

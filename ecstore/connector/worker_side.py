@@ -85,6 +85,12 @@ class WorkerSide:
         self._stats: dict[str, float] = {}
         self._rank: int | None = None
         self._disk_evictions_seen = 0
+        # Saves counted in save_caches that the writer then found already
+        # stored (another process's, committed between the scheduler's lookup
+        # and the write): (puts, bytes) seen so far, and what is still to be
+        # taken off the saves reported (see _settle_saves).
+        self._found_seen = (0, 0)
+        self._uncounted = [0, 0]
         # Encode-only producer: commit each step's saves before its output
         # leaves the engine, and report counters through the shared record.
         self.encode_only = is_producer and not is_consumer
@@ -243,16 +249,20 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         try:
-            # put() skips an entry already present (False) before copying
+            # put() skips an entry this process holds (False) before copying
             # anything; otherwise one copy, straight off the device (or out of
             # the batch's output, which the tensor is a view of) into the
-            # entry's safetensors blob.
-            stored = self.store.put(mm_hash, tensor, copy=True)
+            # entry's safetensors blob. vLLM encoded it because the
+            # scheduler's lookup missed: the shared file is not asked again
+            # (the writer finds an entry another process stored since), and
+            # the write starts at the step's end (build_worker_meta), with
+            # the step's other saves.
+            stored = self.store.put(mm_hash, tensor, copy=True, defer_write=True, known_absent=True)
             if not stored and self._lost_from_disk(mm_hash):
                 # Held only in this process's memory tier: vLLM computed it
                 # again because the shared file lost it. Store it again, or
                 # other processes would keep missing it.
-                stored = self.store.put(mm_hash, tensor, copy=True)
+                stored = self.store.put(mm_hash, tensor, copy=True, defer_write=True, known_absent=True)
         except ECStoreError as e:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return
@@ -294,9 +304,34 @@ class WorkerSide:
                 self._shared.add(self._stats)
         self._stats = {}
 
+    def _settle_saves(self) -> None:
+        """Saves the writer found already stored since the last report count
+        as ``save_skipped``, not as ``saves``/``bytes_saved``. An encode-only
+        producer's are settled in the step's own report (it waited for the
+        commit); another producer's may come a step later, and are then
+        taken off that step's saves (never below zero: a remainder waits
+        for the next step with saves)."""
+        count, nbytes = self.store.puts_found_stored()
+        seen_count, seen_bytes = self._found_seen
+        if count != seen_count:
+            self._found_seen = (count, nbytes)
+            self._count("save_skipped", count - seen_count)
+            self._uncounted[0] += count - seen_count
+            self._uncounted[1] += nbytes - seen_bytes
+        if not (self._uncounted[0] or self._uncounted[1]):
+            return
+        for i, key in enumerate(("saves", "bytes_saved")):
+            take = min(self._uncounted[i], int(self._stats.get(key, 0)))
+            if take:
+                self._stats[key] -= take
+                self._uncounted[i] -= take
+
     def build_worker_meta(self) -> ECStoreWorkerMetadata | None:
+        if self._saved:
+            self.store.start_writes()  # the step's saves, deferred by save_caches
         if self._uncommitted:
             self._commit_step_saves()
+        self._settle_saves()
         if self.store.has_disk_tier:
             evictions = self.store.disk_evictions()
             if evictions > self._disk_evictions_seen:

@@ -30,7 +30,10 @@ class PendingPut:
     caller's identifier, for logs; ``prefault``: the blob is a slab of
     :data:`~ecstore.pool.POOL`, and the writer thread asks the pool for a
     spare slab of its size (for the next save of that size) when it takes
-    the put, instead of the caller's thread paying for that hand-off.
+    the put, instead of the caller's thread paying for that hand-off;
+    ``unchecked``: the put did not ask the LMDB tier first
+    (``ECStore.put(known_absent=True)``): the writer counts it when it finds
+    the entry already stored.
 
     ``ticket``: its position among its queue's puts and touches, and
     ``since``: the ticket of the oldest put it stands for (it may replace a
@@ -42,6 +45,7 @@ class PendingPut:
     blob: codec.Blob | None = None
     mm_hash: str = ""
     prefault: bool = False
+    unchecked: bool = False
     ticket: int = 0
     since: int = 0
     nbytes: int = field(init=False)

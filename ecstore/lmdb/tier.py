@@ -354,12 +354,29 @@ class LMDBTier(TierReads):
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
                     f"entry of {len(p.put.blob)} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
-        todo = [p for p in puts if p.outcome is PutOutcome.PENDING]
+        todo = self._not_present([p for p in puts if p.outcome is PutOutcome.PENDING])
         try:
             self._write_files(todo, sync=sync_files)
             self._write_batch(todo, touches)
         finally:  # files of puts that were not stored (present, full, failed) are nobody's
             self.files.discard([p.ref.name for p in todo if p.ref is not None and p.outcome is not PutOutcome.STORED])
+
+    def _not_present(self, todo: list[BatchPut]) -> list[BatchPut]:
+        """``todo`` without the puts whose entry is already stored (one read
+        for all), so that no blob file is written for them (a put that did
+        not ask the store first: ``ECStore.put(known_absent=True)``); those
+        are PRESENT, with their ``present_file``. The transaction checks
+        every put again."""
+        filed = [p for p in todo if self._in_file(p)]
+        if not filed:
+            return todo
+        pairs = [(p.put.key, p.put.identifier) for p in filed]
+        present, _ = self._present([self._k(key) for key, _ in pairs], pairs)
+        for p, held in zip(filed, present):
+            if held:
+                p.outcome = PutOutcome.PRESENT
+                p.present_file = self.file_of(p.put.key, p.put.identifier)
+        return [p for p in todo if p.outcome is PutOutcome.PENDING]
 
     def _in_file(self, p: BatchPut) -> bool:
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""

@@ -324,7 +324,8 @@ class ECStore:
 
     # ----------------------------------------------------------------- writes
     @_gated
-    def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True) -> bool:
+    def put(self, mm_hash: str, tensor: torch.Tensor, *, copy: bool = True, defer_write: bool = False,
+            known_absent: bool = False) -> bool:
         """Store ``tensor`` under ``mm_hash``.
 
         Returns True if newly stored, False if already present, or refused
@@ -340,11 +341,30 @@ class ECStore:
         encodes it later). The LMDB write happens
         on the background writer; ``flush()`` makes it durable. A later
         ``get``/``contains`` in this process sees the entry immediately.
+
+        ``defer_write``: the LMDB write waits for :meth:`start_writes` (or
+        ``wait_committed``, ``flush``, ``close``, or a few MiB of deferred
+        puts), so that a caller's burst of small puts costs one transaction
+        and no thread wake each (the vLLM connector: a step's saves).
+        ``known_absent``: the caller found the entry absent moments ago (vLLM
+        encoded it because the scheduler's lookup missed): the LMDB tier is
+        not asked before the copy; an entry another process committed
+        meanwhile is found by the writer, which then stores nothing (True is
+        returned all the same; :meth:`puts_found_stored` counts those).
         """
         if self.readonly:
             raise ECStoreError("store is open read-only")
         name = self.stored_name(mm_hash)
-        return self._puts.put(mm_hash, name, self._key_of(name), tensor, copy=copy)
+        return self._puts.put(mm_hash, name, self._key_of(name), tensor, copy=copy, defer=defer_write,
+                              ask_disk=not known_absent)
+
+    def start_writes(self) -> None:
+        """Start the LMDB writes of the puts made with ``defer_write``; does
+        not block (``wait_committed`` waits for them)."""
+        if os.getpid() != self._pid:
+            check_same_process(self._pid, repr(self))
+        if self._writer is not None:
+            self._writer.start_writes()
 
     def write_lru_soon(self) -> None:
         """Have the background writer record the LRU updates (recency, hit
@@ -562,6 +582,17 @@ class ECStore:
         blocks, any thread."""
         disk = self._tiers.disk
         return 0 if disk is None else disk.evictions
+
+    def puts_found_stored(self) -> tuple[int, int]:
+        """(puts, tensor bytes) made with ``known_absent`` that the background
+        writer found already stored since the handle opened (another handle
+        committed them first; nothing was written, though ``put`` answered
+        True). A counter read: no I/O, any thread; (0, 0) without a disk tier."""
+        w = self._writer
+        if w is None:
+            return 0, 0
+        with w.cv:
+            return w.found_stored, w.found_stored_bytes
 
     @_gated
     def entry_tag(self, mm_hash: str) -> tuple[int, int] | None:

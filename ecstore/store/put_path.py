@@ -39,12 +39,16 @@ class PutPath:
         self.counters = counters
         self.pooled = pooled
 
-    def put(self, mm_hash: str, name: str, key: str, tensor: torch.Tensor, *, copy: bool) -> bool:
+    def put(self, mm_hash: str, name: str, key: str, tensor: torch.Tensor, *, copy: bool,
+            defer: bool = False, ask_disk: bool = True) -> bool:
         """:meth:`ECStore.put` for stored name ``name`` under ``key``: True if
         newly stored; False if already held, or refused (too large for every
         tier, or a hash collision: logged and counted). Raises
         :class:`InvalidEntryError` (nothing changed) for a tensor that cannot
-        be stored or whose dtype is not the handle's."""
+        be stored or whose dtype is not the handle's. ``defer``: the writer
+        is not woken for it (:meth:`Writer.submit`); ``ask_disk=False``: the
+        LMDB tier is not asked whether it holds the entry (the writer finds
+        out, and stores nothing then)."""
         r = self.reads
         memory, disk, writer, remote = self.tiers.memory, self.tiers.disk, self.tiers.writer, self.tiers.remote
         codec.check_storable(tensor)
@@ -65,7 +69,7 @@ class PutPath:
             self.counters.refused_too_large(mm_hash, nbytes, memory.capacity_bytes if memory else 0,
                                             disk.capacity_bytes if disk else 0)
             return False
-        held = r.identifier_at(key)
+        held = r.identifier_at(key) if ask_disk else self.tiers.identifier_above_disk(key)
         if held == name:
             self.counters.put_skipped()
             if writer is not None:  # flush() vouches for it: its blob file is synced too
@@ -90,7 +94,8 @@ class PutPath:
         # writer thread when it takes the put (off this thread), else here.
         prefault = blob is not None and self.pooled
         if writer is not None and fits_disk:
-            writer.submit(PendingPut(key, name, cpu, blob=blob, mm_hash=mm_hash, prefault=prefault))
+            writer.submit(PendingPut(key, name, cpu, blob=blob, mm_hash=mm_hash, prefault=prefault,
+                                     unchecked=not ask_disk), defer=defer)
             prefault = False
         elif stored_in_memory:
             log.info("EC put: stored %d bytes for mm_hash=%s", nbytes, mm_hash)

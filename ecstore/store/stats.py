@@ -45,6 +45,7 @@ class StoreStats:
     puts: int = 0
     puts_skipped: int = 0
     puts_refused: int = 0
+    puts_found_stored: int = 0  # puts made with known_absent that the writer found stored: nothing written
     write_errors: int = 0
     sync_errors: int = 0  # committed blob files whose fdatasync after the commit failed (flush raises)
     memory_evictions: int = 0
@@ -143,6 +144,7 @@ class Counters:
         if writer is not None:
             with writer.cv:
                 s.write_errors = writer.write_errors
+                s.puts_found_stored = writer.found_stored
                 s.sync_errors = writer.sync_errors
                 s.pending_writes = len(writer.puts.queued) + len(writer.puts.taken)
                 s.pending_bytes = writer.puts.bytes

@@ -94,6 +94,16 @@ class Tiers:
                     return held
         return None
 
+    def identifier_above_disk(self, key: str) -> str | None:
+        """:meth:`identifier_at` without asking the LMDB tier: the memory
+        tier's, else the pending write's, or None."""
+        for tier in (self.memory, self.writer):
+            if tier is not None:
+                held = tier.identifier_at(key)
+                if held is not None:
+                    return held
+        return None
+
     def delete(self, key: str, name: str) -> bool:
         """Remove the entry named ``name`` under ``key`` from every tier: a
         pending write is cancelled (waiting for one in flight), the memory and

@@ -40,6 +40,11 @@ TOUCH_DELAY_S = 1.0
 #: load does not run beside the commit the previous step asked for
 #: (measured: docs/benchmarks.md, "Figures behind constants").
 TOUCH_SOON_GAP_S = 0.2
+#: Deferred puts (:meth:`Writer.submit` with ``defer``) wait, without waking
+#: the writer, until :meth:`Writer.start_writes`, a drain, or until this many
+#: tensor bytes are deferred: a step's small saves go in one transaction at
+#: the step's end, and a save does not pay for waking a sleeping thread.
+DEFER_BYTES = 8 << 20
 
 
 #: The most recent write errors a writer keeps for ``flush`` and ``close`` to
@@ -124,6 +129,7 @@ class Writer(threading.Thread):
         # the LMDB tier can replay reads and puts in the order they were made)
         self.touches: dict[str, Touch] = {}
         self.last_put_ticket = 0
+        self.deferred_bytes = 0  # tensor bytes of deferred puts queued since the writer was last woken for puts
         self.admissions = 0  # puts that came to submit (their turns in line)
         self.in_line: deque[int] = deque()  # turns of the puts in submit, oldest first
         self.stopping = False
@@ -132,6 +138,11 @@ class Writer(threading.Thread):
         self._errors: deque[BaseException] = deque(maxlen=KEPT_ERRORS)
         self._error_count = 0
         self.write_errors = 0  # failed puts since start
+        # puts made without asking LMDB first (put(known_absent=True)) that
+        # the batch found already stored (nothing written) since start, and
+        # their tensor bytes
+        self.found_stored = 0
+        self.found_stored_bytes = 0
         # blob files of committed entries whose sync after the commit failed
         # since start (those puts were reported stored: not write_errors)
         self.sync_errors = 0
@@ -153,7 +164,7 @@ class Writer(threading.Thread):
         self.progress = 0  # batches finished and puts cancelled: drainers re-check on a change
         self.dead: BaseException | None = None  # what ended the thread early (see _die)
 
-    def submit(self, item: PendingPut) -> None:
+    def submit(self, item: PendingPut, *, defer: bool = False) -> None:
         """Queue ``item`` (under ``item.key``); blocks while the bytes not yet
         written (queued, and the batch being written) plus ``item.nbytes``
         would exceed ``max_bytes`` (back-pressure; an item larger than
@@ -161,7 +172,9 @@ class Writer(threading.Thread):
         earlier put waits (puts are admitted in the order they came). Raises
         ECStoreError "store is closed" once :meth:`stop` began (the thread
         might not write it any more): a put that returns was queued before,
-        and the thread writes it."""
+        and the thread writes it. ``defer``: do not wake a sleeping writer
+        for it (see :data:`DEFER_BYTES`; a writer already busy takes it with
+        its next batch anyway)."""
         with self.cv:
             if not self.in_line and not self.stopping and self.puts.room_for(item.nbytes, self.max_bytes):
                 # Nobody in line and room now (the usual case): admitted at
@@ -169,8 +182,14 @@ class Writer(threading.Thread):
                 self.admissions += 1
                 self.puts.add(item)
                 self.last_put_ticket = item.ticket
-                self.cv.notify_all()
+                if defer and self.deferred_bytes + item.nbytes < DEFER_BYTES:
+                    self.deferred_bytes += item.nbytes
+                else:
+                    self.deferred_bytes = 0
+                    self.cv.notify_all()
                 return
+            self.deferred_bytes = 0
+            self.cv.notify_all()  # a put waiting for room: deferred ones must not keep the writer asleep
             # First come, first admitted: a put waiting for room holds back
             # every later one, even one that would fit (else a steady stream
             # of small puts from other threads could keep a large one out).
@@ -193,6 +212,14 @@ class Writer(threading.Thread):
             self.puts.add(item)
             self.last_put_ticket = item.ticket
             self.cv.notify_all()
+
+    def start_writes(self) -> None:
+        """Wake the writer for the deferred puts queued (see :meth:`submit`).
+        Does not block beyond ``cv``."""
+        with self.cv:
+            if self.deferred_bytes or self.puts.queued:
+                self.deferred_bytes = 0
+                self.cv.notify_all()
 
     def offer(self, item: PendingPut) -> bool:
         """Queue ``item`` (under ``item.key``) if that needs no wait: nothing is in
@@ -458,6 +485,7 @@ class Writer(threading.Thread):
                     self.cv.notify_all()
                     return
                 batch = self.puts.take(self.batch_bytes)
+                self.deferred_bytes = 0
                 touches, self.touches = self._split_touches()
                 if touches:
                     self.touches_written_at = time.monotonic()
@@ -609,6 +637,10 @@ class Writer(threading.Thread):
         outcome = PutOutcome.FAILED if res.outcome is PutOutcome.PENDING else res.outcome
         if outcome is PutOutcome.STORED:
             log.info("EC put: stored %d bytes for mm_hash=%s", put.nbytes, mm_hash)
+        elif outcome is PutOutcome.PRESENT and put.unchecked:
+            with self.cv:
+                self.found_stored += 1
+                self.found_stored_bytes += put.nbytes
         elif outcome is PutOutcome.COLLISION:
             log.warning("ecstore: not stored mm_hash=%s: key %s holds another identifier "
                         "(64-bit hash collision)", mm_hash, put.key)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.pool_refs import record_pool_buffers
+from helpers.writer_state import woken, writer_asleep
 
 import ecstore
 from ecstore.errors import ECStoreError
@@ -156,10 +157,10 @@ def test_put_racing_close_is_written_or_refused(tmp_path):
     real_submit = w.submit
     at_submit, closed = threading.Event(), threading.Event()
 
-    def hooked(item):
+    def hooked(item, **kw):
         at_submit.set()
         assert closed.wait(BOUND_S)
-        return real_submit(item)
+        return real_submit(item, **kw)
 
     w.submit = hooked
     outcome: list[object] = []
@@ -638,3 +639,116 @@ def test_a_commit_does_not_wait_for_the_previous_batchs_blob_file_sync(tmp_path,
     finally:
         gate.set()
         s.close()
+
+
+# -- deferred puts (ECStore.put(defer_write=True): the connector's saves of a step) --------------
+
+def test_a_deferred_put_does_not_wake_the_writer_until_start_writes(tmp_path):
+    """A save does not pay for waking the writer's thread, and a step's small
+    saves go in one transaction: ``put(defer_write=True)`` queues without a
+    notify (readable in this process at once); ``start_writes()`` wakes the
+    writer, and the entry is then committed for other processes."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        w = s._writer
+        writer_asleep(w)
+        assert s.put("a", _tensor(1), defer_write=True)
+        assert s.put("b", _tensor(2), defer_write=True)
+        assert not woken(w), "a deferred put woke the writer"
+        assert s.get("a") is not None and s.contains("b")  # read-your-writes in this process
+        s.start_writes()
+        assert woken(w)
+        s.wait_committed()
+        assert _committed(path, ["a", "b"], "a")[0] == [True, True]
+    finally:
+        s.close()
+
+
+def test_deferred_puts_wake_the_writer_once_a_few_mib_are_deferred(tmp_path, monkeypatch):
+    """Deferred puts do not pile up without bound: once DEFER_BYTES of them
+    are queued the writer is woken (as by a put that does not defer)."""
+    monkeypatch.setattr(writer_mod, "DEFER_BYTES", 100)  # bytes; each tensor below holds 64
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        w = s._writer
+        writer_asleep(w)
+        assert s.put("a", _tensor(1), defer_write=True)
+        assert not woken(w)
+        assert s.put("b", _tensor(2), defer_write=True)  # 128 deferred bytes
+        assert woken(w)
+    finally:
+        s.close()
+
+
+def test_a_put_waiting_for_room_wakes_a_writer_asleep_over_deferred_puts(tmp_path):
+    """Deferred puts fill the write queue while the writer sleeps: the next
+    put must wake it and be admitted once they are written, not wait for
+    room for ever (the thread joins; the bound only catches a hang)."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        w = s._writer
+        w.max_bytes = 1024  # bytes; each tensor below holds 800
+        writer_asleep(w)
+        assert s.put("a", torch.ones(200, 1), defer_write=True)
+        assert not woken(w)
+        th, settled, seen = _put_noting_wait(s, "b", torch.ones(200, 1))
+        assert settled.wait(BOUND_S)
+        th.join(BOUND_S)
+        assert not th.is_alive(), "a put waited for room behind deferred puts the writer never took"
+        assert seen == ["waited", "True"]
+        s.wait_committed()
+        assert _committed(path, ["a", "b"], "a")[0] == [True, True]
+    finally:
+        s.close()
+
+
+def test_deferred_puts_are_written_by_wait_committed_flush_and_close(tmp_path):
+    """Nothing deferred is left behind: wait_committed and flush write what
+    was deferred before them, and close everything else."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        assert s.put("a", _tensor(1), defer_write=True)
+        s.wait_committed()
+        assert _committed(path, ["a"], "a")[0] == [True]
+        assert s.put("b", _tensor(2), defer_write=True)
+        s.flush()
+        assert _committed(path, ["b"], "b")[0] == [True]
+        assert s.put("c", _tensor(3), defer_write=True)
+    finally:
+        s.close()
+    assert _committed(path, ["a", "b", "c"], "a")[0] == [True, True, True]
+
+
+def test_a_put_known_absent_of_an_entry_another_handle_stored_writes_no_blob_file(tmp_path):
+    """``put(known_absent=True)`` skips the LMDB lookup before the copy (the
+    connector: vLLM encoded the item because the scheduler's lookup missed).
+    When another process stored the entry meanwhile, the writer finds it
+    before writing a blob file: the stored entry stays as it was, its file
+    the only one, and no second file is written and thrown away."""
+    path = tmp_path / "s"
+    cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=0.05,
+                                min_file_blob_size=0.0)
+    first = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as other:
+        assert other.put("x", first)
+        other.flush()
+    files_before = sorted(p.name for p in (path / "blobs").iterdir())
+    assert len(files_before) == 1
+    with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as s:
+        written: list[int] = []
+        real = s.disk.files.write
+
+        def counting(blob, **kw):
+            written.append(len(memoryview(blob).cast("B")))
+            return real(blob, **kw)
+
+        s.disk.files.write = counting
+        assert s.put("x", first.clone(), known_absent=True)  # True all the same (documented)
+        s.flush()
+        assert written == [], "a blob file was written for an entry already stored"
+        assert torch.equal(s.get("x"), first)
+    assert sorted(p.name for p in (path / "blobs").iterdir()) == files_before
