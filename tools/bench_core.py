@@ -331,6 +331,22 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
+def step_begin(conn) -> None:
+    """What the model runner does with a worker connector before a step's
+    encoder runs: bind the step's (here empty) metadata. ``save_caches``
+    inside a step leaves the write to the step's end."""
+    from ecstore.connector.metadata import ECStoreConnectorMetadata
+
+    conn.bind_connector_metadata(ECStoreConnectorMetadata())
+
+
+def step_end(conn) -> None:
+    """The step's end: ``build_connector_worker_meta`` (starts the step's
+    writes; an encode-only producer waits for their commit), then clear."""
+    conn.build_connector_worker_meta()
+    conn.clear_connector_metadata()
+
+
 def ws_load(conn, identifier: str, n: int) -> torch.Tensor:
     """The ecstore worker connector's load path, as the model runner drives it."""
     from ecstore.connector.metadata import ECStoreConnectorMetadata, LoadSpec

@@ -16,7 +16,7 @@ import bench_peers as peers
 import bench_report as report
 import numpy as np
 import torch
-from bench_core import DTYPE, Bench, GiB, MiB, now_ns, sync_device, timed, ws_load
+from bench_core import DTYPE, Bench, GiB, MiB, now_ns, step_begin, step_end, sync_device, timed, ws_load
 
 
 def sec_floor(b: Bench) -> None:
@@ -105,7 +105,9 @@ def sec_save(b: Bench) -> None:
         samples, durable = [], []
         for i, h in enumerate(hs):
             gc.collect()
+            step_begin(conn)  # inside a step, as vLLM calls it
             dt = timed(lambda: conn.save_caches({h: src}, h))
+            step_end(conn)
             t1 = timed(store.flush)  # background writer finishes (not charged to the step)
             b.settle()
             if i:  # first call warms up

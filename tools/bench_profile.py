@@ -100,7 +100,7 @@ def cmd_save(args) -> None:
     w = st._writer
     orig_submit = w.submit
 
-    def submit_quietly(item):  # queue without waking the writer (no GIL contention)
+    def submit_quietly(item, **kw):  # queue without waking the writer (no GIL contention)
         with w.cv:
             w.puts.add(item)
 

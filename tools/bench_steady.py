@@ -26,7 +26,7 @@ import gc
 
 import bench_peers as peers
 import torch
-from bench_core import Bench, GiB, MiB, now_ns, sync_device, timed, ws_load
+from bench_core import Bench, GiB, MiB, now_ns, step_begin, step_end, sync_device, timed, ws_load
 from bench_io import device_floor, fill_ratios
 
 BURST = 10  # saves in a row
@@ -49,7 +49,9 @@ def sec_burst(b: Bench) -> None:
             gc.collect()
             b.settle()
             t0 = now_ns()
+            step_begin(conn)  # one step's saves
             one = [timed(lambda: conn.save_caches({h: src}, h)) for h in hs]
+            step_end(conn)
             store.flush()
             dt = (now_ns() - t0) * 1e-9
             assert all(store.contains(h) for h in hs)
@@ -90,12 +92,14 @@ def sec_producer(b: Bench) -> None:
             gc.collect()
             b.settle()  # a new step: the writer idle
             sync_device()  # nothing queued before on a GPU (save_caches waits for its own D2H copy)
+            step_begin(conn)
             t0 = now_ns()
             conn.save_caches({h: src}, h)
             t1 = now_ns()
             conn.build_connector_worker_meta()
             sync_device()
             t2 = now_ns()
+            conn.clear_connector_metadata()
             if i:
                 step.append((t2 - t0) * 1e-9)
                 save.append((t1 - t0) * 1e-9)
@@ -109,12 +113,14 @@ def sec_producer(b: Bench) -> None:
                 gc.collect()
                 b.settle()
                 txn0 = other.disk.env_info()["last_txnid"]
+                step_begin(conn)
                 t0 = now_ns()
                 for h in step_hs:
                     conn.save_caches({h: src}, h)
                 conn.build_connector_worker_meta()
                 sync_device()
                 t1 = now_ns()
+                conn.clear_connector_metadata()
                 if i:
                     several.append((t1 - t0) * 1e-9)
                     commits.append(other.disk.env_info()["last_txnid"] - txn0)

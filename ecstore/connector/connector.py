@@ -111,7 +111,10 @@ class ECStoreConnector(ECConnectorBase):
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         assert self.worker_side is not None
-        self.worker_side.save_caches(encoder_cache, mm_hash)
+        # Inside the step's connector context (metadata bound: V1 and V2 model
+        # runners) the step's end starts the write; outside it (V1's
+        # encoder-decoder path), at once.
+        self.worker_side.save_caches(encoder_cache, mm_hash, in_step=self._connector_metadata is not None)
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         return None if self.worker_side is None else self.worker_side.build_worker_meta()

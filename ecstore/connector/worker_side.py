@@ -225,7 +225,7 @@ class WorkerSide:
             except ECStoreError as e:
                 log.warning("ecstore: lookup of %s failed, not re-publishing it: %s", identifier, e)
                 continue
-            self.save_caches(encoder_cache, identifier)
+            self.save_caches(encoder_cache, identifier, in_step=True)
 
     def _lost_from_disk(self, identifier: str) -> bool:
         """Whether the shared file no longer holds ``identifier`` (another
@@ -235,7 +235,11 @@ class WorkerSide:
         for other processes is the shared file."""
         return self.store.forget_if_lost_from_disk(identifier)
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, *, in_step: bool = False) -> None:
+        """Store vLLM's encoder output ``mm_hash`` (producers). ``in_step``:
+        called inside the step's connector context, whose end
+        (:meth:`build_worker_meta`) starts the write; otherwise it starts
+        at once."""
         if not self.is_producer:
             return
         if self._rank is None:
@@ -255,14 +259,14 @@ class WorkerSide:
             # entry's safetensors blob. vLLM encoded it because the
             # scheduler's lookup missed: the shared file is not asked again
             # (the writer finds an entry another process stored since), and
-            # the write starts at the step's end (build_worker_meta), with
-            # the step's other saves.
-            stored = self.store.put(mm_hash, tensor, copy=True, defer_write=True, known_absent=True)
+            # in a step the write starts at its end (build_worker_meta),
+            # with the step's other saves.
+            stored = self.store.put(mm_hash, tensor, copy=True, defer_write=in_step, known_absent=True)
             if not stored and self._lost_from_disk(mm_hash):
                 # Held only in this process's memory tier: vLLM computed it
                 # again because the shared file lost it. Store it again, or
                 # other processes would keep missing it.
-                stored = self.store.put(mm_hash, tensor, copy=True, defer_write=True, known_absent=True)
+                stored = self.store.put(mm_hash, tensor, copy=True, defer_write=in_step, known_absent=True)
         except ECStoreError as e:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return

@@ -32,6 +32,10 @@ class BatchPut:
     #: ``sync_files=False`` and not synced it yet: a caller that vouches for
     #: this put's durability syncs that file too (``LMDBTier.sync_files``).
     present_file: str | None = None
+    #: The entry was stored when the batch began (``write_batch`` read it
+    #: before writing blob files): no file is written for it unless the
+    #: transaction finds it gone.
+    seen_stored: bool = False
 
     @property
     def encoded(self) -> codec.Blob:

@@ -354,29 +354,28 @@ class LMDBTier(TierReads):
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
                     f"entry of {len(p.put.blob)} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
-        todo = self._not_present([p for p in puts if p.outcome is PutOutcome.PENDING])
+        todo = [p for p in puts if p.outcome is PutOutcome.PENDING]
         try:
+            self._mark_stored(todo)
             self._write_files(todo, sync=sync_files)
-            self._write_batch(todo, touches)
+            self._write_batch(todo, touches, sync_files)
         finally:  # files of puts that were not stored (present, full, failed) are nobody's
             self.files.discard([p.ref.name for p in todo if p.ref is not None and p.outcome is not PutOutcome.STORED])
 
-    def _not_present(self, todo: list[BatchPut]) -> list[BatchPut]:
-        """``todo`` without the puts whose entry is already stored (one read
-        for all), so that no blob file is written for them (a put that did
-        not ask the store first: ``ECStore.put(known_absent=True)``); those
-        are PRESENT, with their ``present_file``. The transaction checks
-        every put again."""
+    def _mark_stored(self, todo: list[BatchPut]) -> None:
+        """Mark the puts whose entry is already stored (one read for all), so
+        that no blob file is written for them before the transaction (a put
+        that did not ask the store first: ``ECStore.put(known_absent=True)``).
+        The transaction still decides each at its turn: PRESENT if the entry
+        is there then, else (evicted in between, or its record unreadable)
+        stored, its file written inside the transaction."""
         filed = [p for p in todo if self._in_file(p)]
         if not filed:
-            return todo
+            return
         pairs = [(p.put.key, p.put.identifier) for p in filed]
         present, _ = self._present([self._k(key) for key, _ in pairs], pairs)
         for p, held in zip(filed, present):
-            if held:
-                p.outcome = PutOutcome.PRESENT
-                p.present_file = self.file_of(p.put.key, p.put.identifier)
-        return [p for p in todo if p.outcome is PutOutcome.PENDING]
+            p.seen_stored = held
 
     def _in_file(self, p: BatchPut) -> bool:
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
@@ -394,7 +393,7 @@ class LMDBTier(TierReads):
         are discarded by the caller."""
         try:
             for p in todo:
-                if self._in_file(p):
+                if self._in_file(p) and not p.seen_stored:
                     # Synced after the commit: no early writeback (see BlobFiles.write).
                     p.ref = self.files.write(p.encoded, writeback=sync)  # type: ignore[arg-type]  # ndarray: a buffer
             written = [p.ref.name for p in todo if p.ref is not None]
@@ -407,7 +406,7 @@ class LMDBTier(TierReads):
                 p.outcome, p.error = PutOutcome.FAILED, e
             raise
 
-    def _write_batch(self, todo: list[BatchPut], touches: dict[str, Touch]) -> None:
+    def _write_batch(self, todo: list[BatchPut], touches: dict[str, Touch], sync_files: bool = True) -> None:
         """:meth:`write_batch` once the blob files are written: the
         transaction, retried while the map is full."""
         extra = 0
@@ -421,7 +420,7 @@ class LMDBTier(TierReads):
 
         while True:
             try:
-                self._write_once(todo, touches)
+                self._write_once(todo, touches, sync_files)
                 return
             except SchemaError as e:
                 for p in todo:
@@ -455,7 +454,7 @@ class LMDBTier(TierReads):
         pages and some B-tree pages)."""
         return self.env.info()["map_size"] - 64 * self.env.stat()["psize"]
 
-    def _write_once(self, todo: list[BatchPut], touches: dict[str, Touch]) -> None:
+    def _write_once(self, todo: list[BatchPut], touches: dict[str, Touch], sync_files: bool = True) -> None:
         """One attempt at a batch: one :class:`~ecstore.lmdb.txn.WriteTxn`;
         sets the results only once it committed."""
         now = time.time_ns()
@@ -480,6 +479,11 @@ class LMDBTier(TierReads):
                     results[op.index] = PutOutcome.FAILED
                     no_room.add(op.index)
                     continue
+                if p.ref is None and p.seen_stored and self._in_file(p):
+                    # Stored when the batch began (no file written for it), gone
+                    # now: its file, here (rare: inside the write lock).
+                    p.seen_stored = False
+                    self._write_files([p], sync=sync_files)
                 w.insert(k, blob, Record(p.put.identifier, str(p.put.tensor.dtype).removeprefix("torch."),
                                          tuple(p.put.tensor.shape), codec.tensor_nbytes(p.put.tensor), len(blob),
                                          codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)

@@ -350,7 +350,10 @@ class ECStore:
         encoded it because the scheduler's lookup missed): the LMDB tier is
         not asked before the copy; an entry another process committed
         meanwhile is found by the writer, which then stores nothing (True is
-        returned all the same; :meth:`puts_found_stored` counts those).
+        returned all the same; :meth:`puts_found_stored` counts those). So is
+        a hash collision with an entry only LMDB holds (True too; the writer
+        logs it and keeps the stored entry; this handle's memory tier may
+        hold the put's tensor under its own name).
         """
         if self.readonly:
             raise ECStoreError("store is open read-only")
@@ -585,9 +588,12 @@ class ECStore:
 
     def puts_found_stored(self) -> tuple[int, int]:
         """(puts, tensor bytes) made with ``known_absent`` that the background
-        writer found already stored since the handle opened (another handle
-        committed them first; nothing was written, though ``put`` answered
-        True). A counter read: no I/O, any thread; (0, 0) without a disk tier."""
+        writer found already stored since the handle opened (committed before:
+        by another handle, or by this one if it keeps no memory tier; nothing
+        was written, though ``put`` answered True). A counter read: no I/O,
+        any thread; (0, 0) without a disk tier."""
+        if os.getpid() != self._pid:
+            check_same_process(self._pid, repr(self))
         w = self._writer
         if w is None:
             return 0, 0

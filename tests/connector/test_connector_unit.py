@@ -22,7 +22,7 @@ import torch
 from conftest import gib
 from helpers import vllm_objects as vo
 from helpers.connector_store import damage_blob, open_store
-from helpers.writer_state import woken, writer_asleep
+from helpers.writer_state import asleep_since, batch_done_since, writer_asleep
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -657,22 +657,29 @@ def test_a_steps_saves_are_written_from_the_steps_end(connectors, disk_extra):
     sched, worker = connectors("ec_both", disk_extra)
     ws = worker.worker_side
     w = ws.store._writer
-    writer_asleep(w)
+    slept = writer_asleep(w)
     computed = {ident: embedding(i) for i, ident in enumerate([A, B])}
     worker.bind_connector_metadata(sched.build_connector_meta(empty_output()))
     cache: dict[str, torch.Tensor] = {}
     for ident, t in computed.items():
         cache[ident] = t
         worker.save_caches(cache, ident)
-    assert not woken(w), "a save woke the writer before the step's end"
+    assert asleep_since(w, slept), "a save woke the writer before the step's end"
     assert all(ws.store.contains(i) for i in computed)  # this process reads them at once
     wm = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
-    assert woken(w)
+    assert batch_done_since(w, slept), "the step's end did not start the writes"
     assert wm is not None and set(wm.saved) == {A, B}
     ws.store.wait_committed()
     with open_store(sched) as st:
         assert all(torch.equal(st.get(i), t) for i, t in computed.items())
+
+    # Outside the step's connector context (vLLM's V1 runner encodes
+    # encoder-decoder models there) no step's end follows: written at once.
+    slept = writer_asleep(w)
+    cache["d4" * 32] = embedding(9)
+    worker.save_caches(cache, "d4" * 32)
+    assert batch_done_since(w, slept), "a save outside a step waits for a step's end that never comes"
 
 
 def test_a_save_another_process_stored_first_counts_as_skipped_when_the_writer_finds_it(

@@ -96,11 +96,11 @@ def test_write_keeps_retrying_while_other_writers_commit(tmp_path: Path, monkeyp
 
     real_write_once, real_evict_to = a._write_once, a._evict_to
 
-    def write_once(todo, touches):  # A's attempt, after B committed a put
+    def write_once(todo, touches, *rest):  # A's attempt, after B committed a put
         seen["attempts"] += 1
         if seen["attempts"] <= rounds:
             b_puts()
-        return real_write_once(todo, touches)
+        return real_write_once(todo, touches, *rest)
 
     def evict_to(target, extra=0):  # A's eviction, after another writer emptied the store
         if seen["emptied"] < rounds and b_keys and b.identifier_at(b_keys[-1]) is not None:

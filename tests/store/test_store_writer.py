@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.pool_refs import record_pool_buffers
-from helpers.writer_state import woken, writer_asleep
+from helpers.writer_state import asleep_since, batch_done_since, writer_asleep
 
 import ecstore
 from ecstore.errors import ECStoreError
@@ -652,13 +652,13 @@ def test_a_deferred_put_does_not_wake_the_writer_until_start_writes(tmp_path):
     s = _open(path)
     try:
         w = s._writer
-        writer_asleep(w)
+        slept = writer_asleep(w)
         assert s.put("a", _tensor(1), defer_write=True)
         assert s.put("b", _tensor(2), defer_write=True)
-        assert not woken(w), "a deferred put woke the writer"
-        assert s.get("a") is not None and s.contains("b")  # read-your-writes in this process
+        assert asleep_since(w, slept), "a deferred put woke the writer"
+        assert s.contains("a") and s.contains("b")  # read-your-writes (no LRU touch: that would wake it)
         s.start_writes()
-        assert woken(w)
+        assert batch_done_since(w, slept), "start_writes did not wake the writer"
         s.wait_committed()
         assert _committed(path, ["a", "b"], "a")[0] == [True, True]
     finally:
@@ -673,11 +673,11 @@ def test_deferred_puts_wake_the_writer_once_a_few_mib_are_deferred(tmp_path, mon
     s = _open(path)
     try:
         w = s._writer
-        writer_asleep(w)
+        slept = writer_asleep(w)
         assert s.put("a", _tensor(1), defer_write=True)
-        assert not woken(w)
+        assert asleep_since(w, slept)
         assert s.put("b", _tensor(2), defer_write=True)  # 128 deferred bytes
-        assert woken(w)
+        assert batch_done_since(w, slept)
     finally:
         s.close()
 
@@ -691,9 +691,9 @@ def test_a_put_waiting_for_room_wakes_a_writer_asleep_over_deferred_puts(tmp_pat
     try:
         w = s._writer
         w.max_bytes = 1024  # bytes; each tensor below holds 800
-        writer_asleep(w)
+        slept = writer_asleep(w)
         assert s.put("a", torch.ones(200, 1), defer_write=True)
-        assert not woken(w)
+        assert asleep_since(w, slept)
         th, settled, seen = _put_noting_wait(s, "b", torch.ones(200, 1))
         assert settled.wait(BOUND_S)
         th.join(BOUND_S)
@@ -750,5 +750,37 @@ def test_a_put_known_absent_of_an_entry_another_handle_stored_writes_no_blob_fil
         assert s.put("x", first.clone(), known_absent=True)  # True all the same (documented)
         s.flush()
         assert written == [], "a blob file was written for an entry already stored"
+        assert s.puts_found_stored() == (1, first.numel() * 4)
         assert torch.equal(s.get("x"), first)
     assert sorted(p.name for p in (path / "blobs").iterdir()) == files_before
+
+
+def test_an_entry_seen_stored_before_the_files_and_gone_by_the_transaction_is_stored(tmp_path):
+    """The batch reads which entries are stored before writing blob files
+    (none written for those), but the transaction decides: an entry evicted
+    or deleted in between (here by another handle, right after that read) is
+    stored, its file written then, not reported present and lost."""
+    path = tmp_path / "s"
+    cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=0.05,
+                                min_file_blob_size=0.0)
+    first = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as other:
+        assert other.put("x", first)
+        other.flush()
+    with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as s:
+        real = s.disk._write_files
+
+        def then_deleted(todo, sync=True):
+            if any(p.seen_stored for p in todo):
+                with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as deleter:
+                    assert deleter.delete("x")
+            return real(todo, sync)
+
+        s.disk._write_files = then_deleted
+        assert s.put("x", first.clone(), known_absent=True)
+        s.flush()
+        assert s.puts_found_stored() == (0, 0)
+    with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as s:
+        assert torch.equal(s.get("x"), first)
+        assert s.verify("x")  # record, file, header and checksum
+    assert len(list((path / "blobs").glob("*.ecb"))) == 1
