@@ -41,9 +41,10 @@ TOUCH_DELAY_S = 1.0
 #: (measured: docs/benchmarks.md, "Figures behind constants").
 TOUCH_SOON_GAP_S = 0.2
 #: Deferred puts (:meth:`Writer.submit` with ``defer``) wait, without waking
-#: the writer, until :meth:`Writer.start_writes`, a drain, or until this many
-#: tensor bytes are deferred: a step's small saves go in one transaction at
-#: the step's end, and a save does not pay for waking a sleeping thread.
+#: the writer, until :meth:`Writer.start_writes`, a drain, a put that does
+#: not defer, due LRU touches, or until this many tensor bytes are deferred:
+#: a step's small saves go in one transaction at the step's end, and a save
+#: does not pay for waking a sleeping thread.
 DEFER_BYTES = 8 << 20
 
 
@@ -236,6 +237,7 @@ class Writer(threading.Thread):
                 return False
             self.puts.add(item)
             self.last_put_ticket = item.ticket
+            self.deferred_bytes = 0
             self.cv.notify_all()
             return True
 
@@ -362,6 +364,7 @@ class Writer(threading.Thread):
         with self.cv:
             target = self.puts.ticket
             self.drainers += 1
+            self.deferred_bytes = 0  # deferred puts are written now too
             self.cv.notify_all()  # the writer writes pending touches now
             try:
                 seen = -1
@@ -473,7 +476,10 @@ class Writer(threading.Thread):
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not (self.puts.queued or self.stopping or ((self.touches or self.vouches) and self.drainers)):
+                # Deferred puts alone (deferred_bytes) do not end the wait, even
+                # when another thread's notify (the sync thread's) wakes it.
+                while not ((self.puts.queued and not self.deferred_bytes) or self.stopping
+                           or ((self.touches or self.vouches) and self.drainers)):
                     if not self.touches:
                         self.cv.wait()
                         continue

@@ -15,15 +15,15 @@ BOUND_S = 60.0
 
 def writer_asleep(w) -> int:
     """Return once ``w``'s thread waits on its condition with nothing to do
-    (polled under ``cv``; AssertionError after BOUND_S); its ``progress``
-    then (see :func:`asleep_since`)."""
+    but deferred puts (polled under ``cv``; AssertionError after BOUND_S);
+    its ``progress`` then (see :func:`asleep_since`)."""
     deadline = threading.Event()
     timer = threading.Timer(BOUND_S, deadline.set)
     timer.start()
     try:
         while not deadline.is_set():
             with w.cv:
-                if w.cv._waiters and not w.busy and not w.puts.queued:
+                if w.cv._waiters and not w.busy and (not w.puts.queued or w.deferred_bytes):
                     return w.progress
         raise AssertionError("the writer never went to sleep")
     finally:

@@ -665,6 +665,29 @@ def test_a_deferred_put_does_not_wake_the_writer_until_start_writes(tmp_path):
         s.close()
 
 
+def test_a_notify_for_something_else_does_not_start_deferred_puts(tmp_path):
+    """The writer's condition is shared (its sync thread, drains and puts
+    notify it): a notify that is not a reason to write (here the test's own)
+    wakes it, and it goes back to sleep with the deferred puts still queued,
+    so that a step's saves are not taken one by one mid-step."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        w = s._writer
+        slept = writer_asleep(w)
+        assert s.put("a", _tensor(1), defer_write=True)
+        with w.cv:
+            w.cv.notify_all()
+        assert writer_asleep(w) == slept, "a foreign notify made the writer write the deferred puts"
+        assert s.put("b", _tensor(2), defer_write=True)
+        s.start_writes()
+        assert batch_done_since(w, slept)
+        s.wait_committed()
+        assert _committed(path, ["a", "b"], "a")[0] == [True, True]
+    finally:
+        s.close()
+
+
 def test_deferred_puts_wake_the_writer_once_a_few_mib_are_deferred(tmp_path, monkeypatch):
     """Deferred puts do not pile up without bound: once DEFER_BYTES of them
     are queued the writer is woken (as by a put that does not defer)."""
