@@ -746,12 +746,10 @@ def test_deferred_puts_are_written_by_wait_committed_flush_and_close(tmp_path):
     assert _committed(path, ["a", "b", "c"], "a")[0] == [True, True, True]
 
 
-def test_a_put_known_absent_of_an_entry_another_handle_stored_writes_no_blob_file(tmp_path):
-    """``put(known_absent=True)`` skips the LMDB lookup before the copy (the
-    connector: vLLM encoded the item because the scheduler's lookup missed).
-    When another process stored the entry meanwhile, the writer finds it
-    before writing a blob file: the stored entry stays as it was, its file
-    the only one, and no second file is written and thrown away."""
+def _x_stored_in_a_file(tmp_path) -> tuple[Path, ecstore.ECStoreConfig, torch.Tensor]:
+    """A store at ``tmp_path/s`` whose every blob goes to a file, holding
+    "x" (committed and flushed by another handle, now closed): (path, its
+    config, x's tensor)."""
     path = tmp_path / "s"
     cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=0.05,
                                 min_file_blob_size=0.0)
@@ -759,6 +757,16 @@ def test_a_put_known_absent_of_an_entry_another_handle_stored_writes_no_blob_fil
     with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as other:
         assert other.put("x", first)
         other.flush()
+    return path, cfg, first
+
+
+def test_a_put_known_absent_of_an_entry_another_handle_stored_writes_no_blob_file(tmp_path):
+    """``put(known_absent=True)`` skips the LMDB lookup before the copy (the
+    connector: vLLM encoded the item because the scheduler's lookup missed).
+    When another process stored the entry meanwhile, the writer finds it
+    before writing a blob file: the stored entry stays as it was, its file
+    the only one, and no second file is written and thrown away."""
+    path, cfg, first = _x_stored_in_a_file(tmp_path)
     files_before = sorted(p.name for p in (path / "blobs").iterdir())
     assert len(files_before) == 1
     with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as s:
@@ -783,13 +791,7 @@ def test_an_entry_seen_stored_before_the_files_and_gone_by_the_transaction_is_st
     (none written for those), but the transaction decides: an entry evicted
     or deleted in between (here by another handle, right after that read) is
     stored, its file written then, not reported present and lost."""
-    path = tmp_path / "s"
-    cfg = ecstore.ECStoreConfig(local_cpu=False, local_disk=str(path), max_local_disk_size=0.05,
-                                min_file_blob_size=0.0)
-    first = torch.arange(64, dtype=torch.float32).reshape(8, 8)
-    with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as other:
-        assert other.put("x", first)
-        other.flush()
+    path, cfg, first = _x_stored_in_a_file(tmp_path)
     with ecstore.ECStore(cfg, model="m", dtype=torch.float32) as s:
         real = s.disk._write_files
 
