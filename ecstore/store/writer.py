@@ -131,6 +131,9 @@ class Writer(threading.Thread):
         self.touches: dict[str, Touch] = {}
         self.last_put_ticket = 0
         self.deferred_bytes = 0  # tensor bytes of deferred puts queued since the writer was last woken for puts
+        # the queued puts are to be written now (a put that did not defer, or
+        # a start): deferred puts alone do not end the writer's wait
+        self.write_wanted = False
         self.admissions = 0  # puts that came to submit (their turns in line)
         self.in_line: deque[int] = deque()  # turns of the puts in submit, oldest first
         self.stopping = False
@@ -173,9 +176,8 @@ class Writer(threading.Thread):
         earlier put waits (puts are admitted in the order they came). Raises
         ECStoreError "store is closed" once :meth:`stop` began (the thread
         might not write it any more): a put that returns was queued before,
-        and the thread writes it. ``defer``: do not wake a sleeping writer
-        for it (see :data:`DEFER_BYTES`; a writer already busy takes it with
-        its next batch anyway)."""
+        and the thread writes it. ``defer``: it does not wake the writer nor,
+        alone, make it write (see :data:`DEFER_BYTES`)."""
         with self.cv:
             if not self.in_line and not self.stopping and self.puts.room_for(item.nbytes, self.max_bytes):
                 # Nobody in line and room now (the usual case): admitted at
@@ -186,11 +188,9 @@ class Writer(threading.Thread):
                 if defer and self.deferred_bytes + item.nbytes < DEFER_BYTES:
                     self.deferred_bytes += item.nbytes
                 else:
-                    self.deferred_bytes = 0
-                    self.cv.notify_all()
+                    self._want_writes()
                 return
-            self.deferred_bytes = 0
-            self.cv.notify_all()  # a put waiting for room: deferred ones must not keep the writer asleep
+            self._want_writes()  # a put waiting for room: deferred ones must not keep the writer asleep
             # First come, first admitted: a put waiting for room holds back
             # every later one, even one that would fit (else a steady stream
             # of small puts from other threads could keep a large one out).
@@ -212,15 +212,20 @@ class Writer(threading.Thread):
             # presence check at once) is replaced: flushes waiting for it wait for this one.
             self.puts.add(item)
             self.last_put_ticket = item.ticket
-            self.cv.notify_all()
+            self._want_writes()  # a put that waited is not deferred: puts in line behind it wait for it
 
     def start_writes(self) -> None:
         """Wake the writer for the deferred puts queued (see :meth:`submit`).
         Does not block beyond ``cv``."""
         with self.cv:
-            if self.deferred_bytes or self.puts.queued:
-                self.deferred_bytes = 0
-                self.cv.notify_all()
+            if self.puts.queued:
+                self._want_writes()
+
+    def _want_writes(self) -> None:
+        """Holds ``cv``: have the writer write what is queued, deferred or not."""
+        self.deferred_bytes = 0
+        self.write_wanted = True
+        self.cv.notify_all()
 
     def offer(self, item: PendingPut) -> bool:
         """Queue ``item`` (under ``item.key``) if that needs no wait: nothing is in
@@ -237,8 +242,7 @@ class Writer(threading.Thread):
                 return False
             self.puts.add(item)
             self.last_put_ticket = item.ticket
-            self.deferred_bytes = 0
-            self.cv.notify_all()
+            self._want_writes()
             return True
 
     def add_error(self, error: BaseException) -> None:
@@ -363,8 +367,7 @@ class Writer(threading.Thread):
         also writes pending touches at once."""
         with self.cv:
             target = self.puts.ticket
-            self.drainers += 1
-            self.deferred_bytes = 0  # deferred puts are written now too
+            self.drainers += 1  # while one waits, deferred puts are written too
             self.cv.notify_all()  # the writer writes pending touches now
             try:
                 seen = -1
@@ -476,9 +479,10 @@ class Writer(threading.Thread):
     def _run(self) -> None:
         while True:
             with self.cv:
-                # Deferred puts alone (deferred_bytes) do not end the wait, even
-                # when another thread's notify (the sync thread's) wakes it.
-                while not ((self.puts.queued and not self.deferred_bytes) or self.stopping
+                # Deferred puts alone do not end the wait, even when another
+                # thread's notify (the sync thread's) wakes it: a wanted write
+                # or a drainer does.
+                while not ((self.puts.queued and (self.write_wanted or self.drainers)) or self.stopping
                            or ((self.touches or self.vouches) and self.drainers)):
                     if not self.touches:
                         self.cv.wait()
@@ -492,6 +496,7 @@ class Writer(threading.Thread):
                     return
                 batch = self.puts.take(self.batch_bytes)
                 self.deferred_bytes = 0
+                self.write_wanted = bool(self.puts.queued)  # what a wanted batch left is wanted too
                 touches, self.touches = self._split_touches()
                 if touches:
                     self.touches_written_at = time.monotonic()

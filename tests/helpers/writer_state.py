@@ -23,7 +23,7 @@ def writer_asleep(w) -> int:
     try:
         while not deadline.is_set():
             with w.cv:
-                if w.cv._waiters and not w.busy and (not w.puts.queued or w.deferred_bytes):
+                if w.cv._waiters and not w.busy and (not w.puts.queued or not w.write_wanted):
                     return w.progress
         raise AssertionError("the writer never went to sleep")
     finally:

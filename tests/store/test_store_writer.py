@@ -688,6 +688,57 @@ def test_a_notify_for_something_else_does_not_start_deferred_puts(tmp_path):
         s.close()
 
 
+def test_a_drain_is_not_held_up_by_a_deferred_put_made_while_it_waits(tmp_path):
+    """A drain writes the deferred puts made before it even when another
+    deferred put comes while it waits: before, that put turned the
+    deferral back on and the drain (wait_committed, flush) waited for ever
+    for a writer asleep over the puts it waited for. The writer is held in
+    a batch while the drain begins and the second deferred put comes."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        with _held_in_batch_of_a(s, 1 << 20) as (in_batch, go, _):
+            assert s.put("a", _tensor(0))
+            assert in_batch.wait(BOUND_S)
+            assert s.put("b", _tensor(1), defer_write=True)
+            returned = threading.Event()
+            th, errors = _flush_in_thread(s, returned)
+            w = s._writer
+            with w.cv:  # the drain has begun
+                assert w.cv.wait_for(lambda: w.drainers == 1, timeout=BOUND_S)
+            assert s.put("c", _tensor(2), defer_write=True)
+            go.set()
+            assert returned.wait(BOUND_S), "flush() waited for ever for a deferred put made before it"
+            th.join(BOUND_S)
+            assert not errors
+        assert _committed(path, ["a", "b"], "a")[0] == [True, True]
+    finally:
+        s.close()
+
+
+def test_a_put_that_does_not_defer_is_written_though_a_deferred_put_follows(tmp_path):
+    """A put that does not defer is written without a start or a drain, even
+    when a deferred put comes before the writer takes it (the writer busy):
+    before, the later deferred put kept the writer asleep over both."""
+    path = tmp_path / "s"
+    s = _open(path)
+    try:
+        w = s._writer
+        with _held_in_batch_of_a(s, 1 << 20) as (in_batch, go, batches):
+            assert s.put("a", _tensor(0))
+            assert in_batch.wait(BOUND_S)
+            assert s.put("x", _tensor(1))
+            assert s.put("d", _tensor(2), defer_write=True)
+            go.set()
+            key = s.key("x")
+            with w.cv:
+                written = w.cv.wait_for(lambda: w.puts.get(key) is None, timeout=BOUND_S)
+            assert written, "a put that did not defer waited behind a deferred one"
+        assert _committed(path, ["x"], "x")[0] == [True]
+    finally:
+        s.close()
+
+
 def test_deferred_puts_wake_the_writer_once_a_few_mib_are_deferred(tmp_path, monkeypatch):
     """Deferred puts do not pile up without bound: once DEFER_BYTES of them
     are queued the writer is woken (as by a put that does not defer)."""
