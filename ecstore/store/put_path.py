@@ -69,7 +69,7 @@ class PutPath:
             self.counters.refused_too_large(mm_hash, nbytes, memory.capacity_bytes if memory else 0,
                                             disk.capacity_bytes if disk else 0)
             return False
-        held = r.identifier_at(key) if ask_disk else self.tiers.identifier_above_disk(key)
+        held = r.identifier_at(key) if ask_disk else self.tiers.identifier_at(key, disk=False)
         if held == name:
             self.counters.put_skipped()
             if writer is not None:  # flush() vouches for it: its blob file is synced too

@@ -84,20 +84,11 @@ class Tiers:
         (memory, LMDB); the pending writes are not one (see :meth:`delete`)."""
         return tuple(t for t in (self.memory, self.disk) if t is not None)
 
-    def identifier_at(self, key: str) -> str | None:
+    def identifier_at(self, key: str, *, disk: bool = True) -> str | None:
         """The stored name ``key`` holds in any local tier (memory, pending
-        writes, LMDB, in that order), or None."""
-        for tier in (self.memory, self.writer, self.disk):
-            if tier is not None:
-                held = tier.identifier_at(key)
-                if held is not None:
-                    return held
-        return None
-
-    def identifier_above_disk(self, key: str) -> str | None:
-        """:meth:`identifier_at` without asking the LMDB tier: the memory
-        tier's, else the pending write's, or None."""
-        for tier in (self.memory, self.writer):
+        writes, LMDB, in that order), or None; ``disk=False``: without
+        asking the LMDB tier."""
+        for tier in (self.memory, self.writer, self.disk if disk else None):
             if tier is not None:
                 held = tier.identifier_at(key)
                 if held is not None:
