@@ -4,8 +4,9 @@
 Every function returns a tensor in CPU memory nothing else references (never
 aliasing ``blob``, which may be a view of the LMDB map valid only inside its
 read transaction), or raises :class:`~ecstore.errors.CorruptEntryError`:
-no byte of a blob that failed a check reaches the caller. Pure functions;
-thread-safe.
+no byte of a blob that failed a check reaches the caller
+(:func:`check_file_entry` makes the same checks and returns nothing). Pure
+functions; thread-safe.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import os
 import stat
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -126,24 +128,12 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     error, a checksum or header mismatch); never returns a tensor whose
     blob failed a check."""
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptEntryError("blob file is not a regular file")
-        size = st.st_size
-        if size != rec.blob_size:
-            raise CorruptEntryError(f"blob file is {size} bytes, its record says {rec.blob_size}")
-        if size < 8:
-            raise CorruptEntryError("blob file shorter than its length prefix")
+        size = _file_size(rec, fd)
         head_len = size - rec.nbytes  # where the record says the data starts
         if rec.nbytes <= 2 * FUSED_CHUNK and 8 <= head_len <= 8 + MAX_HEADER_BYTES:
             return _read_whole_file(rec, fd, size, head_len, identifier=identifier, model=model,
                                     dtype=dtype, key=key)
-        (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8))
-        if hlen > min(size - 8, MAX_HEADER_BYTES):
-            raise CorruptEntryError(f"header length {hlen} out of range")
-        head = _pread_exact(fd, 8 + hlen)
-        hdr = check_entry(rec, head, identifier=identifier, model=model, dtype=dtype, key=key,
-                          checksum_by_caller=True, size=size)
+        head, hdr = _file_header(rec, fd, size, identifier=identifier, model=model, dtype=dtype, key=key)
         out, dst = _destination(head, hdr, size)
         h = xxhash.xxh3_64(head)
         n, preadv, update = hdr.data_nbytes, os.preadv, h.update
@@ -163,6 +153,72 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     if h.intdigest() != rec.checksum:
         raise CorruptEntryError("checksum mismatch")
     return out
+
+
+def check_file_entry(rec: Record, fd: int, *, identifier: str | None = None, model: str | None = None,
+                     dtype: torch.dtype | str | None = None, key: str | None = None) -> None:
+    """Every check :func:`read_file_entry` makes, without the copy: the
+    file's beginning is read and checked the same way, then its data is fed
+    to the checksum :data:`FUSED_CHUNK` bytes at a time through one buffer
+    per thread (no memory of the entry's size is taken, and the CPU caches
+    hold one chunk, not the entry). For a verification that keeps nothing
+    (the scheduler's, before it promises an entry). Returns if the entry
+    passes; raises only :class:`CorruptEntryError`. Thread-safe."""
+    try:
+        size = _file_size(rec, fd)
+        head, hdr = _file_header(rec, fd, size, identifier=identifier, model=model, dtype=dtype, key=key)
+        h = xxhash.xxh3_64(head)
+        buf = _scratch()
+        offset, preadv, update = hdr.data_offset, os.preadv, h.update
+        while offset < size:
+            got = preadv(fd, [buf[:min(FUSED_CHUNK, size - offset)]], offset)
+            if got == 0:
+                raise EOFError("blob file shorter than its record")
+            update(buf[:got])
+            offset += got
+    except EOFError as e:
+        raise CorruptEntryError(str(e)) from None
+    except OSError as e:
+        raise CorruptEntryError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
+    if h.intdigest() != rec.checksum:
+        raise CorruptEntryError("checksum mismatch")
+
+
+_scratch_of_thread = threading.local()
+
+
+def _scratch() -> memoryview:
+    """This thread's :data:`FUSED_CHUNK`-byte buffer for :func:`check_file_entry`."""
+    buf = getattr(_scratch_of_thread, "buf", None)
+    if buf is None:
+        buf = _scratch_of_thread.buf = memoryview(bytearray(FUSED_CHUNK))
+    return buf
+
+
+def _file_size(rec: Record, fd: int) -> int:
+    """The size of the blob file ``fd`` if it is a regular file of the
+    record's ``blob_size``; else CorruptEntryError (OSError from ``fstat``)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptEntryError("blob file is not a regular file")
+    size = st.st_size
+    if size != rec.blob_size:
+        raise CorruptEntryError(f"blob file is {size} bytes, its record says {rec.blob_size}")
+    if size < 8:
+        raise CorruptEntryError("blob file shorter than its length prefix")
+    return size
+
+
+def _file_header(rec: Record, fd: int, size: int, **expect: Any) -> tuple[bytearray, BlobHeader]:
+    """The beginning of a blob file of ``size`` bytes (length prefix and
+    header) and its header, checked against ``rec`` and ``expect`` as
+    :func:`check_entry` does (the checksum left to the caller); else
+    CorruptEntryError (EOFError for a file shorter than its prefix says)."""
+    (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8))
+    if hlen > min(size - 8, MAX_HEADER_BYTES):
+        raise CorruptEntryError(f"header length {hlen} out of range")
+    head = _pread_exact(fd, 8 + hlen)
+    return head, check_entry(rec, head, checksum_by_caller=True, size=size, **expect)
 
 
 def _read_whole_file(rec: Record, fd: int, size: int, head_len: int, *, identifier: str | None,

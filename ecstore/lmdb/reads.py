@@ -14,20 +14,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import lmdb
 import torch
 
 from ecstore.errors import CorruptEntryError, StoreFullError
-from ecstore.format import Record, blob_read, codec
+from ecstore.format import Record, blob_check, blob_read, codec
 from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFileUnavailable, FileRef, unpack_ref
 from ecstore.lmdb.handle import StoreHandle, _lmdb_errors_as_store_errors
 from ecstore.lmdb.txn import _U64, Dbs, file_ref
 from ecstore.lmdb.txngate import begin_read, end_read
 
 log = logging.getLogger("ecstore")
+
+_T = TypeVar("_T")
 
 #: Blob file pointers lately decoded (pointer bytes -> FileRef): the decode
 #: is a pure function of the bytes, and a hit costs a copy and a dict lookup
@@ -51,6 +53,20 @@ def _pointer(value: memoryview) -> FileRef | None:
                 _POINTERS.clear()
             _POINTERS[raw] = ref
     return ref
+
+
+def _check_inline(rec: Record, blob: memoryview, **expect: Any) -> bool:
+    """:meth:`TierReads.verify` of an inline blob: checked (checksum included)
+    in place, nothing copied; True, or CorruptEntryError."""
+    blob_check.check_entry(rec, blob, **expect)
+    return True
+
+
+def _check_file(rec: Record, fd: int, **expect: Any) -> bool:
+    """:meth:`TierReads.verify` of a blob file: hashed a chunk at a time,
+    nothing kept; True, or CorruptEntryError."""
+    blob_read.check_file_entry(rec, fd, **expect)
+    return True
 
 
 class TierReads(StoreHandle):
@@ -96,6 +112,27 @@ class TierReads(StoreHandle):
         or a tensor of another model, dtype or shape is never returned, and
         no hostile header makes this raise anything but an ECStoreError.
         """
+        return self._checked(key, identifier, model, dtype, blob_read.read_entry, self._read_from_file)
+
+    @_lmdb_errors_as_store_errors
+    def verify(self, key: str, identifier: str, *, model: str | None = None,
+               dtype: torch.dtype | None = None) -> bool:
+        """Whether :meth:`get` would return the entry: the same checks (a
+        failing entry is dropped the same way), the whole blob read and
+        hashed, but nothing copied out: a blob file is hashed a chunk at a
+        time (:func:`~ecstore.format.blob_read.check_file_entry`), an inline
+        blob in place, inside the read transaction."""
+        return self._checked(key, identifier, model, dtype, _check_inline, _check_file) is not None
+
+    def _read_from_file(self, rec: Record, fd: int, **expect: Any) -> torch.Tensor:
+        return blob_read.read_file_entry(rec, fd, split_from=self.split_reads_from, **expect)
+
+    def _checked(self, key: str, identifier: str, model: str | None, dtype: torch.dtype | None,
+                 inline: Callable[..., _T], from_file: Callable[..., _T]) -> _T | None:
+        """``inline(rec, blob, **expect)`` or ``from_file(rec, fd, **expect)``
+        (each checks the entry against ``expect``, CorruptEntryError if it
+        fails) of ``key``'s entry if it is ``identifier``'s; None on a miss
+        (a failing entry dropped: :meth:`get`)."""
         self._check()
         k = self._k(key)
         rec: Record | None = None
@@ -115,15 +152,15 @@ class TierReads(StoreHandle):
                     raise CorruptEntryError("record without blob")
                 ref = _pointer(blob)
                 if ref is None:
-                    return blob_read.read_entry(rec, blob, identifier=identifier, model=model, dtype=dtype,
-                                                key=key)
+                    return inline(rec, blob, identifier=identifier, model=model, dtype=dtype, key=key)
             except CorruptEntryError as e:
                 err = e
         finally:
             end_read(shared, txn)
         if ref is not None and rec is not None:  # read after the transaction: no snapshot held
             try:
-                out = self._read_file(k, ref, rec, identifier=identifier, model=model, dtype=dtype, key=key)
+                out = self._read_file(k, ref, rec, from_file, identifier=identifier, model=model, dtype=dtype,
+                                      key=key)
             except CorruptEntryError as e:
                 err = e
             else:
@@ -133,9 +170,11 @@ class TierReads(StoreHandle):
         self.drop_corrupt(key, err, None if rec is None else rec.checksum)
         return None
 
-    def _read_file(self, k: bytes, ref: FileRef, rec: Record, **expect: Any) -> torch.Tensor | None:
-        """The tensor of an entry whose blob is the file ``ref`` (checked like
-        an inline blob: :func:`~ecstore.format.blob_read.read_file_entry`); None if
+    def _read_file(self, k: bytes, ref: FileRef, rec: Record, read: Callable[..., _T],
+                   **expect: Any) -> _T | None:
+        """``read(rec, fd, **expect)`` of an entry whose blob is the file
+        ``ref`` (checked like an inline blob, e.g.
+        :func:`~ecstore.format.blob_read.read_file_entry`); None if
         the file is gone because the entry was removed after our read
         transaction (eviction by another process: a plain miss);
         CorruptEntryError if it is gone while the entry still points to it
@@ -150,7 +189,7 @@ class TierReads(StoreHandle):
                 return None
             raise CorruptEntryError(f"blob file {ref.name} is missing")
         try:
-            return blob_read.read_file_entry(rec, fd, split_from=self.split_reads_from, **expect)
+            return read(rec, fd, **expect)
         finally:
             os.close(fd)
 

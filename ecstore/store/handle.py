@@ -314,8 +314,9 @@ class ECStore:
     def verify(self, mm_hash: str) -> bool:
         """Whether the disk tier holds ``mm_hash``'s entry (under this
         handle's identity) and it passes every check a :meth:`get` makes: the
-        whole blob is read and its checksum compared (about a disk hit's
-        cost). No LRU update, no promotion, not counted as a hit; an entry
+        whole blob is hashed in place (inline) or through a small per-thread
+        buffer (blob file), nothing copied out, no memory of the entry's size
+        taken. No LRU update, no promotion, not counted as a hit; an entry
         failing a check is logged and dropped, as by :meth:`get`. False
         without a disk tier. The vLLM scheduler verifies before it promises
         an entry that vLLM could not compute instead."""

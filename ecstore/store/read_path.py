@@ -150,7 +150,7 @@ class ReadPath:
     def verify(self, key: str, name: str) -> bool:
         """Whether the LMDB tier holds ``name``'s entry under ``key`` and it
         passes every check :meth:`find` makes (the whole blob read, its
-        checksum compared); no promotion. A failing entry is dropped, as by
-        :meth:`find`. False without an LMDB tier."""
+        checksum compared, nothing copied out); no promotion. A failing entry
+        is dropped, as by :meth:`find`. False without an LMDB tier."""
         disk = self.tiers.disk
-        return disk is not None and disk.get(key, name, model=self.model, dtype=self.dtype) is not None
+        return disk is not None and disk.verify(key, name, model=self.model, dtype=self.dtype)
