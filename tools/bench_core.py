@@ -288,14 +288,15 @@ class Bench:
 
         # For A/Bs from the environment: LMCACHE_EC_POOLED_BLOBS=0 (saves into
         # fresh memory), LMCACHE_EC_MIN_FILE_BLOB_SIZE=<MiB> (which blobs go to files),
-        # LMCACHE_EC_USE_ODIRECT=0 (blob files through the page cache).
+        # LMCACHE_EC_USE_ODIRECT=0 (blob files through the page cache),
+        # LMCACHE_EC_SPARE_BLOB_FILES=0 (no spare blob files).
         ab = load_config(env={k: v for k, v in os.environ.items()
                               if k in ("LMCACHE_EC_POOLED_BLOBS", "LMCACHE_EC_MIN_FILE_BLOB_SIZE",
-                                       "LMCACHE_EC_USE_ODIRECT")})
+                                       "LMCACHE_EC_USE_ODIRECT", "LMCACHE_EC_SPARE_BLOB_FILES")})
         cfg = ECStoreConfig(local_disk=d, max_local_disk_size=disk_bytes / GiB if d else 0.0,
                             local_cpu=local_cpu, max_local_cpu_size=(cpu_bytes / GiB) if local_cpu else 0.0,
                             pooled_blobs=ab.pooled_blobs, min_file_blob_size=ab.min_file_blob_size,
-                            use_odirect=ab.use_odirect)
+                            use_odirect=ab.use_odirect, spare_blob_files=ab.spare_blob_files)
         identity = None
         if self.vcfg is not None and model in (None, self.model):
             # What the connectors of this VllmConfig read and write under.

@@ -71,6 +71,7 @@ class ECStoreConfig:
     pooled_blobs: bool = True
     split_reads: bool = True
     use_odirect: bool = True
+    spare_blob_files: bool = True
     min_file_blob_size: float = 0.5
     remote_url: str | None = field(default=None, repr=False)
     remote_password: str | None = field(default=None, repr=False)
@@ -82,7 +83,8 @@ class ECStoreConfig:
 
     def __post_init__(self) -> None:
         src = lambda k: self.sources.get(k, "ECStoreConfig argument")  # noqa: E731
-        for name in ("local_cpu", "share_client_uuids", "pooled_blobs", "split_reads", "use_odirect"):
+        for name in ("local_cpu", "share_client_uuids", "pooled_blobs", "split_reads", "use_odirect",
+                     "spare_blob_files"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} (from {src(name)}): expected true or false, "
                                   f"got {short_repr(getattr(self, name))}")
@@ -237,6 +239,11 @@ KEYS: dict[str, KeySpec] = {
         "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
         lambda v, _s: parse_bool(v),
         "write blob files of 4 MiB and more with O_DIRECT, past the page cache (false: through it)"),
+    "spare_blob_files": KeySpec(
+        "bool", "-", "true or false (also yes/no, on/off, 1/0, in any case)",
+        lambda v, _s: parse_bool(v),
+        "copy blobs of 4 MiB and more into a file made ahead in the page cache, visible in about a memcpy "
+        "(false: a new file each time)"),
     "min_file_blob_size": KeySpec(
         "float", "MiB", f"a size in MiB: a finite number >= 0, at most {MAX_SIZE_GIB} (e.g. 4 or 0.5)",
         lambda v, _s: parse_number(v, "min_file_blob_size"),

@@ -60,6 +60,11 @@ def checksum(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def checksummer() -> xxhash.xxh3_64:
+    """A streaming :func:`checksum`: ``update`` with the bytes in order, then ``intdigest``."""
+    return xxhash.xxh3_64()
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

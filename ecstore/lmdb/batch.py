@@ -36,6 +36,8 @@ class BatchPut:
     #: before writing blob files): no file is written for it unless the
     #: transaction finds it gone.
     seen_stored: bool = False
+    #: The blob's checksum, computed as its file was written (None: not yet).
+    checksum: int | None = None
 
     @property
     def encoded(self) -> codec.Blob:

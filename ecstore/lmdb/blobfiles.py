@@ -3,9 +3,11 @@
 :class:`BlobFiles` writes each blob once (``<token>-<n>.ecb``, never changed),
 syncs it after the LMDB commit that points to it (:func:`pack_ref`), discards
 it after a failed commit and sweeps dead writers' leftovers; all by directory
-descriptor, never by path. Threads: ``write``/``discard``/``open``/``sync``
-are safe across threads of one handle, ``close`` must not race a ``write``;
-any number of processes may ``sweep`` at once, a live writer's files are never
+descriptor, never by path. A large blob is copied into a spare file made
+ahead (:data:`SPARE_FROM`, :mod:`ecstore.lmdb.spare`), else written with
+``O_DIRECT``. Threads: ``write``/``discard``/``open``/``sync`` are safe
+across threads of one handle, ``close`` must not race a ``write``; any
+number of processes may ``sweep`` at once, a live writer's files are never
 removed. Design: docs/architecture.md#blob-files; format: docs/format.md.
 """
 
@@ -23,8 +25,10 @@ import stat
 import struct
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +43,8 @@ from ecstore.errors import (
     check_same_process,
 )
 from ecstore.lmdb import direct
+from ecstore.lmdb.spare import AVAILABLE as _SPARES_AVAILABLE
+from ecstore.lmdb.spare import Hasher, SpareFile
 from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, FilePolicy
 
 if TYPE_CHECKING:
@@ -54,6 +60,8 @@ _HEAD = len(POINTER_MAGIC) + _SIZE.size
 _NAME = re.compile(r"[0-9a-f]{16}-[0-9]{1,19}\.ecb", re.ASCII)
 #: The token of any file of the directory: a blob file, a partial one, a lock file.
 _TOKEN_OF = re.compile(r"([0-9a-f]{16})(?:-|\.lock\Z)", re.ASCII)
+#: A spare file's name: ``<token>-<counter>.spare`` (swept like a partial file).
+_SPARE_SUFFIX = ".spare"
 #: Blob files are written in pieces of this many bytes (bytes); after each the
 #: kernel is asked to start writing it back (``sync_file_range`` with
 #: ``SYNC_FILE_RANGE_WRITE``, which does not wait), so the disk works while
@@ -109,6 +117,20 @@ def _preallocator() -> Callable[[int, int], int] | None:
 
 
 _preallocate = _preallocator()
+
+#: Blobs of at least this many bytes are written into a spare file (bytes;
+#: the ``spare_blob_files`` setting): a file of this handle's made ahead on
+#: a thread of its own (``ecstore-spare``), its blocks allocated and its
+#: pages already in the page cache, so the write is a copy into memory that
+#: exists, and renamed to its blob name. New page-cache pages are what makes a
+#: buffered write into a new file slow, and an ``O_DIRECT`` write waits for
+#: the device (docs/benchmarks.md, spare blob files).
+SPARE_FROM = 4 << 20
+#: Spare sizes are rounded up to this many bytes.
+SPARE_ROUND = 1 << 20
+#: A spare is made as large as the largest of this handle's last this many
+#: blobs of at least :data:`SPARE_FROM` bytes.
+SPARE_SIZES_KEPT = 8
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 #: Errors opening a blob file that say nothing about the file: the process or
@@ -199,6 +221,21 @@ def _syncers() -> ThreadPoolExecutor:
     return pool
 
 
+_PREPARER: ThreadPoolExecutor | None = None  # one thread for every handle's spares; made on first use
+
+
+def _preparer() -> ThreadPoolExecutor:
+    """The process's thread that makes spare files (``ecstore-spare``)."""
+    global _PREPARER
+    pool = _PREPARER
+    if pool is None:
+        with _SYNCERS_LOCK:
+            pool = _PREPARER
+            if pool is None:
+                pool = _PREPARER = ThreadPoolExecutor(1, thread_name_prefix="ecstore-spare")
+    return pool
+
+
 def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) -> bool:
     """Remove ``name`` in directory ``dir_fd`` (else ``path``): True if this
     call removed it; gone already: False; any other error is logged
@@ -218,12 +255,19 @@ class BlobFiles:
     hold several, each with its own token). See docs/architecture.md#blob-files."""
 
     def __init__(self, store_dir: str, *, readonly: bool, file_mode: int | None = None,
-                 direct_from: int | None = DIRECT_FROM) -> None:
+                 direct_from: int | None = DIRECT_FROM, spare_from: int | None = SPARE_FROM) -> None:
         self.dir = os.path.join(store_dir, "blobs")
         self.readonly = readonly
         #: Blobs of at least this many bytes are written with ``O_DIRECT``
         #: (None: never); set to None once the file system refused it.
         self.direct_from = direct_from
+        #: Blobs of at least this many bytes are written into a spare file
+        #: where one is ready (None: never); set to None where the system
+        #: cannot make one (no ``fallocate`` or ``MADV_POPULATE_WRITE``).
+        self.spare_from = spare_from if _SPARES_AVAILABLE else None
+        self._spare: SpareFile | None = None
+        self._spare_job: Future[None] | None = None
+        self._spare_sizes: deque[int] = deque(maxlen=SPARE_SIZES_KEPT)
         self._policy = FilePolicy(DEFAULT_FILE_MODE if file_mode is None else file_mode)
         self._lock = threading.Lock()
         self._counter = itertools.count()
@@ -325,6 +369,9 @@ class BlobFiles:
         parent died, so the parent's leftovers would never be swept."""
         fd, self._lock_fd = self._lock_fd, None
         self._lock = threading.Lock()  # a lock held at fork time is never released in the child
+        spare, self._spare, self._spare_job = self._spare, None, None  # the parent's file: closed, not removed
+        if spare is not None:
+            spare.close()
         if fd is not None:
             try:
                 os.close(fd)
@@ -360,7 +407,7 @@ class BlobFiles:
                 raise _write_error("the blob writer lock", path, e) from None
             os.close(fd)
 
-    def write(self, blob: Buffer, *, writeback: bool = True) -> FileRef:
+    def write(self, blob: Buffer, *, writeback: bool = True, hasher: Hasher | None = None) -> FileRef:
         """Write ``blob`` (any C-contiguous buffer) to a new file and
         (``writeback``) start its writeback as it goes; it is durable only
         after :meth:`sync`. ``writeback=False`` leaves the file's pages to
@@ -370,16 +417,27 @@ class BlobFiles:
         written with ``O_DIRECT`` (all but its unaligned tail; see
         :data:`DIRECT_ALIGN`), where the file system takes it. StoreFullError
         on any OS error ("disk full while writing ..." for ENOSPC/EFBIG/EDQUOT),
-        with no partial file left; InvalidEntryError for a non-contiguous buffer."""
+        with no partial file left; InvalidEntryError for a non-contiguous buffer.
+        ``hasher`` (an ``xxhash.xxh3_64``) is fed the whole blob, in order:
+        with a spare file, each piece while it is in the caches."""
         check_same_process(self._pid, f"blob files of {self.dir}")
         try:
             data = memoryview(blob).cast("B")
         except (TypeError, ValueError) as e:
             raise InvalidEntryError(f"a blob must be a C-contiguous buffer: {e}") from None
-        with self._lock:
-            name = f"{self._take_token()}-{next(self._counter)}.ecb"
-        path = self._path(name)
         size = len(data)
+        spare = self._claim_spare(size)
+        with self._lock:
+            try:
+                name = f"{self._take_token()}-{next(self._counter)}.ecb"
+            except BaseException:
+                if spare is not None:
+                    self._drop_spare(spare)
+                raise
+        path = self._path(name)
+        if spare is not None:
+            return self._write_spare(spare, name, data, writeback, hasher)
+        self._note_size(size)
         direct = (size // DIRECT_ALIGN * DIRECT_ALIGN) if self._direct_for(data) else 0
         try:
             fd = self._new_file(name, os.O_WRONLY | (_O_DIRECT if direct else 0))
@@ -416,7 +474,120 @@ class BlobFiles:
         except OSError as e:
             self.discard([name])
             raise _write_error("blob file", path, e) from None
+        if hasher is not None:
+            hasher.update(data)
         return FileRef(name, size)
+
+    def _write_spare(self, spare: SpareFile, name: str, data: memoryview, writeback: bool,
+                     hasher: Hasher | None) -> FileRef:
+        """:meth:`write` through ``spare``: the blob copied into its pages
+        (:meth:`SpareFile.fill`), the file renamed ``name``."""
+        size = len(data)
+        try:
+            try:
+                spare.fill(data, hasher)
+                if writeback and _start_writeback is not None:
+                    _start_writeback(spare.fd, 0, size)  # a hint: its result does not matter
+            finally:
+                spare.close()
+            dir_fd = self._dirfd()
+            os.rename(spare.name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as e:
+            self._unlink_name(spare.name)
+            raise _write_error("blob file", self._path(name), e) from None
+        self._note_size(size)
+        return FileRef(name, size)
+
+    def _claim_spare(self, size: int) -> SpareFile | None:
+        """The ready spare if it holds ``size`` bytes (taken: the next call
+        gets another), else None."""
+        if self.spare_from is None or size < self.spare_from:
+            return None
+        with self._lock:
+            spare = self._spare
+            if spare is None or spare.capacity < size:
+                return None
+            self._spare = None
+            return spare
+
+    def _note_size(self, size: int) -> None:
+        """Note a blob of ``size`` bytes written: the next spare holds the
+        largest of the last :data:`SPARE_SIZES_KEPT`."""
+        if self.spare_from is not None and size >= self.spare_from:
+            with self._lock:
+                self._spare_sizes.append(size)
+
+    def prepare_spare(self) -> None:
+        """Have a spare made on the ``ecstore-spare`` thread for the next
+        large blob (returns at once), unless one as large is ready or being
+        made, or no large blob was written yet. The store's writer calls it
+        when it goes idle: made while saves queue up, spares would take the
+        cores from them."""
+        if self.spare_from is None:
+            return
+        with self._lock:
+            if self._closed or self._spare_job is not None or not self._spare_sizes:
+                return
+            want = -(-max(self._spare_sizes) // SPARE_ROUND) * SPARE_ROUND
+            if self._spare is not None and self._spare.capacity >= want:
+                return
+            try:
+                self._spare_job = _preparer().submit(self._make_spare, want)
+            except RuntimeError as e:  # no thread can be started, or the interpreter is exiting
+                log.debug("ecstore: no spare blob file for %s: %s", self.dir, e)
+
+    def wait_spare(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no bound) for the spare
+        being made, if any; whether one is ready (tests, benchmarks)."""
+        with self._lock:
+            job = self._spare_job
+        if job is not None:
+            futures.wait([job], timeout)
+        with self._lock:
+            return self._spare is not None
+
+    def _make_spare(self, capacity: int) -> None:
+        """On the ``ecstore-spare`` thread: make a spare of ``capacity``
+        bytes and keep it (an older, smaller one is removed). A failure is no
+        error: the next blob is written as if there were no spares (a system
+        that cannot make them at all stops trying, logged once)."""
+        try:
+            name: str | None = None
+            fd: int | None = None
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    name = f"{self._take_token()}-{next(self._counter)}{_SPARE_SUFFIX}"
+                fd = self._new_file(name, os.O_RDWR)
+                made = SpareFile(name, fd, capacity)
+            except (OSError, ECStoreError) as e:
+                if fd is not None:
+                    os.close(fd)
+                if name is not None:
+                    self._unlink_name(name)
+                if isinstance(e, OSError) and e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    self.spare_from = None
+                    log.info("ecstore: %s cannot hold spare blob files (%s): each blob file is written new",
+                             self.dir, e.strerror or e)
+                else:
+                    log.debug("ecstore: no spare blob file in %s: %s", self.dir, e)
+                return
+            with self._lock:
+                if self._closed or os.getpid() != self._pid:
+                    old: SpareFile | None = made
+                else:
+                    old, self._spare = self._spare, made
+            if old is not None:
+                self._drop_spare(old)
+        finally:
+            with self._lock:
+                self._spare_job = None
+
+    def _drop_spare(self, spare: SpareFile) -> None:
+        """Close and remove ``spare``."""
+        spare.close()
+        self._unlink_name(spare.name)
 
     def _direct_for(self, data: memoryview) -> bool:
         """Whether ``data`` is written with ``O_DIRECT``: large enough, and
@@ -616,9 +787,17 @@ class BlobFiles:
     def close(self) -> None:
         """Release the token: remove and close the lock file (the files this
         handle wrote stay). Idempotent; in a forked child a no-op (its
-        inherited descriptor was closed at fork; the parent holds the token)."""
+        inherited descriptor was closed at fork; the parent holds the token).
+        A spare file is removed (waiting for one being made)."""
         with self._lock:
             self._closed = True
+            job = self._spare_job
+        if job is not None and os.getpid() == self._pid:
+            job.result()
+        with self._lock:
+            spare, self._spare = self._spare, None
+            if spare is not None and os.getpid() == self._pid:
+                self._drop_spare(spare)
             fd, self._lock_fd = self._lock_fd, None
             if fd is not None:
                 if os.getpid() == self._pid and self._token is not None:
@@ -634,7 +813,8 @@ _LIVE: weakref.WeakSet[BlobFiles] = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     global _SYNCERS, _SYNCERS_LOCK
-    _SYNCERS, _SYNCERS_LOCK = None, threading.Lock()  # the parent's threads are not in the child
+    global _PREPARER
+    _SYNCERS, _SYNCERS_LOCK, _PREPARER = None, threading.Lock(), None  # the parent's threads are not in the child
     for files in list(_LIVE):
         files._forget_inherited_token()
 

@@ -30,7 +30,7 @@ import lmdb
 from ecstore.errors import THIS_PROCESS, SchemaError, StoreFullError, StoreOpenError, check_same_process
 from ecstore.format import codec
 from ecstore.lmdb import schema
-from ecstore.lmdb.blobfiles import DIRECT_FROM, BlobFiles
+from ecstore.lmdb.blobfiles import DIRECT_FROM, SPARE_FROM, BlobFiles
 from ecstore.lmdb.env import MiB, _SharedEnv, map_size_for
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.leases import LeaseTable
@@ -94,7 +94,8 @@ class StoreHandle:
                  create: bool = True, schema_target: int | None = None,
                  map_size_bytes: int | None = None, file_mode: int | None = None,
                  file_blobs_from: int | None = None, split_reads_from: int | None = None,
-                 direct_writes_from: int | None = DIRECT_FROM) -> None:
+                 direct_writes_from: int | None = DIRECT_FROM,
+                 spare_writes_from: int | None = SPARE_FROM) -> None:
         self.path = path
         self.split_reads_from = split_reads_from  # blob files this large are read on two cores
         self.capacity_bytes = int(capacity_bytes)
@@ -129,7 +130,7 @@ class StoreHandle:
             # Blobs of at least file_blobs_from bytes are kept in files
             # (schema 4 on; see ecstore.lmdb.blobfiles); None: all inline.
             self.files = BlobFiles(path, readonly=readonly or self.schema_version < 4, file_mode=file_mode,
-                                   direct_from=direct_writes_from)
+                                   direct_from=direct_writes_from, spare_from=spare_writes_from)
             self.file_blobs_from: int | None = (
                 (FILE_BLOBS_FROM if file_blobs_from is None else int(file_blobs_from))
                 if self.schema_version >= 4 else None)

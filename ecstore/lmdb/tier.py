@@ -30,7 +30,7 @@ from ecstore.errors import (
 )
 from ecstore.format import PutOutcome, Record, codec
 from ecstore.lmdb.batch import BatchPut, PutOp, Touch, in_call_order
-from ecstore.lmdb.blobfiles import DIRECT_FROM
+from ecstore.lmdb.blobfiles import DIRECT_FROM, SPARE_FROM
 from ecstore.lmdb.env import MiB
 from ecstore.lmdb.full import MapFullRetry, space_hint
 from ecstore.lmdb.handle import _lmdb_errors_as_store_errors, lmdb_store_error
@@ -73,7 +73,8 @@ class LMDBTier(TierReads):
                  create: bool = True, schema_target: int | None = None,
                  map_size_bytes: int | None = None, file_mode: int | None = None,
                  file_blobs_from: int | None = None, split_reads_from: int | None = None,
-                 direct_writes_from: int | None = DIRECT_FROM) -> None:
+                 direct_writes_from: int | None = DIRECT_FROM,
+                 spare_writes_from: int | None = SPARE_FROM) -> None:
         """``map_size_bytes`` overrides the LMDB map size (default
         :func:`~ecstore.lmdb.env.map_size_for` the cap); LMDB still uses at
         least the data file's size, and only the first open of a directory in
@@ -101,10 +102,15 @@ class LMDBTier(TierReads):
         ``direct_writes_from``: blob files of at least this many bytes are
         written with ``O_DIRECT`` where the file system takes it (default
         :data:`~ecstore.lmdb.blobfiles.DIRECT_FROM`; None: through the page
-        cache; see :meth:`~ecstore.lmdb.blobfiles.BlobFiles.write`)."""
+        cache; see :meth:`~ecstore.lmdb.blobfiles.BlobFiles.write`).
+
+        ``spare_writes_from``: blob files of at least this many bytes are
+        copied into a spare file made ahead in the page cache (default
+        :data:`~ecstore.lmdb.blobfiles.SPARE_FROM`; None: never)."""
         super().__init__(path, capacity_bytes, readonly=readonly, create=create, schema_target=schema_target,
                          map_size_bytes=map_size_bytes, file_mode=file_mode, file_blobs_from=file_blobs_from,
-                         split_reads_from=split_reads_from, direct_writes_from=direct_writes_from)
+                         split_reads_from=split_reads_from, direct_writes_from=direct_writes_from,
+                         spare_writes_from=spare_writes_from)
         if not readonly:
             self._initial_eviction()
             try:  # best effort, like the eviction: leftovers wait for the next open
@@ -395,7 +401,10 @@ class LMDBTier(TierReads):
             for p in todo:
                 if self._in_file(p) and not p.seen_stored:
                     # Synced after the commit: no early writeback (see BlobFiles.write).
-                    p.ref = self.files.write(p.encoded, writeback=sync)  # type: ignore[arg-type]  # ndarray: a buffer
+                    hasher = codec.checksummer()
+                    p.ref = self.files.write(p.encoded, writeback=sync,  # type: ignore[arg-type]  # ndarray: a buffer
+                                             hasher=hasher)
+                    p.checksum = hasher.intdigest()
             written = [p.ref.name for p in todo if p.ref is not None]
             if written and sync:
                 self.files.sync(written)
@@ -486,7 +495,8 @@ class LMDBTier(TierReads):
                     self._write_files([p], sync=sync_files)
                 w.insert(k, blob, Record(p.put.identifier, str(p.put.tensor.dtype).removeprefix("torch."),
                                          tuple(p.put.tensor.shape), codec.tensor_nbytes(p.put.tensor), len(blob),
-                                         codec.checksum(blob), now, now, 0, 0, self.record_version), p.ref)
+                                         codec.checksum(blob) if p.checksum is None else p.checksum,
+                                         now, now, 0, 0, self.record_version), p.ref)
                 results[op.index] = PutOutcome.STORED
         for i, (p, r, present) in enumerate(zip(todo, results, present_files)):
             p.present_file = present
@@ -577,6 +587,13 @@ class LMDBTier(TierReads):
         self._check()
         if names:
             self.files.sync(names, missing_ok=True)
+
+    def prepare_spare(self) -> None:
+        """Have a spare blob file made for the next large put, in the
+        background (:meth:`~ecstore.lmdb.blobfiles.BlobFiles.prepare_spare`);
+        nothing on a closed or read-only tier."""
+        if not (self._closed or self.readonly):
+            self.files.prepare_spare()
 
     @_lmdb_errors_as_store_errors
     def sync(self) -> None:

@@ -41,7 +41,7 @@ from ecstore.key import (
     make_key,
 )
 from ecstore.lmdb import LMDBTier
-from ecstore.lmdb.blobfiles import DIRECT_FROM
+from ecstore.lmdb.blobfiles import DIRECT_FROM, SPARE_FROM
 from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.memory import MemoryTier
 from ecstore.pool import POOL
@@ -166,7 +166,8 @@ class ECStore:
                                   schema_target=seams.schema_target, map_size_bytes=seams.map_size_bytes,
                                   file_mode=config.file_mode, file_blobs_from=config.file_blobs_from_bytes,
                                   split_reads_from=split_read.SPLIT_READ_BYTES if config.split_reads else None,
-                                  direct_writes_from=DIRECT_FROM if config.use_odirect else None)
+                                  direct_writes_from=DIRECT_FROM if config.use_odirect else None,
+                                  spare_writes_from=SPARE_FROM if config.spare_blob_files else None)
             self._legacy = tiers.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
                 tiers.writer = Writer(tiers.disk, self.model, config.write_queue_bytes,

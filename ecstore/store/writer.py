@@ -531,6 +531,8 @@ class Writer(threading.Thread):
                     self.cv.notify_all()
             if inline:  # no sync thread could be started: sync here, before the next batch
                 self._sync_next()
+            if not self.puts.queued:  # idle: ready a spare blob file for the next large save
+                self.disk.prepare_spare()
 
     @staticmethod
     def _prefault_after(batch: list[PendingPut]) -> None:

@@ -24,7 +24,8 @@ from ecstore.errors import ConfigError
 
 FIELDS = ["local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
           "max_write_queue_size", "lease_seconds", "file_mode", "namespace", "share_client_uuids",
-          "pooled_blobs", "split_reads", "use_odirect", "min_file_blob_size", "remote_url", "remote_password",
+          "pooled_blobs", "split_reads", "use_odirect", "spare_blob_files", "min_file_blob_size", "remote_url",
+          "remote_password",
           "remote_timeout_seconds", "remote_ttl_seconds", "max_remote_queue_size"]
 
 SEED_YAML = """\
@@ -93,8 +94,9 @@ def test_seed_yaml_alone_gives_ec_64_gib(tmp_path: Path) -> None:
         "pooled_blobs": "default",
         "split_reads": "default",
         "use_odirect": "default",
+        "spare_blob_files": "default",
         "min_file_blob_size": "default",
-        **{key: "default" for key in FIELDS[13:]},  # the remote tier's keys
+        **{key: "default" for key in FIELDS[14:]},  # the remote tier's keys
         "__file__": path,
         "config_file": "argument path",
     }
@@ -128,8 +130,9 @@ def test_describe_config(tmp_path: Path) -> None:
         ("pooled_blobs", True, "default"),
         ("split_reads", True, "default"),
         ("use_odirect", True, "default"),
+        ("spare_blob_files", True, "default"),
         ("min_file_blob_size", 0.5, "default"),
-    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[13:]]  # the remote tier's keys
+    ] + [(key, getattr(cfg, key), "default") for key in FIELDS[14:]]  # the remote tier's keys
 
 
 def test_min_file_blob_size_from_every_source(tmp_path: Path) -> None:

@@ -9,6 +9,9 @@ JSON line at a time on stdout, waits for the parent on stdin (no sleeps):
 * ``forkwrite STORE``: write one blob, fork a grandchild (no exec) that
   blocks reading stdin, print ``[name, grandchild pid]``, then block on
   stdin too (the parent SIGKILLs this process, the grandchild lives on).
+* ``spare STORE SIZE``: write one blob of SIZE bytes, have a spare file
+  made for the next one, print ``[name, spare ready]``, then block on stdin
+  (the parent SIGKILLs it).
 * ``sweep STORE REFERENCED_JSON``: open a handle, print "ready", wait for a
   line on stdin, sweep with the given referenced names, print the count.
 * ``fsize STORE LIMIT SIZE``: with RLIMIT_FSIZE at LIMIT bytes (SIGXFSZ
@@ -45,6 +48,12 @@ def main(mode: str, store: str, *args: str) -> None:
         say([files.write(pattern(k, size)).name for k in range(n)])
         sys.stdin.read()
         files.close()
+    elif mode == "spare":
+        files = BlobFiles(store, readonly=False)
+        name = files.write(pattern(0, int(args[0]))).name
+        files.prepare_spare()
+        say([name, files.wait_spare()])
+        sys.stdin.read()
     elif mode == "forkwrite":
         files = BlobFiles(store, readonly=False)
         name = files.write(pattern(0, 100)).name

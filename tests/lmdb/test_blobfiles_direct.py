@@ -5,7 +5,6 @@ the page cache is read with ``mincore(2)`` on a real mapping of the file."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -13,39 +12,18 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from helpers import fault_fs
+from helpers.pages import filled, resident_pages
 
 from ecstore.errors import StoreFullError
 from ecstore.lmdb import blobfiles, direct
 from ecstore.lmdb.blobfiles import DIRECT_ALIGN, DIRECT_FROM, BlobFiles, FileRef
-from ecstore.pool import POOL, BufferPool
+from ecstore.pool import BufferPool
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def resident_pages(path: str) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of ``path``) by mincore."""
-    size = os.path.getsize(path)
-    pages = -(-size // PAGE)
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
-        vec = (ctypes.c_ubyte * pages)()
-        ptr = ctypes.c_void_p(np.frombuffer(m, dtype=np.uint8).ctypes.data)
-        assert _libc.mincore(ptr, ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
-        return sum(v & 1 for v in vec), pages
-
-
-def filled(nbytes: int, seed: int, *, pool: BufferPool = POOL) -> np.ndarray:
-    """A pooled (aligned) buffer of ``nbytes`` with a pattern of ``seed``."""
-    buf = pool.buffer(nbytes)
-    buf[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    return buf
-
-
 def read_back(files: BlobFiles, ref: FileRef) -> bytes:
     fd = files.open(ref)
     assert fd is not None

@@ -1,0 +1,284 @@
+"""ecstore.lmdb.spare and BlobFiles' spare files: a large blob copied into a
+file made ahead with its pages in the page cache; what the file holds, its
+checksum, sizes, failures, sweeping, close and fork, and the store's writer
+making one when it goes idle. Real files, a real child process, real
+page-cache residency (mincore)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from helpers import fault_fs
+from helpers.pages import filled, resident_pages
+
+from ecstore import ECStore, ECStoreConfig
+from ecstore.errors import ECStoreError, StoreFullError
+from ecstore.lmdb import blobfiles, spare
+from ecstore.lmdb.blobfiles import SPARE_FROM, SPARE_ROUND, BlobFiles, FileRef
+from ecstore.lmdb.check import check_store
+
+CHILD = str(Path(__file__).parents[1] / "helpers" / "blobfiles_child.py")
+MiB = 1 << 20
+BIG = SPARE_FROM + 3 * MiB + 123  # not a multiple of a page: the spare is cut to it
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    path = tmp_path / "store"
+    path.mkdir()
+    return str(path)
+
+
+def names(files: BlobFiles, suffix: str) -> list[str]:
+    return sorted(n for n in os.listdir(files.dir) if n.endswith(suffix))
+
+
+def read_back(files: BlobFiles, ref: FileRef) -> bytes:
+    fd = files.open(ref)
+    assert fd is not None
+    try:
+        return os.pread(fd, ref.size + 1, 0)
+    finally:
+        os.close(fd)
+
+
+def with_spare(files: BlobFiles, size: int = BIG) -> str:
+    """Write a first blob of ``size`` bytes, have a spare made; its name."""
+    files.write(filled(size, 0))
+    files.prepare_spare()
+    assert files.wait_spare(60)
+    (name,) = names(files, ".spare")
+    return name
+
+
+def test_the_next_large_blob_goes_into_the_spare_whole_and_in_the_page_cache(store):
+    """A spare has the largest recent blob's size rounded up, every page in
+    the page cache; the next blob is copied into it, cut to its size,
+    renamed to a blob file name, and its pages stay cached (an O_DIRECT
+    write leaves none: test_blobfiles_direct.py)."""
+    files = BlobFiles(store, readonly=False)
+    name = with_spare(files)
+    assert os.path.getsize(os.path.join(files.dir, name)) == -(-BIG // SPARE_ROUND) * SPARE_ROUND
+    cached, pages = resident_pages(os.path.join(files.dir, name))
+    assert cached == pages
+    data = filled(BIG, 1)
+    hasher = xxhash.xxh3_64()
+    ref = files.write(data, writeback=False, hasher=hasher)
+    assert names(files, ".spare") == []  # taken
+    assert ref.size == BIG and os.path.getsize(os.path.join(files.dir, ref.name)) == BIG
+    assert read_back(files, ref) == data.tobytes()
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+    cached, pages = resident_pages(os.path.join(files.dir, ref.name))
+    assert cached == pages
+    assert len(names(files, ".ecb")) == 2
+    files.sync([ref.name])
+    files.close()
+
+
+@pytest.mark.parametrize("how", ["spare", "direct", "buffered"])
+def test_the_hasher_sees_the_whole_blob_on_every_path(store, how):
+    files = BlobFiles(store, readonly=False, direct_from=None if how == "buffered" else blobfiles.DIRECT_FROM)
+    if how == "spare":
+        with_spare(files)
+    data = filled(BIG, 2)
+    hasher = xxhash.xxh3_64()
+    ref = files.write(data, hasher=hasher)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+    assert read_back(files, ref) == data.tobytes()
+    files.close()
+
+
+def test_a_smaller_blob_is_cut_to_size_and_a_larger_one_leaves_the_spare(store):
+    files = BlobFiles(store, readonly=False)
+    name = with_spare(files)
+    larger = filled(BIG + SPARE_ROUND, 3)
+    ref = files.write(larger)  # does not fit: written as without spares
+    assert names(files, ".spare") == [name]
+    assert read_back(files, ref) == larger.tobytes()
+    smaller = filled(SPARE_FROM, 4)
+    ref = files.write(smaller)
+    assert names(files, ".spare") == []
+    assert os.path.getsize(os.path.join(files.dir, ref.name)) == SPARE_FROM
+    assert read_back(files, ref) == smaller.tobytes()
+    # The next spare holds the largest of the recent blobs.
+    files.prepare_spare()
+    assert files.wait_spare(60)
+    (name,) = names(files, ".spare")
+    assert os.path.getsize(os.path.join(files.dir, name)) == -(-(BIG + SPARE_ROUND) // SPARE_ROUND) * SPARE_ROUND
+    files.close()
+
+
+def test_small_blobs_and_a_switched_off_handle_make_no_spare(store):
+    files = BlobFiles(store, readonly=False)
+    files.write(filled(SPARE_FROM - 1, 5))
+    files.prepare_spare()  # no large blob yet: nothing to size a spare by
+    assert not files.wait_spare(60)
+    off = BlobFiles(store, readonly=False, spare_from=None)
+    off.write(filled(BIG, 6))
+    off.prepare_spare()
+    assert not off.wait_spare(60)
+    assert names(files, ".spare") == []
+    files.close()
+    off.close()
+
+
+def test_close_removes_the_spare_and_waits_for_one_being_made(store):
+    files = BlobFiles(store, readonly=False)
+    with_spare(files)
+    files.close()
+    assert names(files, ".spare") == []
+    files = BlobFiles(store, readonly=False)
+    files.write(filled(BIG, 7))
+    files.prepare_spare()
+    files.close()  # while it is made, or before: either way nothing is left
+    assert names(files, ".spare") == []
+
+
+def test_a_failed_copy_into_the_spare_is_store_full_and_leaves_no_file(store, monkeypatch):
+    files = BlobFiles(store, readonly=False)
+    with_spare(files)
+    before = names(files, ".ecb")
+
+    real = os.pwrite
+
+    def pwrite(fd: int, data, offset: int) -> int:  # the device fails after the first piece
+        if offset:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(StoreFullError, match="cannot write blob file .*Input/output error"):
+        files.write(filled(BIG, 8))
+    monkeypatch.undo()
+    assert names(files, ".ecb") == before and names(files, ".spare") == []
+    ref = files.write(filled(BIG, 9))  # the handle goes on
+    assert read_back(files, ref) == filled(BIG, 9).tobytes()
+    files.close()
+
+
+def test_a_kernel_without_populate_write_gets_no_spares_logged_once(store, monkeypatch, caplog):
+    """Before Linux 5.14 ``MADV_POPULATE_WRITE`` is EINVAL: the handle stops
+    making spares, logs it once and writes every blob as before."""
+    monkeypatch.setattr(spare, "_MADV_POPULATE_WRITE", 12345)  # an advice no kernel has: EINVAL
+    files = BlobFiles(store, readonly=False)
+    with caplog.at_level(logging.INFO, logger="ecstore"):
+        files.write(filled(BIG, 10))
+        files.prepare_spare()
+        assert not files.wait_spare(60)
+        files.prepare_spare()
+        assert not files.wait_spare(60)
+    assert files.spare_from is None
+    assert [r.getMessage() for r in caplog.records if "spare" in r.getMessage()] == [
+        f"ecstore: {files.dir} cannot hold spare blob files (Invalid argument): each blob file is written new"]
+    assert names(files, ".spare") == []
+    ref = files.write(filled(BIG, 11))
+    assert read_back(files, ref) == filled(BIG, 11).tobytes()
+    files.close()
+
+
+@pytest.mark.skipif(not fault_fs.can_mount(), reason="needs mount (root)")
+def test_a_spare_that_does_not_fit_on_the_disk_is_not_made(tmp_path):
+    """A full file system: fallocate fails (ENOSPC), no file is left, and
+    the blobs that fit are written as without spares."""
+    with fault_fs.small_tmpfs(tmp_path / "fs", 2 * BIG + 2 * MiB) as fs:
+        files = BlobFiles(str(fs), readonly=False)
+        files.write(filled(BIG, 12))
+        files.write(filled(BIG, 13))
+        files.prepare_spare()
+        assert not files.wait_spare(60)
+        assert names(files, ".spare") == []
+        files.close()
+
+
+@contextlib.contextmanager
+def spare_child(store: str) -> Iterator[tuple[subprocess.Popen, list]]:
+    p = subprocess.Popen([sys.executable, CHILD, "spare", store, str(BIG)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line, f"child exited with {p.wait()}"
+        yield p, json.loads(line)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_a_killed_writers_spare_is_swept_and_a_live_ones_is_not(store):
+    with spare_child(store) as (p, (blob, ready)):
+        assert ready
+        files = BlobFiles(store, readonly=False)
+        assert files.sweep(lambda: set()) == 0  # a live writer's spare stays
+        (theirs,) = names(files, ".spare")
+        assert theirs.split("-")[0] == blob.split("-")[0]
+        p.kill()
+        p.wait()
+    assert files.sweep(lambda: set()) == 2  # its blob (unreferenced here) and its spare
+    assert names(files, ".spare") == [] and blob not in names(files, ".ecb")
+    files.close()
+
+
+def test_a_forked_child_never_uses_or_removes_the_parents_spare(store):
+    """A forked child cannot write through its parent's handle (the token is
+    the parent's); its close must not remove the parent's spare either."""
+    files = BlobFiles(store, readonly=False)
+    name = with_spare(files)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                files.write(filled(BIG, 14))
+                code = 3
+            except ECStoreError:
+                files.close()
+                code = 0 if name in os.listdir(files.dir) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert names(files, ".spare") == [name]
+    ref = files.write(filled(BIG, 15))  # the parent's spare, still its own
+    assert names(files, ".spare") == [] and read_back(files, ref) == filled(BIG, 15).tobytes()
+    files.close()
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_the_store_writer_readies_a_spare_when_idle_and_the_next_put_uses_it(tmp_path, setting):
+    """Through ECStore: after a large put is committed the idle writer has
+    a spare made (setting ``spare_blob_files``); the next put lands in it
+    (its pages cached), reads back equal, and the store checks clean with
+    the new spare beside it."""
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=1.0, local_cpu=False,
+                        spare_blob_files=setting)
+    st = ECStore(cfg, model="m", dtype=torch.bfloat16)
+    rows = -(-BIG // (2 * 3584))
+    a, b = (torch.randn(rows, 3584, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in (1, 2))
+    st.put("a", a)
+    st.wait_committed()
+    files = st.disk.files
+    assert files.wait_spare(60) is setting
+    st.put("b", b)
+    st.flush()
+    ref_names = names(files, ".ecb")
+    assert len(ref_names) == 2
+    cached = [resident_pages(os.path.join(files.dir, n)) for n in ref_names]  # before any read
+    assert sum(c == p for c, p in cached) == (1 if setting else 0)  # "a" went past the page cache
+    got = st.get("b")
+    assert got is not None and torch.equal(got, b)
+    assert files.wait_spare(60) is setting  # one more for the put after
+    audit = check_store(st.disk)
+    assert audit.clean and audit.checked == 2 and audit.unreferenced_files == []
+    st.close()
+    assert names(files, ".spare") == []
