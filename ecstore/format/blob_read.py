@@ -127,7 +127,7 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
     helper thread: :mod:`ecstore.format.split_read`). Raises only :class:`CorruptEntryError` (a short file, an I/O
     error, a checksum or header mismatch); never returns a tensor whose
     blob failed a check."""
-    try:
+    with _file_errors:
         size = _file_size(rec, fd)
         head_len = size - rec.nbytes  # where the record says the data starts
         if rec.nbytes <= 2 * FUSED_CHUNK and 8 <= head_len <= 8 + MAX_HEADER_BYTES:
@@ -146,10 +146,6 @@ def read_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mode
                 if preadv(fd, [mv[i:i + c]], hdr.data_offset + i) != c:  # short: the file shrank under us
                     split_read.read_exactly(fd, mv[i:i + c], hdr.data_offset + i)
                 update(mv[i:i + c])
-    except EOFError as e:
-        raise CorruptEntryError(str(e)) from None
-    except OSError as e:
-        raise CorruptEntryError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
     if h.intdigest() != rec.checksum:
         raise CorruptEntryError("checksum mismatch")
     return out
@@ -164,7 +160,7 @@ def check_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mod
     hold one chunk, not the entry). For a verification that keeps nothing
     (the scheduler's, before it promises an entry). Returns if the entry
     passes; raises only :class:`CorruptEntryError`. Thread-safe."""
-    try:
+    with _file_errors:
         size = _file_size(rec, fd)
         head, hdr = _file_header(rec, fd, size, identifier=identifier, model=model, dtype=dtype, key=key)
         h = xxhash.xxh3_64(head)
@@ -176,12 +172,26 @@ def check_file_entry(rec: Record, fd: int, *, identifier: str | None = None, mod
                 raise EOFError("blob file shorter than its record")
             update(buf[:got])
             offset += got
-    except EOFError as e:
-        raise CorruptEntryError(str(e)) from None
-    except OSError as e:
-        raise CorruptEntryError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
     if h.intdigest() != rec.checksum:
         raise CorruptEntryError("checksum mismatch")
+
+
+class _FileErrors:
+    """A blob file read's EOFError (shorter than its record) or OSError
+    re-raised as :class:`CorruptEntryError`: to the caller the entry is
+    unusable. A class, not a generator: it is on every file hit's path."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        if isinstance(e, EOFError):
+            raise CorruptEntryError(str(e)) from None
+        if isinstance(e, OSError):
+            raise CorruptEntryError(f"blob file unreadable: {os.strerror(e.errno or errno.EIO)}") from None
+
+
+_file_errors = _FileErrors()
 
 
 _scratch_of_thread = threading.local()

@@ -205,35 +205,29 @@ def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, *,
 
 #: Threads that sync a batch's blob files together (:meth:`BlobFiles.sync`).
 SYNC_THREADS = 4
-_SYNCERS: ThreadPoolExecutor | None = None  # made on first use; a forked child starts without
-_SYNCERS_LOCK = threading.Lock()
+_POOLS: dict[str, ThreadPoolExecutor] = {}  # by thread name; made on first use; a forked child starts without
+_POOLS_LOCK = threading.Lock()
+
+
+def _threads(name: str, count: int) -> ThreadPoolExecutor:
+    """The process's pool of ``count`` threads named ``name``, made on first use."""
+    pool = _POOLS.get(name)
+    if pool is None:
+        with _POOLS_LOCK:
+            pool = _POOLS.get(name)
+            if pool is None:
+                pool = _POOLS[name] = ThreadPoolExecutor(count, thread_name_prefix=name)
+    return pool
 
 
 def _syncers() -> ThreadPoolExecutor:
-    """The process's pool of :data:`SYNC_THREADS` sync threads."""
-    global _SYNCERS
-    pool = _SYNCERS
-    if pool is None:
-        with _SYNCERS_LOCK:
-            pool = _SYNCERS
-            if pool is None:
-                pool = _SYNCERS = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="ecstore-fsync")
-    return pool
-
-
-_PREPARER: ThreadPoolExecutor | None = None  # one thread for every handle's spares; made on first use
+    """The process's :data:`SYNC_THREADS` threads that sync blob files (``ecstore-fsync``)."""
+    return _threads("ecstore-fsync", SYNC_THREADS)
 
 
 def _preparer() -> ThreadPoolExecutor:
-    """The process's thread that makes spare files (``ecstore-spare``)."""
-    global _PREPARER
-    pool = _PREPARER
-    if pool is None:
-        with _SYNCERS_LOCK:
-            pool = _PREPARER
-            if pool is None:
-                pool = _PREPARER = ThreadPoolExecutor(1, thread_name_prefix="ecstore-spare")
-    return pool
+    """The process's one thread that makes every handle's spare files (``ecstore-spare``)."""
+    return _threads("ecstore-spare", 1)
 
 
 def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) -> bool:
@@ -812,9 +806,9 @@ _LIVE: weakref.WeakSet[BlobFiles] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    global _SYNCERS, _SYNCERS_LOCK
-    global _PREPARER
-    _SYNCERS, _SYNCERS_LOCK, _PREPARER = None, threading.Lock(), None  # the parent's threads are not in the child
+    global _POOLS_LOCK
+    _POOLS.clear()  # the parent's threads are not in the child
+    _POOLS_LOCK = threading.Lock()
     for files in list(_LIVE):
         files._forget_inherited_token()
 

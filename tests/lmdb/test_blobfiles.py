@@ -4,7 +4,6 @@ and, where this process may mount, a real full file system."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -12,37 +11,20 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import fault_fs
 from helpers.blobfiles_child import pattern
+from helpers.blobfiles_parent import CHILD, child
 
 from ecstore.errors import CorruptEntryError, ECStoreError, InvalidEntryError, StoreFullError
 from ecstore.format import blob_check, codec
 from ecstore.lmdb.blobfiles import POINTER_MAGIC, BlobFiles, FileRef, pack_ref, unpack_ref
 
-CHILD = str(Path(__file__).parents[1] / "helpers" / "blobfiles_child.py")
 MiB = 1 << 20
 NAME = "0123456789abcdef-17.ecb"
-
-
-@contextlib.contextmanager
-def child(*args: str) -> Iterator[tuple[subprocess.Popen, object]]:
-    """A child process (see blobfiles_child.py) and its first JSON line;
-    killed at exit if still running."""
-    p = subprocess.Popen([sys.executable, CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        assert line, f"child {args} exited with {p.wait()}"
-        yield p, json.loads(line)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
 
 
 def finish(p: subprocess.Popen) -> None:

@@ -15,24 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import fault_fs
+from helpers.blobfiles_parent import read_back
 from helpers.pages import filled, resident_pages
 
 from ecstore.errors import StoreFullError
 from ecstore.lmdb import blobfiles, direct
-from ecstore.lmdb.blobfiles import DIRECT_ALIGN, DIRECT_FROM, BlobFiles, FileRef
+from ecstore.lmdb.blobfiles import DIRECT_ALIGN, DIRECT_FROM, BlobFiles
 from ecstore.pool import BufferPool
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
-def read_back(files: BlobFiles, ref: FileRef) -> bytes:
-    fd = files.open(ref)
-    assert fd is not None
-    try:
-        return os.pread(fd, ref.size + 1, 0)
-    finally:
-        os.close(fd)
-
-
 def second_write_does(second: Callable[..., int]) -> tuple[Callable[[int, object], int], list[int]]:
     """An ``os.write`` for monkeypatching whose second call is
     ``second(real_write, fd, data)``, and the list of every call's length."""

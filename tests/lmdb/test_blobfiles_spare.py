@@ -6,29 +6,24 @@ page-cache residency (mincore)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import logging
 import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
 from helpers import fault_fs
+from helpers.blobfiles_parent import child, read_back
 from helpers.pages import filled, resident_pages
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError
 from ecstore.lmdb import blobfiles, spare
-from ecstore.lmdb.blobfiles import SPARE_FROM, SPARE_ROUND, BlobFiles, FileRef
+from ecstore.lmdb.blobfiles import SPARE_FROM, SPARE_ROUND, BlobFiles
 from ecstore.lmdb.check import check_store
 
-CHILD = str(Path(__file__).parents[1] / "helpers" / "blobfiles_child.py")
 MiB = 1 << 20
 BIG = SPARE_FROM + 3 * MiB + 123  # not a multiple of a page: the spare is cut to it
 
@@ -42,15 +37,6 @@ def store(tmp_path: Path) -> str:
 
 def names(files: BlobFiles, suffix: str) -> list[str]:
     return sorted(n for n in os.listdir(files.dir) if n.endswith(suffix))
-
-
-def read_back(files: BlobFiles, ref: FileRef) -> bytes:
-    fd = files.open(ref)
-    assert fd is not None
-    try:
-        return os.pread(fd, ref.size + 1, 0)
-    finally:
-        os.close(fd)
 
 
 def with_spare(files: BlobFiles, size: int = BIG) -> str:
@@ -200,23 +186,8 @@ def test_a_spare_that_does_not_fit_on_the_disk_is_not_made(tmp_path):
         files.close()
 
 
-@contextlib.contextmanager
-def spare_child(store: str) -> Iterator[tuple[subprocess.Popen, list]]:
-    p = subprocess.Popen([sys.executable, CHILD, "spare", store, str(BIG)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        assert line, f"child exited with {p.wait()}"
-        yield p, json.loads(line)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
 def test_a_killed_writers_spare_is_swept_and_a_live_ones_is_not(store):
-    with spare_child(store) as (p, (blob, ready)):
+    with child("spare", store, str(BIG)) as (p, (blob, ready)):
         assert ready
         files = BlobFiles(store, readonly=False)
         assert files.sweep(lambda: set()) == 0  # a live writer's spare stays
