@@ -31,6 +31,10 @@ from ecstore.identity import EncoderIdentity
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
+#: An encode-only producer hands saves of this many bytes and more to the
+#: store instead of copying them (:meth:`WorkerSide._lends`): where the
+#: store writes the blob file from a spare (``ecstore.lmdb.blobfiles.SPARE_FROM``).
+LEND_FROM = 4 << 20
 
 
 def _tp_rank() -> int:
@@ -256,17 +260,19 @@ class WorkerSide:
             # put() skips an entry this process holds (False) before copying
             # anything; otherwise one copy, straight off the device (or out of
             # the batch's output, which the tensor is a view of) into the
-            # entry's safetensors blob. vLLM encoded it because the
+            # entry's safetensors blob, or none: an encode-only producer lends
+            # a large CPU tensor (see _lends). vLLM encoded it because the
             # scheduler's lookup missed: the shared file is not asked again
             # (the writer finds an entry another process stored since), and
             # in a step the write starts at its end (build_worker_meta),
             # with the step's other saves.
-            stored = self.store.put(mm_hash, tensor, copy=True, defer_write=in_step, known_absent=True)
+            copy = not self._lends(tensor)
+            stored = self.store.put(mm_hash, tensor, copy=copy, defer_write=in_step, known_absent=True)
             if not stored and self._lost_from_disk(mm_hash):
                 # Held only in this process's memory tier: vLLM computed it
                 # again because the shared file lost it. Store it again, or
                 # other processes would keep missing it.
-                stored = self.store.put(mm_hash, tensor, copy=True, defer_write=in_step, known_absent=True)
+                stored = self.store.put(mm_hash, tensor, copy=copy, defer_write=in_step, known_absent=True)
         except ECStoreError as e:
             log.warning("ecstore: not saving mm_hash=%s: %s", mm_hash, e)
             return
@@ -278,6 +284,20 @@ class WorkerSide:
         else:
             self._count("save_skipped")
         self._count("save_seconds", time.perf_counter() - t0)
+
+    def _lends(self, tensor: torch.Tensor) -> bool:
+        """Whether a save hands vLLM's tensor to the store (``put(copy=False)``)
+        instead of copying it: an encode-only producer's large CPU tensor,
+        with only the disk tier. Its step waits until the entry is committed
+        (:meth:`_commit_step_saves`), and vLLM does not write into an encoder
+        output, so the writer can write the blob file from the tensor's own
+        bytes (into a ready spare file: no copy of the entry at all; else
+        the writer copies it). Nothing else keeps it: no memory tier, no
+        remote queue that could outlive the step."""
+        st = self.store
+        return (self.encode_only and st.has_disk_tier and not st.has_memory_tier and not st.has_remote_tier
+                and tensor.device.type == "cpu" and tensor.is_contiguous()
+                and tensor_nbytes(tensor) >= LEND_FROM)
 
     # -- reporting ------------------------------------------------------------
     def _commit_step_saves(self) -> None:

@@ -38,13 +38,25 @@ class BatchPut:
     seen_stored: bool = False
     #: The blob's checksum, computed as its file was written (None: not yet).
     checksum: int | None = None
+    #: A handed-over tensor's blob head (``codec.blob_head``), where the tier
+    #: may write its file from the head and the tensor's own bytes (a spare
+    #: file ready) instead of encoding it first: ``put.blob`` stays None then.
+    head: bytes | None = None
 
     @property
     def encoded(self) -> codec.Blob:
         """``put.blob``, once :meth:`LMDBTier.write_batch` has set it (it
-        encodes every put without one before anything else)."""
+        encodes every put without one, except those written from ``head``)."""
         assert self.put.blob is not None, "BatchPut.put.blob is set by write_batch before it is used"
         return self.put.blob
+
+    @property
+    def size(self) -> int:
+        """The blob's size in bytes, encoded or not."""
+        if self.put.blob is not None:
+            return len(self.put.blob)
+        assert self.head is not None, "BatchPut.head or put.blob is set by write_batch before it is used"
+        return len(self.head) + self.put.nbytes
 
 
 @dataclass(frozen=True)

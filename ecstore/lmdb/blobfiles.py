@@ -26,7 +26,7 @@ import struct
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -421,16 +421,10 @@ class BlobFiles:
             raise InvalidEntryError(f"a blob must be a C-contiguous buffer: {e}") from None
         size = len(data)
         spare = self._claim_spare(size)
-        with self._lock:
-            try:
-                name = f"{self._take_token()}-{next(self._counter)}.ecb"
-            except BaseException:
-                if spare is not None:
-                    self._drop_spare(spare)
-                raise
+        name = self._new_name(spare)
         path = self._path(name)
         if spare is not None:
-            return self._write_spare(spare, name, data, writeback, hasher)
+            return self._write_spare(spare, name, [data], writeback, hasher)
         self._note_size(size)
         direct = (size // DIRECT_ALIGN * DIRECT_ALIGN) if self._direct_for(data) else 0
         try:
@@ -472,14 +466,41 @@ class BlobFiles:
             hasher.update(data)
         return FileRef(name, size)
 
-    def _write_spare(self, spare: SpareFile, name: str, data: memoryview, writeback: bool,
+    def write_parts(self, parts: Sequence[Buffer], *, writeback: bool = True,
+                    hasher: Hasher | None = None) -> FileRef | None:
+        """:meth:`write` of the blob made of ``parts`` (C-contiguous buffers,
+        in order: a blob's head, then the tensor's bytes where they lie), if
+        a spare file holds them: no copy of the blob is made to write it.
+        None, with nothing done, where no spare is ready or large enough (the
+        caller encodes the blob and calls :meth:`write`). Errors as :meth:`write`."""
+        check_same_process(self._pid, f"blob files of {self.dir}")
+        try:
+            views = [memoryview(part).cast("B") for part in parts]
+        except (TypeError, ValueError) as e:
+            raise InvalidEntryError(f"a blob must be C-contiguous buffers: {e}") from None
+        spare = self._claim_spare(sum(len(v) for v in views))
+        if spare is None:
+            return None
+        return self._write_spare(spare, self._new_name(spare), views, writeback, hasher)
+
+    def _new_name(self, spare: SpareFile | None) -> str:
+        """A new blob file's name (``spare``, claimed: dropped if that fails)."""
+        with self._lock:
+            try:
+                return f"{self._take_token()}-{next(self._counter)}.ecb"
+            except BaseException:
+                if spare is not None:
+                    self._drop_spare(spare)
+                raise
+
+    def _write_spare(self, spare: SpareFile, name: str, parts: list[memoryview], writeback: bool,
                      hasher: Hasher | None) -> FileRef:
-        """:meth:`write` through ``spare``: the blob copied into its pages
-        (:meth:`SpareFile.fill`), the file renamed ``name``."""
-        size = len(data)
+        """:meth:`write` through ``spare``: the blob's ``parts`` copied into
+        its pages (:meth:`SpareFile.fill`), the file renamed ``name``."""
+        size = sum(len(v) for v in parts)
         try:
             try:
-                spare.fill(data, hasher)
+                spare.fill(parts, hasher)
                 if writeback and _start_writeback is not None:
                     _start_writeback(spare.fd, 0, size)  # a hint: its result does not matter
             finally:
@@ -492,10 +513,15 @@ class BlobFiles:
         self._note_size(size)
         return FileRef(name, size)
 
+    def spares_from(self, size: int) -> bool:
+        """Whether a blob of ``size`` bytes is one a spare file is made for
+        (spares on, and at least ``spare_from`` bytes)."""
+        return self.spare_from is not None and size >= self.spare_from
+
     def _claim_spare(self, size: int) -> SpareFile | None:
         """The ready spare if it holds ``size`` bytes (taken: the next call
         gets another), else None."""
-        if self.spare_from is None or size < self.spare_from:
+        if not self.spares_from(size):
             return None
         with self._lock:
             spare = self._spare

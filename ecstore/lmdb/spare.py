@@ -20,7 +20,7 @@ import ctypes
 import errno
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -87,23 +87,27 @@ class SpareFile:
             if failed:
                 raise _oserror()
 
-    def fill(self, data: memoryview, hasher: Hasher | None = None) -> None:
-        """Write ``data`` (bytes, at most ``capacity``) at the start of the
-        file, ``hasher`` fed every piece right after it is written (still in
-        the caches), then cut the file to ``len(data)``. Not durable until
-        the file is synced. OSError from ``pwrite`` or ``ftruncate``."""
-        size = len(data)
-        assert size <= self.capacity
-        done = 0
-        while done < size:
-            n = os.pwrite(self.fd, data[done:done + FILL_CHUNK], done)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            if hasher is not None:
-                hasher.update(data[done:done + n])
-            done += n
-        if size < self.capacity:
-            os.ftruncate(self.fd, size)
+    def fill(self, parts: Sequence[memoryview], hasher: Hasher | None = None) -> None:
+        """Write ``parts`` (byte views, at most ``capacity`` bytes in all)
+        one after the other from the start of the file, ``hasher`` fed every
+        piece right after it is written (still in the caches), then cut the
+        file to their length. Not durable until the file is synced. OSError
+        from ``pwrite`` or ``ftruncate``."""
+        offset = 0
+        for data in parts:
+            size = len(data)
+            assert offset + size <= self.capacity
+            done = 0
+            while done < size:
+                n = os.pwrite(self.fd, data[done:done + FILL_CHUNK], offset + done)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                if hasher is not None:
+                    hasher.update(data[done:done + n])
+                done += n
+            offset += size
+        if offset < self.capacity:
+            os.ftruncate(self.fd, offset)
 
     def close(self) -> None:
         """Close ``fd``. Idempotent."""

@@ -18,6 +18,7 @@ import math
 import time
 
 import lmdb
+import numpy as np
 
 from ecstore.errors import (
     THIS_PROCESS,
@@ -41,6 +42,7 @@ from ecstore.lmdb.txngate import begin_read, end_read
 from ecstore.pool import POOL
 
 log = logging.getLogger("ecstore")
+_NO_BLOB: codec.Blob = np.empty(0, dtype=np.uint8)  # what WriteTxn.insert is given for an entry in a file
 
 #: Longest lease, in seconds (one day): a lease pins an entry against
 #: eviction until released; one that outlived its loader must expire. The
@@ -352,13 +354,20 @@ class LMDBTier(TierReads):
         touches = touches or {}
         for p in puts:
             if p.put.blob is None:
-                p.put.blob = codec.encode(p.put.tensor, identifier=p.put.identifier, model=p.model, pool=POOL)
-            if len(p.put.blob) > self.capacity_bytes:
+                t = p.put.tensor
+                head = codec.blob_head(tuple(t.shape), t.dtype, p.put.identifier, p.model)
+                size = len(head) + p.put.nbytes
+                if self.file_blobs_from is not None and size >= self.file_blobs_from and self.files.spares_from(size):
+                    p.head = head  # written from the tensor where it lies if a spare is ready (_write_file)
+                else:
+                    p.put.blob = codec.encode_view(t, identifier=p.put.identifier, model=p.model, pool=POOL,
+                                                   head=head)[0]
+            if p.size > self.capacity_bytes:
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
-                    f"entry of {len(p.put.blob)} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
-            elif not self._in_file(p) and len(p.put.blob) > self._map_room():  # would evict everything, then fail
+                    f"entry of {p.size} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
+            elif not self._in_file(p) and p.size > self._map_room():  # would evict everything, then fail
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
-                    f"entry of {len(p.put.blob)} bytes can never fit in the LMDB map of {self.path} "
+                    f"entry of {p.size} bytes can never fit in the LMDB map of {self.path} "
                     f"(about {self._map_room()} bytes usable)")
         todo = [p for p in puts if p.outcome is PutOutcome.PENDING]
         try:
@@ -385,7 +394,7 @@ class LMDBTier(TierReads):
 
     def _in_file(self, p: BatchPut) -> bool:
         """Whether ``p``'s blob goes to a file of its own (see ``file_blobs_from``)."""
-        return self.file_blobs_from is not None and len(p.encoded) >= self.file_blobs_from
+        return self.file_blobs_from is not None and p.size >= self.file_blobs_from
 
     def _write_files(self, todo: list[BatchPut], sync: bool = True) -> None:
         """Write the blobs that go to files, then (``sync``) make them durable
@@ -400,11 +409,7 @@ class LMDBTier(TierReads):
         try:
             for p in todo:
                 if self._in_file(p) and not p.seen_stored:
-                    # Synced after the commit: no early writeback (see BlobFiles.write).
-                    hasher = codec.checksummer()
-                    p.ref = self.files.write(p.encoded, writeback=sync,  # type: ignore[arg-type]  # ndarray: a buffer
-                                             hasher=hasher)
-                    p.checksum = hasher.intdigest()
+                    self._write_file(p, sync)
             written = [p.ref.name for p in todo if p.ref is not None]
             if written and sync:
                 self.files.sync(written)
@@ -415,6 +420,25 @@ class LMDBTier(TierReads):
                 p.outcome, p.error = PutOutcome.FAILED, e
             raise
 
+    def _write_file(self, p: BatchPut, sync: bool) -> None:
+        """Write ``p``'s blob file (``p.ref``), hashed as it goes
+        (``p.checksum``). A put not encoded yet (``p.head``) goes into a ready
+        spare file from its head and its tensor's own bytes (no copy of the
+        blob made); with no spare ready it is encoded here first. ``sync``:
+        early writeback (a file synced after the commit gets none, see
+        :meth:`BlobFiles.write`)."""
+        hasher = codec.checksummer()
+        if p.put.blob is None:
+            assert p.head is not None
+            data = codec.raw_bytes_view(p.put.tensor)
+            p.ref = self.files.write_parts([p.head, data], writeback=sync, hasher=hasher)  # type: ignore[list-item]  # ndarray: a buffer
+            if p.ref is None:  # no spare ready: encoded, then written as any blob
+                p.put.blob = codec.encode_view(p.put.tensor, identifier=p.put.identifier, model=p.model,
+                                               pool=POOL, head=p.head)[0]
+        if p.ref is None:
+            p.ref = self.files.write(p.encoded, writeback=sync, hasher=hasher)  # type: ignore[arg-type]  # ndarray: a buffer
+        p.checksum = hasher.intdigest()
+
     def _write_batch(self, todo: list[BatchPut], touches: dict[str, Touch], sync_files: bool = True) -> None:
         """:meth:`write_batch` once the blob files are written: the
         transaction, retried while the map is full."""
@@ -423,7 +447,7 @@ class LMDBTier(TierReads):
 
         def evict() -> int:  # fragmentation: free more pages in a committed transaction
             nonlocal extra
-            in_map = sum(len(p.encoded) if p.ref is None else 4096 for p in todo)
+            in_map = sum(p.size if p.ref is None else 4096 for p in todo)
             extra = max(extra * 2, in_map + 4 * MiB)
             return self._evict_to(self.capacity_bytes, extra)
 
@@ -446,7 +470,7 @@ class LMDBTier(TierReads):
                     raise err_open from e
             except lmdb.Error as e:
                 # LMDB reports a short write (ENOSPC, EFBIG) as EIO: say why.
-                hint = space_hint(self.path, sum(len(p.encoded) for p in todo))
+                hint = space_hint(self.path, sum(p.size for p in todo))
                 err = StoreFullError(f"write to {self.path} failed: {e}{hint}")
                 if isinstance(e, (lmdb.DiskError,)) or getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG):
                     err = StoreFullError(f"disk full while writing to {self.path}: {e}{hint}")
@@ -483,8 +507,7 @@ class LMDBTier(TierReads):
                     if held == p.put.identifier:
                         present_files[op.index] = w.file_of(k)
                     continue
-                blob = p.encoded
-                if not w.make_room(len(blob), self.capacity_bytes):
+                if not w.make_room(p.size, self.capacity_bytes):
                     results[op.index] = PutOutcome.FAILED
                     no_room.add(op.index)
                     continue
@@ -493,8 +516,9 @@ class LMDBTier(TierReads):
                     # now: its file, here (rare: inside the write lock).
                     p.seen_stored = False
                     self._write_files([p], sync=sync_files)
+                blob = p.encoded if p.ref is None else _NO_BLOB  # a file's entry: its record and a pointer
                 w.insert(k, blob, Record(p.put.identifier, str(p.put.tensor.dtype).removeprefix("torch."),
-                                         tuple(p.put.tensor.shape), codec.tensor_nbytes(p.put.tensor), len(blob),
+                                         tuple(p.put.tensor.shape), p.put.nbytes, p.size,
                                          codec.checksum(blob) if p.checksum is None else p.checksum,
                                          now, now, 0, 0, self.record_version), p.ref)
                 results[op.index] = PutOutcome.STORED
@@ -503,7 +527,7 @@ class LMDBTier(TierReads):
             p.outcome = r
             if i in no_room:
                 p.error = StoreFullError(
-                    f"no room for {len(p.encoded)} bytes: the rest of the store is pinned by leases")
+                    f"no room for {p.size} bytes: the rest of the store is pinned by leases")
 
     @_lmdb_errors_as_store_errors
     def register_namespace(self, namespace: str, description: bytes) -> None:

@@ -544,6 +544,11 @@ class ECStore:
         return self._tiers.disk is not None
 
     @property
+    def has_memory_tier(self) -> bool:
+        """Whether the handle has a memory tier (``local_cpu``; fixed at open)."""
+        return self._tiers.memory is not None
+
+    @property
     def has_remote_tier(self) -> bool:
         """Whether the handle has a remote tier (``remote_url``): from open
         until :meth:`close` begins releasing the tiers."""

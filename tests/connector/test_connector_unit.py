@@ -22,6 +22,7 @@ import torch
 from conftest import gib
 from helpers import vllm_objects as vo
 from helpers.connector_store import damage_blob, open_store
+from helpers.encodes import count_encodes
 from helpers.writer_state import asleep_since, batch_done_since, writer_asleep
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
@@ -646,6 +647,34 @@ def test_an_encode_only_producer_with_a_disk_keeps_no_memory_tier(connectors, di
     assert all(ws.store.contains(i) for i in computed)
     both, _ = connectors("ec_both", disk_extra)  # a consumer's config keeps its memory tier
     assert both.config.local_cpu is True
+
+
+def test_an_encode_only_producers_large_save_is_written_from_vllms_tensor(connectors, disk_extra, monkeypatch):
+    """An encode-only producer's step waits until its saves are committed,
+    and vLLM does not write into an encoder output: a large save hands the
+    tensor to the store (no copy in ``save_caches``), and with a spare file
+    ready the writer writes the blob file from the tensor's own bytes, so
+    no copy of the entry is made at all. The entry is committed when the
+    step's report is built and reads back equal elsewhere. A small save,
+    and a producer that also reads its store, still copy."""
+    from ecstore.connector.worker_side import LEND_FROM
+
+    sched, worker = connectors("ec_producer", {**disk_extra, "max_local_disk_size": 0.1})
+    ws = worker.worker_side
+    rows = -(-(LEND_FROM + 12345) // (4 * SHAPE[1]))
+    first, second = embedding(1, (rows, SHAPE[1])), embedding(2, (rows, SHAPE[1]))
+    assert ws._lends(first) and not ws._lends(embedding(3))
+    worker_step(worker, sched.build_connector_meta(empty_output()), {}, {A: first})
+    assert ws.store.disk.files.wait_spare(60)  # the idle writer made one for the next large blob
+    encodes = count_encodes(monkeypatch)
+    wm = worker_step(worker, sched.build_connector_meta(empty_output()), {}, {B: second})
+    assert encodes == [] and wm is not None and B in wm.saved
+    monkeypatch.undo()
+    with open_store(sched) as st:
+        got = st.get(B)
+        assert got is not None and torch.equal(got, second)
+    both, both_worker = connectors("ec_both", {**disk_extra, "max_local_disk_size": 0.1})
+    assert not both_worker.worker_side._lends(first)  # its memory tier would keep vLLM's tensor
 
 
 def test_a_steps_saves_are_written_from_the_steps_end(connectors, disk_extra):

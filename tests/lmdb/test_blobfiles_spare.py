@@ -16,6 +16,7 @@ import torch
 import xxhash
 from helpers import fault_fs
 from helpers.blobfiles_parent import child, read_back
+from helpers.encodes import count_encodes
 from helpers.pages import filled, resident_pages
 
 from ecstore import ECStore, ECStoreConfig
@@ -225,21 +226,29 @@ def test_a_forked_child_never_uses_or_removes_the_parents_spare(store):
     files.close()
 
 
+def store_after_one_large_put(tmp_path: Path, spares: bool) -> tuple[ECStore, torch.Tensor]:
+    """An ECStore (``spare_blob_files=spares``) that committed one large
+    put, its writer idle and done making a spare (if on); and a second
+    tensor of that size, not put yet."""
+    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=1.0, local_cpu=False,
+                        spare_blob_files=spares)
+    st = ECStore(cfg, model="m", dtype=torch.bfloat16)
+    rows = -(-BIG // (2 * 3584))
+    a, b = (torch.randn(rows, 3584, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in (1, 2))
+    st.put("a", a)
+    st.wait_committed()
+    assert st.disk.files.wait_spare(60) is spares
+    return st, b
+
+
 @pytest.mark.parametrize("setting", [True, False])
 def test_the_store_writer_readies_a_spare_when_idle_and_the_next_put_uses_it(tmp_path, setting):
     """Through ECStore: after a large put is committed the idle writer has
     a spare made (setting ``spare_blob_files``); the next put lands in it
     (its pages cached), reads back equal, and the store checks clean with
     the new spare beside it."""
-    cfg = ECStoreConfig(local_disk=str(tmp_path / "s"), max_local_disk_size=1.0, local_cpu=False,
-                        spare_blob_files=setting)
-    st = ECStore(cfg, model="m", dtype=torch.bfloat16)
-    rows = -(-BIG // (2 * 3584))
-    a, b = (torch.randn(rows, 3584, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in (1, 2))
-    st.put("a", a)
-    st.wait_committed()
+    st, b = store_after_one_large_put(tmp_path, setting)
     files = st.disk.files
-    assert files.wait_spare(60) is setting
     st.put("b", b)
     st.flush()
     ref_names = names(files, ".ecb")
@@ -253,3 +262,45 @@ def test_the_store_writer_readies_a_spare_when_idle_and_the_next_put_uses_it(tmp
     assert audit.clean and audit.checked == 2 and audit.unreferenced_files == []
     st.close()
     assert names(files, ".spare") == []
+
+
+def test_write_parts_fills_a_ready_spare_and_does_nothing_without_one(store):
+    """``write_parts`` (a blob's head, then a tensor's bytes where they lie):
+    the file is the concatenation, the hasher saw it whole and in order;
+    with no spare ready (or too small) it returns None and leaves no file."""
+    files = BlobFiles(store, readonly=False, spare_from=SPARE_FROM)
+    head, body = filled(320, 3), filled(BIG - 320, 4)
+    assert files.write_parts([head, body]) is None  # no large blob written yet: no spare
+    assert names(files, ".ecb") == []
+    with_spare(files)
+    assert files.write_parts([head, filled(BIG + SPARE_ROUND, 5)]) is None  # larger than the spare
+    h = xxhash.xxh3_64()
+    ref = files.write_parts([head, body], hasher=h)
+    assert ref is not None and ref.size == BIG
+    whole = head.tobytes() + body.tobytes()
+    assert read_back(files, ref) == whole and h.intdigest() == xxhash.xxh3_64(whole).intdigest()
+    assert names(files, ".spare") == []  # taken
+    files.close()
+
+
+@pytest.mark.parametrize("spare_ready", [True, False])
+def test_a_handed_over_tensor_is_written_from_where_it_lies_into_a_ready_spare(tmp_path, monkeypatch,
+                                                                                 spare_ready):
+    """``put(copy=False)`` of a large CPU tensor: with a spare ready the
+    writer writes the blob file from the blob's head and the tensor's own
+    bytes, and no copy of the entry is made (``encode_view`` is never
+    called); without one it encodes the tensor first, as before. Either
+    way the entry reads back equal, passes ``verify`` and the store checks
+    clean."""
+    st, b = store_after_one_large_put(tmp_path, spare_ready)
+    encodes = count_encodes(monkeypatch)
+    assert st.put("b", b, copy=False)
+    st.wait_committed()
+    assert encodes == ([] if spare_ready else [tuple(b.shape)])
+    monkeypatch.undo()
+    st.flush()
+    got = st.get("b")
+    assert got is not None and torch.equal(got, b) and st.verify("b")
+    audit = check_store(st.disk)
+    assert audit.clean and audit.checked == 2
+    st.close()
