@@ -357,7 +357,10 @@ class LMDBTier(TierReads):
                 t = p.put.tensor
                 head = codec.blob_head(tuple(t.shape), t.dtype, p.put.identifier, p.model)
                 size = len(head) + p.put.nbytes
-                if self.file_blobs_from is not None and size >= self.file_blobs_from and self.files.spares_from(size):
+                # Written from the tensor's bytes: only where those are its values
+                # (a negative or conjugate view's sign is applied by a copy).
+                if (self.file_blobs_from is not None and size >= self.file_blobs_from
+                        and self.files.spares_from(size) and not (t.is_neg() or t.is_conj())):
                     p.head = head  # written from the tensor where it lies if a spare is ready (_write_file)
                 else:
                     p.put.blob = codec.encode_view(t, identifier=p.put.identifier, model=p.model, pool=POOL,

@@ -670,9 +670,10 @@ def test_an_encode_only_producers_large_save_is_written_from_vllms_tensor(connec
     wm = worker_step(worker, sched.build_connector_meta(empty_output()), {}, {B: second})
     assert encodes == [] and wm is not None and B in wm.saved
     monkeypatch.undo()
-    with open_store(sched) as st:
-        got = st.get(B)
-        assert got is not None and torch.equal(got, second)
+    with open_store(sched) as st:  # A went by the encode with no spare ready yet, B from vLLM's tensor
+        for ident, t in ((A, first), (B, second)):
+            got = st.get(ident)
+            assert got is not None and torch.equal(got, t)
     both, both_worker = connectors("ec_both", {**disk_extra, "max_local_disk_size": 0.1})
     assert not both_worker.worker_side._lends(first)  # its memory tier would keep vLLM's tensor
 

@@ -283,20 +283,26 @@ def test_write_parts_fills_a_ready_spare_and_does_nothing_without_one(store):
     files.close()
 
 
-@pytest.mark.parametrize("spare_ready", [True, False])
-def test_a_handed_over_tensor_is_written_from_where_it_lies_into_a_ready_spare(tmp_path, monkeypatch,
-                                                                                 spare_ready):
+@pytest.mark.parametrize("case", ["spare ready", "larger than the spare", "spares off", "negative view"])
+def test_a_handed_over_tensor_is_written_from_where_it_lies_into_a_ready_spare(tmp_path, monkeypatch, case):
     """``put(copy=False)`` of a large CPU tensor: with a spare ready the
     writer writes the blob file from the blob's head and the tensor's own
     bytes, and no copy of the entry is made (``encode_view`` is never
-    called); without one it encodes the tensor first, as before. Either
-    way the entry reads back equal, passes ``verify`` and the store checks
-    clean."""
-    st, b = store_after_one_large_put(tmp_path, spare_ready)
+    called). With spares on but none that holds it, with spares off, or
+    for a tensor whose bytes are not its values (a negative view: torch
+    applies the sign when it copies) it encodes the tensor first, as
+    before. Either way the entry reads back equal, passes ``verify`` and
+    the store checks clean."""
+    st, b = store_after_one_large_put(tmp_path, case != "spares off")
+    if case == "larger than the spare":
+        b = torch.cat([b, b[: -(-2 * SPARE_ROUND // (2 * 3584))]])
+    elif case == "negative view":
+        b = torch._neg_view(b)
+        assert b.is_neg() and b.is_contiguous()
     encodes = count_encodes(monkeypatch)
     assert st.put("b", b, copy=False)
     st.wait_committed()
-    assert encodes == ([] if spare_ready else [tuple(b.shape)])
+    assert encodes == ([] if case == "spare ready" else [tuple(b.shape)])
     monkeypatch.undo()
     st.flush()
     got = st.get("b")
