@@ -439,7 +439,7 @@ class BlobFiles:
                 fd = self._new_file(name, os.O_WRONLY)
             except OSError as e2:
                 raise _write_error("blob file", path, e2) from None
-        done = 0
+        done = hashed = 0
         try:
             try:
                 if _preallocate is not None and size:
@@ -448,7 +448,7 @@ class BlobFiles:
                         raise OSError(err, os.strerror(err))
                     # any other failure (EOPNOTSUPP...): the writes allocate as they go
                 if direct:
-                    done = self._write_direct(fd, data, direct)
+                    done, hashed = self._write_direct(fd, data, direct, hasher)
                 while done < size:
                     # short writes: once the disk or RLIMIT_FSIZE is reached
                     n = os.write(fd, data[done:done + WRITEBACK_CHUNK])
@@ -463,7 +463,7 @@ class BlobFiles:
             self.discard([name])
             raise _write_error("blob file", path, e) from None
         if hasher is not None:
-            hasher.update(data)
+            hasher.update(data[hashed:])  # the part the direct write did not hash as it went
         return FileRef(name, size)
 
     def write_parts(self, parts: Sequence[Buffer], *, writeback: bool = True,
@@ -616,19 +616,21 @@ class BlobFiles:
             return False
         return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) % DIRECT_ALIGN == 0
 
-    def _write_direct(self, fd: int, data: memoryview, end: int) -> int:
+    def _write_direct(self, fd: int, data: memoryview, end: int, hasher: Hasher | None) -> tuple[int, int]:
         """Write ``data[:end]`` (``end`` a multiple of :data:`DIRECT_ALIGN`)
         through ``fd`` opened with ``O_DIRECT`` (through the handle's
         process's huge-page staging buffers, :mod:`ecstore.lmdb.direct`; straight from
         ``data`` while another thread uses them), then turn ``O_DIRECT`` off
         for the tail. A write the file system refuses (EINVAL: alignment it
         does not take) turns it off at once, for this handle too; the rest
-        is written buffered, as after a short write. Returns the bytes written."""
-        done = 0
+        is written buffered, as after a short write. ``hasher`` is fed what
+        goes through the staging buffers as it goes. Returns the bytes
+        written and the bytes from the start hashed (0 straight from ``data``)."""
+        done = hashed = 0
         try:
-            staged = direct.DIRECT.write(fd, data, end)
+            staged = direct.DIRECT.write(fd, data, end, hasher)
             if staged is not None:
-                done = staged.done
+                done, hashed = staged.done, staged.hashed
                 if staged.error is not None:
                     raise staged.error
                 # short of ``end``: a short write; the rest goes through the page cache
@@ -644,7 +646,7 @@ class BlobFiles:
                 raise
             self._no_direct(e)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        return done
+        return done, hashed
 
     def _no_direct(self, e: OSError) -> None:
         """``O_DIRECT`` refused here: this handle writes buffered from now on."""

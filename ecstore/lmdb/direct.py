@@ -20,9 +20,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ecstore.lmdb.spare import Hasher
 
 #: Bytes copied and written per step.
 CHUNK = 8 << 20
@@ -31,10 +34,13 @@ _HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 class Written(NamedTuple):
     """What :meth:`DirectWriter.write` wrote: ``done`` bytes from the start
-    (contiguous), and the OSError that stopped it, if one did."""
+    (contiguous), the OSError that stopped it, if one did, and ``hashed``:
+    the bytes from the start fed to its hasher (at least ``done``; 0
+    without one)."""
 
     done: int
     error: OSError | None
+    hashed: int = 0
 
 
 class _Run:
@@ -60,13 +66,15 @@ class DirectWriter:
         self._thread: threading.Thread | None = None
         self.writes = 0  # writes made through the buffers
 
-    def write(self, fd: int, data: memoryview, end: int) -> Written | None:
+    def write(self, fd: int, data: memoryview, end: int, hasher: Hasher | None = None) -> Written | None:
         """Write ``data[:end]`` to ``fd`` (opened with ``O_DIRECT``, at its
         current offset; ``end`` a multiple of the file system's block size),
-        chunk by chunk through the staging buffers. Returns once no chunk is
-        in flight; None (nothing written) when another thread is writing
-        through them. A short write stops it (the rest is the caller's); so
-        does an OSError, returned, not raised."""
+        chunk by chunk through the staging buffers; ``hasher`` is fed each
+        chunk once it is staged (in the caches, while the lane writes the
+        one before). Returns once no chunk is in flight; None (nothing
+        written or hashed) when another thread is writing through them. A
+        short write stops it (the rest is the caller's); so does an OSError,
+        returned, not raised."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -79,6 +87,8 @@ class DirectWriter:
                 n = min(CHUNK, end - off)
                 np.copyto(buf[:n], src[off:off + n])  # numpy releases the GIL for the copy
                 self._jobs.put((fd, buf, n, run))
+                if hasher is not None:
+                    hasher.update(buf[:n])  # type: ignore[arg-type]  # ndarray: a buffer
                 off += n
             bufs = [self._free.get(), self._free.get()]  # both back: nothing in flight
             for b in bufs:
@@ -86,7 +96,7 @@ class DirectWriter:
             if run.fatal is not None:
                 raise run.fatal
             self.writes += 1
-            return Written(run.done, run.error)
+            return Written(run.done, run.error, off if hasher is not None else 0)
         finally:
             self._lock.release()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from helpers import fault_fs
 from helpers.blobfiles_parent import read_back
 from helpers.pages import filled, resident_pages
@@ -233,15 +234,19 @@ def test_direct_writes_go_through_the_huge_page_buffers_and_the_file_is_whole(st
 
 def test_a_short_direct_write_in_the_lane_finishes_through_the_page_cache(store, monkeypatch):
     """A write the device takes only partly (the lane's second chunk) stops
-    the staged writes; the rest of the file goes through the page cache."""
+    the staged writes; the rest of the file goes through the page cache.
+    The hasher, fed the staged chunks as they went, still sees the whole
+    blob once, in order."""
     write, calls = second_write_does(lambda real_write, fd, data: real_write(fd, memoryview(data)[:DIRECT_ALIGN]))
     files = BlobFiles(store, readonly=False)
     data = filled(3 * direct.CHUNK + 77, 12)
+    hasher = xxhash.xxh3_64()
     monkeypatch.setattr(blobfiles.os, "write", write)
-    ref = files.write(data)
+    ref = files.write(data, hasher=hasher)
     monkeypatch.undo()
     assert calls[:2] == [direct.CHUNK, direct.CHUNK] and len(calls) >= 3
     assert read_back(files, ref) == data.tobytes()
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
     assert files.direct_from == DIRECT_FROM  # a short write turns nothing off
     files.close()
 

@@ -21,7 +21,7 @@ from helpers.pages import filled, resident_pages
 
 from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import ECStoreError, StoreFullError
-from ecstore.lmdb import blobfiles, spare
+from ecstore.lmdb import blobfiles, direct, spare
 from ecstore.lmdb.blobfiles import SPARE_FROM, SPARE_ROUND, BlobFiles
 from ecstore.lmdb.check import check_store
 
@@ -73,12 +73,12 @@ def test_the_next_large_blob_goes_into_the_spare_whole_and_in_the_page_cache(sto
     files.close()
 
 
-@pytest.mark.parametrize("how", ["spare", "direct", "buffered"])
+@pytest.mark.parametrize("how", ["spare", "direct", "direct, several chunks", "buffered"])
 def test_the_hasher_sees_the_whole_blob_on_every_path(store, how):
     files = BlobFiles(store, readonly=False, direct_from=None if how == "buffered" else blobfiles.DIRECT_FROM)
     if how == "spare":
         with_spare(files)
-    data = filled(BIG, 2)
+    data = filled(2 * direct.CHUNK + 123 if how == "direct, several chunks" else BIG, 2)
     hasher = xxhash.xxh3_64()
     ref = files.write(data, hasher=hasher)
     assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
