@@ -38,9 +38,10 @@ class BatchPut:
     seen_stored: bool = False
     #: The blob's checksum, computed as its file was written (None: not yet).
     checksum: int | None = None
-    #: A handed-over tensor's blob head (``codec.blob_head``), where the tier
-    #: may write its file from the head and the tensor's own bytes (a spare
-    #: file ready) instead of encoding it first: ``put.blob`` stays None then.
+    #: The blob head (``codec.blob_head``) of a put that came without a blob
+    #: (a handed-over tensor), set by the tier. While ``put.blob`` stays None
+    #: the tier writes the file from it and the tensor's own bytes (a spare
+    #: file ready) instead of encoding the tensor first.
     head: bytes | None = None
 
     @property

@@ -230,6 +230,14 @@ def _preparer() -> ThreadPoolExecutor:
     return _threads("ecstore-spare", 1)
 
 
+def _byte_view(blob: Buffer) -> memoryview:
+    """``blob``'s bytes; InvalidEntryError for a buffer that is not C-contiguous."""
+    try:
+        return memoryview(blob).cast("B")
+    except (TypeError, ValueError) as e:
+        raise InvalidEntryError(f"a blob must be a C-contiguous buffer: {e}") from None
+
+
 def _unlink(path: str, *, name: str | None = None, dir_fd: int | None = None) -> bool:
     """Remove ``name`` in directory ``dir_fd`` (else ``path``): True if this
     call removed it; gone already: False; any other error is logged
@@ -415,10 +423,7 @@ class BlobFiles:
         ``hasher`` (an ``xxhash.xxh3_64``) is fed the whole blob, in order:
         with a spare file, each piece while it is in the caches."""
         check_same_process(self._pid, f"blob files of {self.dir}")
-        try:
-            data = memoryview(blob).cast("B")
-        except (TypeError, ValueError) as e:
-            raise InvalidEntryError(f"a blob must be a C-contiguous buffer: {e}") from None
+        data = _byte_view(blob)
         size = len(data)
         spare = self._claim_spare(size)
         name = self._new_name(spare)
@@ -474,10 +479,7 @@ class BlobFiles:
         None, with nothing done, where no spare is ready or large enough (the
         caller encodes the blob and calls :meth:`write`). Errors as :meth:`write`."""
         check_same_process(self._pid, f"blob files of {self.dir}")
-        try:
-            views = [memoryview(part).cast("B") for part in parts]
-        except (TypeError, ValueError) as e:
-            raise InvalidEntryError(f"a blob must be C-contiguous buffers: {e}") from None
+        views = [_byte_view(part) for part in parts]
         spare = self._claim_spare(sum(len(v) for v in views))
         if spare is None:
             return None

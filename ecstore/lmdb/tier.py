@@ -355,16 +355,12 @@ class LMDBTier(TierReads):
         for p in puts:
             if p.put.blob is None:
                 t = p.put.tensor
-                head = codec.blob_head(tuple(t.shape), t.dtype, p.put.identifier, p.model)
-                size = len(head) + p.put.nbytes
-                # Written from the tensor's bytes: only where those are its values
-                # (a negative or conjugate view's sign is applied by a copy).
-                if (self.file_blobs_from is not None and size >= self.file_blobs_from
-                        and self.files.spares_from(size) and not (t.is_neg() or t.is_conj())):
-                    p.head = head  # written from the tensor where it lies if a spare is ready (_write_file)
-                else:
-                    p.put.blob = codec.encode_view(t, identifier=p.put.identifier, model=p.model, pool=POOL,
-                                                   head=head)[0]
+                p.head = codec.blob_head(tuple(t.shape), t.dtype, p.put.identifier, p.model)
+                # Left unencoded where a spare may take it from the tensor's bytes
+                # (_write_file): only where those are its values (a negative or
+                # conjugate view's sign is applied by a copy).
+                if not (self._in_file(p) and self.files.spares_from(p.size) and not (t.is_neg() or t.is_conj())):
+                    self._encode(p)
             if p.size > self.capacity_bytes:
                 p.outcome, p.error = PutOutcome.FAILED, StoreFullError(
                     f"entry of {p.size} bytes exceeds the disk cap of {self.capacity_bytes} bytes")
@@ -436,11 +432,16 @@ class LMDBTier(TierReads):
             data = codec.raw_bytes_view(p.put.tensor)
             p.ref = self.files.write_parts([p.head, data], writeback=sync, hasher=hasher)  # type: ignore[list-item]  # ndarray: a buffer
             if p.ref is None:  # no spare ready: encoded, then written as any blob
-                p.put.blob = codec.encode_view(p.put.tensor, identifier=p.put.identifier, model=p.model,
-                                               pool=POOL, head=p.head)[0]
+                self._encode(p)
         if p.ref is None:
             p.ref = self.files.write(p.encoded, writeback=sync, hasher=hasher)  # type: ignore[arg-type]  # ndarray: a buffer
         p.checksum = hasher.intdigest()
+
+    @staticmethod
+    def _encode(p: BatchPut) -> None:
+        """Encode ``p``'s tensor behind its ``head`` into a blob of the pool (``p.put.blob``)."""
+        p.put.blob = codec.encode_view(p.put.tensor, identifier=p.put.identifier, model=p.model, pool=POOL,
+                                       head=p.head)[0]
 
     def _write_batch(self, todo: list[BatchPut], touches: dict[str, Touch], sync_files: bool = True) -> None:
         """:meth:`write_batch` once the blob files are written: the
