@@ -722,7 +722,6 @@ class BlobFiles:
         logged once per handle and errno); :class:`BlobFileUnavailable` if
         the process or system is out of descriptors or memory (the file may
         be fine: the caller must not take it for damage)."""
-        path = self._path(ref.name)
         try:
             # O_NONBLOCK: a FIFO planted under the name must not block the open
             return os.open(ref.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
@@ -730,6 +729,7 @@ class BlobFiles:
         except FileNotFoundError:
             return None
         except OSError as e:
+            path = self._path(ref.name)
             if e.errno not in self._logged:
                 self._logged.add(e.errno or 0)
                 log.warning("ecstore: cannot open blob file %s: %s (read as a miss)", path, e.strerror or e)

@@ -409,3 +409,18 @@ def test_forked_child_neither_writes_nor_releases_the_parents_token(store):
     files.close()
     assert sweeper.sweep(Referenced(set())) == 1
     sweeper.close()
+
+
+def test_a_blob_file_that_cannot_be_opened_is_logged_once_with_its_path(store, tmp_path, caplog):
+    files = BlobFiles(store, readonly=False)
+    ref = files.write(b"payload")
+    path = Path(files.dir) / ref.name
+    (tmp_path / "target").write_bytes(b"payload")
+    path.unlink()
+    path.symlink_to(tmp_path / "target")  # opened with O_NOFOLLOW: ELOOP, not the target
+    with caplog.at_level("WARNING", logger="ecstore"):
+        assert files.open(ref) is None
+        assert files.open(ref) is None
+    lines = [r.getMessage() for r in caplog.records if "cannot open blob file" in r.getMessage()]
+    assert len(lines) == 1 and str(path) in lines[0]
+    files.close()
