@@ -8,6 +8,7 @@
     python tools/bench_profile.py writer    # background writer: encode / checksum / puts / commit
     python tools/bench_profile.py churn     # failed writes under churn vs the writer's batch size
     python tools/bench_profile.py coldread  # a record read right after a large write (the scheduler's first step)
+    python tools/bench_profile.py pages     # new page-cache pages: buffered writes kept one after another vs O_DIRECT
     python tools/bench_profile.py all
 
 Nothing here changes ecstore's code: the "proposed" variants are simulated
@@ -403,9 +404,83 @@ def cmd_coldread(args) -> None:
         print(f"{label:55s} {statistics.median(xs) * 1e6:8.1f} µs  (n={len(xs)})")
 
 
+def _free_page_reporting() -> str:
+    """Whether a virtio balloon that reports free guest memory to the host
+    (feature bit 5, VIRTIO_BALLOON_F_REPORTING) is bound: "yes", "no" or
+    "no balloon"."""
+    import glob
+
+    for dev in glob.glob("/sys/bus/virtio/devices/*"):
+        try:
+            with open(os.path.join(dev, "device")) as f:
+                if int(f.read(), 16) != 5:  # 5: the memory balloon
+                    continue
+            with open(os.path.join(dev, "features")) as f:
+                bits = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        return "yes" if len(bits) > 5 and bits[5] == "1" else "no"
+    return "no balloon"
+
+
+def cmd_pages(args) -> None:
+    """What new page-cache pages cost (the spare files' fill, a buffered
+    blob write): 34.3 MB files written one after another and kept, each
+    after an ``os.sync()``, into fallocated files through the page cache
+    (``pwrite``, 1 MiB pieces) and with ``BlobFiles.write`` (``O_DIRECT``
+    from aligned memory: no page-cache pages). On a VM whose balloon
+    reports free memory to the host, the buffered writes slow down once
+    the guest's warm free pages are used up; ``O_DIRECT`` does not."""
+    import ctypes
+
+    import numpy as np
+
+    from ecstore.lmdb.blobfiles import DIRECT_ALIGN, BlobFiles
+    from ecstore.pool import new_slab
+
+    count = max(8, 6 * args.reps)
+    nbytes = 4785 * ROW + 320  # a 34.3 MB entry and its header
+    src = new_slab(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)[:nbytes]
+    src[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    view = memoryview(src)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    d = tempfile.mkdtemp(prefix="ecstore-prof-")
+    files = BlobFiles(d, readonly=False)
+    buffered: list[float] = []
+    direct: list[float] = []
+    try:
+        for i in range(count):
+            os.sync()
+            t0 = time.perf_counter()
+            fd = os.open(os.path.join(d, f"buffered-{i}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                if libc.fallocate(fd, 0, 0, nbytes) != 0:
+                    raise OSError(ctypes.get_errno(), "fallocate")
+                off = 0
+                while off < nbytes:
+                    off += os.pwrite(fd, view[off:off + MiB], off)
+            finally:
+                os.close(fd)
+            buffered.append(time.perf_counter() - t0)
+            os.sync()
+            t0 = time.perf_counter()
+            files.write(view)
+            direct.append(time.perf_counter() - t0)
+    finally:
+        files.close()
+        shutil.rmtree(d, ignore_errors=True)
+    third = max(1, count // 3)
+    print(f"free page reporting (virtio balloon): {_free_page_reporting()}")
+    for label, xs in (("buffered pwrite into a fallocated file", buffered), ("BlobFiles.write (O_DIRECT)", direct)):
+        print(f"{label:42s} first {third}: {statistics.median(xs[:third]) * 1e3:7.1f} ms   "
+              f"last {third}: {statistics.median(xs[-third:]) * 1e3:7.1f} ms   "
+              f"[{' '.join(f'{x * 1e3:.0f}' for x in xs)}]")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["alloc", "save", "get", "touch", "writer", "churn", "coldread", "all"])
+    ap.add_argument("what", choices=["alloc", "save", "get", "touch", "writer", "churn", "coldread", "pages", "all"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cap-mib", type=float, default=256)
     ap.add_argument("--batches", type=float, nargs="*", default=[32])
@@ -414,7 +489,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()}")
-    for what in (["alloc", "save", "get", "touch", "writer", "churn", "coldread"] if args.what == "all"
+    for what in (["alloc", "save", "get", "touch", "writer", "churn", "coldread", "pages"] if args.what == "all"
                  else [args.what]):
         globals()[f"cmd_{what}"](args)
         print()
