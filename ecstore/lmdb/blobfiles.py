@@ -203,6 +203,26 @@ def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, *,
         raise _write_error(what, path, e) from None
 
 
+_FADV_DONTNEED: int | None = getattr(os, "POSIX_FADV_DONTNEED", None)
+#: At most this many spare-written names wait for their sync (a batch that
+#: failed never syncs its files: the set is cleared past this).
+UNCACHED_KEPT = 1024
+
+
+def _sync_uncached(fd: int) -> None:
+    """``fdatasync`` ``fd``, then drop its pages from the page cache
+    (``POSIX_FADV_DONTNEED``: clean pages only; a hint, whose failure is
+    ignored). Pages just freed are the ones the kernel hands out next, still
+    backed by the host on a VM whose balloon reports free memory: the next
+    spare's fill takes them instead of new ones (docs/benchmarks.md)."""
+    os.fdatasync(fd)
+    if _FADV_DONTNEED is not None:
+        try:
+            os.posix_fadvise(fd, 0, 0, _FADV_DONTNEED)
+        except OSError:
+            pass
+
+
 #: Threads that sync a batch's blob files together (:meth:`BlobFiles.sync`).
 SYNC_THREADS = 4
 _POOLS: dict[str, ThreadPoolExecutor] = {}  # by thread name; made on first use; a forked child starts without
@@ -270,6 +290,9 @@ class BlobFiles:
         self._spare: SpareFile | None = None
         self._spare_job: Future[None] | None = None
         self._spare_sizes: deque[int] = deque(maxlen=SPARE_SIZES_KEPT)
+        #: Blob files written through a spare and not synced yet: their pages
+        #: leave the page cache once :meth:`sync` made them durable.
+        self._uncached_at_sync: set[str] = set()
         self._policy = FilePolicy(DEFAULT_FILE_MODE if file_mode is None else file_mode)
         self._lock = threading.Lock()
         self._counter = itertools.count()
@@ -513,6 +536,10 @@ class BlobFiles:
             self._unlink_name(spare.name)
             raise _write_error("blob file", self._path(name), e) from None
         self._note_size(size)
+        with self._lock:
+            if len(self._uncached_at_sync) >= UNCACHED_KEPT:  # never synced (a failed batch): forget them
+                self._uncached_at_sync.clear()
+            self._uncached_at_sync.add(name)
         return FileRef(name, size)
 
     def spares_from(self, size: int) -> bool:
@@ -666,16 +693,21 @@ class BlobFiles:
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
         the files). ``missing_ok``: a file already removed (its entry,
-        committed before this call, evicted meanwhile) is skipped."""
+        committed before this call, evicted meanwhile) is skipped. A file
+        written through a spare then leaves the page cache (its clean pages:
+        :func:`_sync_uncached`), as an ``O_DIRECT`` one never enters it."""
         try:
             dir_fd = self._dirfd()
         except OSError as e:
             raise _write_error("the directory", self.dir, e) from None
         todo = list(names)
+        with self._lock:
+            uncache = self._uncached_at_sync.intersection(todo)
+            self._uncached_at_sync.difference_update(uncache)
 
         def one(name: str) -> None:
-            _sync_path(self._path(name), os.O_NOFOLLOW, os.fdatasync, "blob file", name=name, dir_fd=dir_fd,
-                       missing_ok=missing_ok)
+            _sync_path(self._path(name), os.O_NOFOLLOW, _sync_uncached if name in uncache else os.fdatasync,
+                       "blob file", name=name, dir_fd=dir_fd, missing_ok=missing_ok)
         if len(todo) < 2:
             for name in todo:
                 one(name)
@@ -710,6 +742,9 @@ class BlobFiles:
         """Unlink the named blob files; one already gone is no error, any
         other failure is logged (the file is a leftover :meth:`sweep` removes
         once this handle closed). Never raises an OSError."""
+        names = list(names)
+        with self._lock:
+            self._uncached_at_sync.difference_update(names)
         for name in names:
             if _NAME.fullmatch(name):
                 self._unlink_name(name)

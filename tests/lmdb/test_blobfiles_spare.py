@@ -73,6 +73,27 @@ def test_the_next_large_blob_goes_into_the_spare_whole_and_in_the_page_cache(sto
     files.close()
 
 
+def test_a_blob_written_through_a_spare_leaves_the_page_cache_once_synced(store, tmp_path):
+    """Once durable, a spare-written blob's pages are dropped (as an O_DIRECT
+    blob never has any), and it still reads back whole; a small blob
+    written through the page cache keeps its pages. A reader that takes
+    the pages in again keeps them (a second sync drops nothing)."""
+    files = BlobFiles(store, readonly=False)
+    with_spare(files)
+    data = filled(BIG, 5)
+    ref = files.write(data, writeback=False)
+    small = files.write(filled(SPARE_FROM - 1, 6))  # under spare_from: buffered, kept cached
+    path, small_path = os.path.join(files.dir, ref.name), os.path.join(files.dir, small.name)
+    assert resident_pages(path)[0] == resident_pages(path)[1]
+    files.sync([ref.name, small.name])
+    assert resident_pages(path)[0] == 0
+    assert resident_pages(small_path)[0] == resident_pages(small_path)[1]
+    assert read_back(files, ref) == data.tobytes()  # read again from the device, whole
+    files.sync([ref.name])  # synced again: nothing dropped a second time
+    assert resident_pages(path)[0] == resident_pages(path)[1]
+    files.close()
+
+
 @pytest.mark.parametrize("how", ["spare", "direct", "direct, several chunks", "buffered"])
 def test_the_hasher_sees_the_whole_blob_on_every_path(store, how):
     files = BlobFiles(store, readonly=False, direct_from=None if how == "buffered" else blobfiles.DIRECT_FROM)
@@ -245,16 +266,20 @@ def store_after_one_large_put(tmp_path: Path, spares: bool) -> tuple[ECStore, to
 def test_the_store_writer_readies_a_spare_when_idle_and_the_next_put_uses_it(tmp_path, setting):
     """Through ECStore: after a large put is committed the idle writer has
     a spare made (setting ``spare_blob_files``); the next put lands in it
-    (its pages cached), reads back equal, and the store checks clean with
-    the new spare beside it."""
+    (the spare's file becomes its blob file; once flushed, durable, it
+    left the page cache like the first one, written with O_DIRECT), reads
+    back equal, and the store checks clean with the new spare beside it."""
     st, b = store_after_one_large_put(tmp_path, setting)
     files = st.disk.files
+    spares = [os.stat(os.path.join(files.dir, n)).st_ino for n in names(files, ".spare")]
+    assert len(spares) == (1 if setting else 0)
     st.put("b", b)
     st.flush()
     ref_names = names(files, ".ecb")
     assert len(ref_names) == 2
-    cached = [resident_pages(os.path.join(files.dir, n)) for n in ref_names]  # before any read
-    assert sum(c == p for c, p in cached) == (1 if setting else 0)  # "a" went past the page cache
+    assert sum(os.stat(os.path.join(files.dir, n)).st_ino in spares for n in ref_names) == len(spares)
+    # Before any read: at most the page of an O_DIRECT write's unaligned tail (written buffered).
+    assert all(resident_pages(os.path.join(files.dir, n))[0] <= 1 for n in ref_names)
     got = st.get("b")
     assert got is not None and torch.equal(got, b)
     assert files.wait_spare(60) is setting  # one more for the put after
