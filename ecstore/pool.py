@@ -12,6 +12,7 @@ docs/architecture.md#pooled-memory.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
@@ -89,8 +90,9 @@ class BufferPool:
         self.fresh = 0  # requests that allocated a new slab
         self.prefaulted = 0  # spare slabs faulted in by the background thread
         self._wanted: set[int] = set()  # classes queued for prefault
-        self._jobs: queue.SimpleQueue[tuple[int, Layout | None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, Layout | None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._stopped = False  # see stop_thread: no prefault from then on
         #: Per size class, at most one slab made ready by the pool thread for a
         #: :meth:`typed_buffer` request of one layout: (layout, buffer, tensor).
         #: Counted in ``_idle``; its buffer is registered in ``_live``.
@@ -206,7 +208,7 @@ class BufferPool:
         cls = size_class(nbytes)
         want = None if layout is None else (nbytes, layout[0], layout[1], tuple(layout[2]))
         with self._lock:
-            if cls in self._wanted:
+            if cls in self._wanted or self._stopped:
                 return
             ready = self._ready.get(cls)
             if want is None or (ready is not None and ready[0] == want):
@@ -218,9 +220,26 @@ class BufferPool:
                 self._thread.start()
         self._jobs.put((cls, want))
 
+    def stop_thread(self, timeout_s: float = 30.0) -> None:
+        """Let a prefault in progress finish, then end the pool's thread; no
+        prefault from then on. At the interpreter's exit (``atexit``, before
+        finalization): a daemon thread that comes back from torch (GIL
+        released) during finalization is ended with ``pthread_exit``, which
+        aborts the process as it unwinds through C++ frames ("terminate
+        called without an active exception")."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stopped = True
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout_s)
+
     def _prefault_loop(self) -> None:
         while True:
-            cls, want = self._jobs.get()
+            job = self._jobs.get()
+            if job is None or self._stopped:
+                return
+            cls, want = job
             try:
                 self._prefault(cls, want)
             finally:
@@ -337,3 +356,4 @@ def _tensor_over(buf: np.ndarray, offset: int, dtype: torch.dtype, shape: tuple[
 #: and new blobs are built in it (``codec.encode``).
 POOL = BufferPool()
 os.register_at_fork(after_in_child=POOL._reset)
+atexit.register(POOL.stop_thread)

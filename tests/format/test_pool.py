@@ -406,3 +406,34 @@ def test_anything_made_over_a_buffer_keeps_its_slab() -> None:
             o[:] = 0
         kept_bytes = kept.numpy() if isinstance(kept, torch.Tensor) else kept
         assert (kept_bytes.view(np.uint8) == 7).all(), f"{name}: the slab was handed out again under it"
+
+
+_EXIT_DURING_A_PREFAULT = """
+import sys, threading
+import ecstore.pool as pool
+started = threading.Event()
+make = pool.new_slab
+def new_slab(cls, **kw):
+    slab = make(cls, **kw)
+    started.set()  # the pool thread now faults it in, inside torch with the GIL released
+    return slab
+pool.new_slab = new_slab
+pool.POOL.keep_at_least(2 << 30)
+pool.POOL.prefault_soon(1 << 30)
+assert started.wait(60)
+print("exiting", flush=True)
+"""
+
+
+def test_the_process_exits_cleanly_while_the_pool_thread_faults_a_slab_in() -> None:
+    """A process that ends while the pool's thread is inside torch faulting
+    a slab in exits normally. It used to abort ("terminate called without
+    an active exception", SIGABRT): the interpreter ended that daemon
+    thread, as it came back from torch during finalization, with
+    ``pthread_exit``, which unwinds through torch's C++ frames."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_PREFAULT], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout == "exiting\n", (proc.returncode, proc.stdout, proc.stderr)
