@@ -404,25 +404,6 @@ def cmd_coldread(args) -> None:
         print(f"{label:55s} {statistics.median(xs) * 1e6:8.1f} µs  (n={len(xs)})")
 
 
-def _free_page_reporting() -> str:
-    """Whether a virtio balloon that reports free guest memory to the host
-    (feature bit 5, VIRTIO_BALLOON_F_REPORTING) is bound: "yes", "no" or
-    "no balloon"."""
-    import glob
-
-    for dev in glob.glob("/sys/bus/virtio/devices/*"):
-        try:
-            with open(os.path.join(dev, "device")) as f:
-                if int(f.read(), 16) != 5:  # 5: the memory balloon
-                    continue
-            with open(os.path.join(dev, "features")) as f:
-                bits = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        return "yes" if len(bits) > 5 and bits[5] == "1" else "no"
-    return "no balloon"
-
-
 def cmd_pages(args) -> None:
     """What new page-cache pages cost (the spare files' fill, a buffered
     blob write): 34.3 MB files written one after another and kept, each
@@ -436,6 +417,7 @@ def cmd_pages(args) -> None:
     import numpy as np
 
     from ecstore.lmdb.blobfiles import DIRECT_ALIGN, BlobFiles
+    from ecstore.lmdb.spare import free_page_reporting
     from ecstore.pool import new_slab
 
     count = max(8, 6 * args.reps)
@@ -471,7 +453,7 @@ def cmd_pages(args) -> None:
         files.close()
         shutil.rmtree(d, ignore_errors=True)
     third = max(1, count // 3)
-    print(f"free page reporting (virtio balloon): {_free_page_reporting()}")
+    print(f"free page reporting (virtio balloon): {'yes' if free_page_reporting() else 'no'}")
     for label, xs in (("buffered pwrite into a fallocated file", buffered), ("BlobFiles.write (O_DIRECT)", direct)):
         print(f"{label:42s} first {third}: {statistics.median(xs[:third]) * 1e3:7.1f} ms   "
               f"last {third}: {statistics.median(xs[-third:]) * 1e3:7.1f} ms   "

@@ -43,6 +43,7 @@ from ecstore.errors import (
     check_same_process,
 )
 from ecstore.lmdb import direct
+from ecstore.lmdb import spare as spare_mod
 from ecstore.lmdb.spare import AVAILABLE as _SPARES_AVAILABLE
 from ecstore.lmdb.spare import Hasher, SpareFile
 from ecstore.lmdb.store_files import DEFAULT_FILE_MODE, FilePolicy
@@ -290,8 +291,9 @@ class BlobFiles:
         self._spare: SpareFile | None = None
         self._spare_job: Future[None] | None = None
         self._spare_sizes: deque[int] = deque(maxlen=SPARE_SIZES_KEPT)
-        #: Blob files written through a spare and not synced yet: their pages
-        #: leave the page cache once :meth:`sync` made them durable.
+        #: Blob files written through a spare and not synced yet, where new
+        #: pages are dear (:data:`~ecstore.lmdb.spare.NEW_PAGES_DEAR`): their
+        #: pages leave the page cache once :meth:`sync` made them durable.
         self._uncached_at_sync: set[str] = set()
         self._policy = FilePolicy(DEFAULT_FILE_MODE if file_mode is None else file_mode)
         self._lock = threading.Lock()
@@ -536,10 +538,11 @@ class BlobFiles:
             self._unlink_name(spare.name)
             raise _write_error("blob file", self._path(name), e) from None
         self._note_size(size)
-        with self._lock:
-            if len(self._uncached_at_sync) >= UNCACHED_KEPT:  # never synced (a failed batch): forget them
-                self._uncached_at_sync.clear()
-            self._uncached_at_sync.add(name)
+        if spare_mod.NEW_PAGES_DEAR:
+            with self._lock:
+                if len(self._uncached_at_sync) >= UNCACHED_KEPT:  # never synced (a failed batch): forget them
+                    self._uncached_at_sync.clear()
+                self._uncached_at_sync.add(name)
         return FileRef(name, size)
 
     def spares_from(self, size: int) -> bool:
@@ -693,7 +696,8 @@ class BlobFiles:
         One call per batch: the writeback :meth:`write` started runs for all
         of them meanwhile. StoreFullError on an OS error (the caller discards
         the files). ``missing_ok``: a file already removed (its entry,
-        committed before this call, evicted meanwhile) is skipped. A file
+        committed before this call, evicted meanwhile) is skipped. Where new
+        pages are dear (a VM that reports free memory to its host), a file
         written through a spare then leaves the page cache (its clean pages:
         :func:`_sync_uncached`), as an ``O_DIRECT`` one never enters it."""
         try:

@@ -73,11 +73,13 @@ def test_the_next_large_blob_goes_into_the_spare_whole_and_in_the_page_cache(sto
     files.close()
 
 
-def test_a_blob_written_through_a_spare_leaves_the_page_cache_once_synced(store, tmp_path):
-    """Once durable, a spare-written blob's pages are dropped (as an O_DIRECT
-    blob never has any), and it still reads back whole; a small blob
-    written through the page cache keeps its pages. A reader that takes
-    the pages in again keeps them (a second sync drops nothing)."""
+def test_where_new_pages_are_dear_a_spare_written_blob_leaves_the_page_cache_once_synced(store, monkeypatch):
+    """On a VM that reports free memory to its host, a spare-written blob's
+    pages are dropped once it is durable (as an O_DIRECT blob never has
+    any), and it still reads back whole; a small blob written through the
+    page cache keeps its pages. A reader that takes the pages in again
+    keeps them (a second sync drops nothing)."""
+    monkeypatch.setattr(spare, "NEW_PAGES_DEAR", True)
     files = BlobFiles(store, readonly=False)
     with_spare(files)
     data = filled(BIG, 5)
@@ -92,6 +94,36 @@ def test_a_blob_written_through_a_spare_leaves_the_page_cache_once_synced(store,
     files.sync([ref.name])  # synced again: nothing dropped a second time
     assert resident_pages(path)[0] == resident_pages(path)[1]
     files.close()
+
+
+def test_elsewhere_a_spare_written_blob_stays_in_the_page_cache(store, monkeypatch):
+    """Where new pages are cheap, a blob written through a spare keeps its
+    pages after its sync: a consumer on the same machine reads it from memory."""
+    monkeypatch.setattr(spare, "NEW_PAGES_DEAR", False)
+    files = BlobFiles(store, readonly=False)
+    with_spare(files)
+    ref = files.write(filled(BIG, 7), writeback=False)
+    files.sync([ref.name])
+    cached, pages = resident_pages(os.path.join(files.dir, ref.name))
+    assert cached == pages
+    files.close()
+
+
+def _balloon(root: Path, name: str, device: str, features: str) -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "device").write_text(device + "\n")
+    (root / name / "features").write_text(features + "\n")
+
+
+def test_free_page_reporting_is_read_from_the_balloons_feature_bits(tmp_path):
+    """Feature bit 5 of virtio device 5 (the memory balloon); another device
+    with that bit, a balloon without it, or no virtio devices: no."""
+    assert spare.free_page_reporting(str(tmp_path / "none")) is False
+    _balloon(tmp_path / "a", "virtio0", "0x0002", "0000010000")  # a block device
+    _balloon(tmp_path / "a", "virtio1", "0x0005", "0110000000")  # stats, deflate on OOM
+    assert spare.free_page_reporting(str(tmp_path / "a")) is False
+    _balloon(tmp_path / "a", "virtio2", "0x0005", "0110010100")  # + reporting
+    assert spare.free_page_reporting(str(tmp_path / "a")) is True
 
 
 @pytest.mark.parametrize("how", ["spare", "direct", "direct, several chunks", "buffered"])
@@ -263,14 +295,16 @@ def store_after_one_large_put(tmp_path: Path, spares: bool) -> tuple[ECStore, to
 
 
 @pytest.mark.parametrize("setting", [True, False])
-def test_the_store_writer_readies_a_spare_when_idle_and_the_next_put_uses_it(tmp_path, setting):
+def test_the_store_writer_readies_a_spare_when_idle_and_the_next_put_uses_it(tmp_path, setting, monkeypatch):
     """Through ECStore: after a large put is committed the idle writer has
     a spare made (setting ``spare_blob_files``); the next put lands in it
     (the spare's file becomes its blob file; once flushed, durable, it
-    left the page cache like the first one, written with O_DIRECT), reads
+    left the page cache, where new pages are dear, like the first one,
+    written with O_DIRECT), reads
     back equal, and the store checks clean with the new spare beside it."""
     st, b = store_after_one_large_put(tmp_path, setting)
     files = st.disk.files
+    monkeypatch.setattr(spare, "NEW_PAGES_DEAR", True)  # as on the benchmark VM
     spares = [os.stat(os.path.join(files.dir, n)).st_ino for n in names(files, ".spare")]
     assert len(spares) == (1 if setting else 0)
     st.put("b", b)
