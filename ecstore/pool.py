@@ -230,6 +230,8 @@ class BufferPool:
         with self._lock:
             thread, self._thread = self._thread, None
             self._stopped = True
+            self._wanted.clear()  # jobs not run now: nobody waits for them (wait_prefaulted)
+            self._done.notify_all()
         if thread is not None:
             self._jobs.put(None)
             thread.join(timeout_s)

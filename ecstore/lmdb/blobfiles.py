@@ -204,7 +204,7 @@ def _sync_path(path: str, flags: int, sync: Callable[[int], None], what: str, *,
         raise _write_error(what, path, e) from None
 
 
-_FADV_DONTNEED: int | None = getattr(os, "POSIX_FADV_DONTNEED", None)
+_FADV_DONTNEED: int | None = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 #: At most this many spare-written names wait for their sync (a batch that
 #: failed never syncs its files: the set is cleared past this).
 UNCACHED_KEPT = 1024
@@ -397,6 +397,7 @@ class BlobFiles:
         fd, self._lock_fd = self._lock_fd, None
         self._lock = threading.Lock()  # a lock held at fork time is never released in the child
         spare, self._spare, self._spare_job = self._spare, None, None  # the parent's file: closed, not removed
+        self._uncached_at_sync = set()  # the parent's files: its own to sync
         if spare is not None:
             spare.close()
         if fd is not None:

@@ -437,3 +437,34 @@ def test_the_process_exits_cleanly_while_the_pool_thread_faults_a_slab_in() -> N
     proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_PREFAULT], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout == "exiting\n", (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_after_stop_thread_no_prefault_is_waited_for_or_started(monkeypatch) -> None:
+    """stop_thread (the pool's end at exit) lets the prefault in progress
+    finish, drops the queued ones, and nobody waiting for prefaults is
+    left waiting; a prefault asked for afterwards starts nothing."""
+    import ecstore.pool as pool_mod
+
+    release, entered = threading.Event(), threading.Event()
+    make = pool_mod.new_slab
+
+    def slow_slab(cls: int, **kw):  # the first prefault blocks until released
+        entered.set()
+        assert release.wait(60)
+        return make(cls, **kw)
+
+    monkeypatch.setattr(pool_mod, "new_slab", slow_slab)
+    pool = BufferPool(idle_bytes=64 << 20)
+    pool.prefault_soon(1 << 20)
+    assert entered.wait(60)
+    pool.prefault_soon(4 << 20)  # queued behind it
+    thread = pool._thread
+    assert thread is not None
+    pool.stop_thread(timeout_s=0)  # the first still runs
+    release.set()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert pool.wait_prefaulted(5)
+    assert pool.prefaulted == 1  # the one in progress, not the queued one
+    pool.prefault_soon(8 << 20)
+    assert pool._thread is None and pool.wait_prefaulted(0)
