@@ -412,11 +412,9 @@ def cmd_pages(args) -> None:
     from aligned memory: no page-cache pages). On a VM whose balloon
     reports free memory to the host, the buffered writes slow down once
     the guest's warm free pages are used up; ``O_DIRECT`` does not."""
-    import ctypes
-
     import numpy as np
 
-    from ecstore.lmdb.blobfiles import DIRECT_ALIGN, BlobFiles
+    from ecstore.lmdb.blobfiles import DIRECT_ALIGN, BlobFiles, _preallocate
     from ecstore.lmdb.spare import free_page_reporting
     from ecstore.pool import new_slab
 
@@ -425,8 +423,8 @@ def cmd_pages(args) -> None:
     src = new_slab(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)[:nbytes]
     src[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     view = memoryview(src)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if _preallocate is None:
+        raise SystemExit("pages: needs fallocate (Linux)")
     d = tempfile.mkdtemp(prefix="ecstore-prof-")
     files = BlobFiles(d, readonly=False)
     buffered: list[float] = []
@@ -437,8 +435,9 @@ def cmd_pages(args) -> None:
             t0 = time.perf_counter()
             fd = os.open(os.path.join(d, f"buffered-{i}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                if libc.fallocate(fd, 0, 0, nbytes) != 0:
-                    raise OSError(ctypes.get_errno(), "fallocate")
+                err = _preallocate(fd, nbytes)  # as BlobFiles.write allocates a new file's blocks
+                if err:
+                    raise OSError(err, os.strerror(err))
                 off = 0
                 while off < nbytes:
                     off += os.pwrite(fd, view[off:off + MiB], off)
@@ -460,9 +459,13 @@ def cmd_pages(args) -> None:
               f"[{' '.join(f'{x * 1e3:.0f}' for x in xs)}]")
 
 
+#: The breakdowns, in the order ``all`` runs them (each is ``cmd_<name>``).
+COMMANDS = ["alloc", "save", "get", "touch", "writer", "churn", "coldread", "pages"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["alloc", "save", "get", "touch", "writer", "churn", "coldread", "pages", "all"])
+    ap.add_argument("what", choices=[*COMMANDS, "all"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cap-mib", type=float, default=256)
     ap.add_argument("--batches", type=float, nargs="*", default=[32])
@@ -471,8 +474,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()}")
-    for what in (["alloc", "save", "get", "touch", "writer", "churn", "coldread", "pages"] if args.what == "all"
-                 else [args.what]):
+    for what in (COMMANDS if args.what == "all" else [args.what]):
         globals()[f"cmd_{what}"](args)
         print()
     print(f"load average {os.getloadavg()}")
