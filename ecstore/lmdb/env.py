@@ -230,32 +230,40 @@ def _open_env(path: str, map_size: int, readonly: bool, create: bool, policy: Fi
         check_file_types(path)
     else:
         check_writable_location(path, policy, explicit_mode=explicit_mode)  # types too
-    if not os.path.exists(data):
+    fresh = not os.path.exists(data)
+    if fresh:
         if not create or readonly:
             if not os.path.exists(path):
                 raise StoreOpenError(f"{path}: no such directory")
             raise StoreOpenError(f"{path} is not an ecstore store (no data.mdb)")
         if os.path.isdir(path):
             try:
-                others = sorted(n for n in os.listdir(path) if n not in _FOREIGN_OK and not n.startswith("."))
+                names = os.listdir(path)
             except OSError as e:
                 raise StoreOpenError(f"cannot read store directory {path}: {e.strerror}") from None
-            if others:
+            # data.mdb listed now: another process created the store since the
+            # check above (two workers starting together); open it as theirs.
+            # Every other store file appears only after data.mdb.
+            fresh = "data.mdb" not in names
+            others = sorted(n for n in names if n not in _FOREIGN_OK and not n.startswith("."))
+            if fresh and others:
                 shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
                 raise StoreOpenError(
                     f"{path} is not an ecstore store (no data.mdb) and is not empty ({shown}); "
                     f"point local_disk at a new or empty directory")
-        try:
-            create_store_dir(path, policy)
-        except OSError as e:
-            raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
-    elif os.path.isdir(data):
-        raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")
-    elif os.path.getsize(data) > 0:
-        _check_data_file(data)
-        # A map no larger than the file leaves no page for a write: not even
-        # the eviction that brings a store reopened with a smaller cap under it.
-        map_size = max(map_size, os.path.getsize(data) + MAP_HEADROOM_BYTES)
+        if fresh:
+            try:
+                create_store_dir(path, policy)
+            except OSError as e:
+                raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
+    if not fresh:
+        if os.path.isdir(data):
+            raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")
+        if os.path.getsize(data) > 0:
+            _check_data_file(data)
+            # A map no larger than the file leaves no page for a write: not even
+            # the eviction that brings a store reopened with a smaller cap under it.
+            map_size = max(map_size, os.path.getsize(data) + MAP_HEADROOM_BYTES)
     # A reader without write access to lock.mdb (another user) reads without
     # LMDB's reader table: it cannot register there; see docs/security.md.
     lock = not (readonly and readonly_needs_nolock(path))

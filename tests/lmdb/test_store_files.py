@@ -346,6 +346,52 @@ def test_size_check_does_not_mistake_a_file_growing_meanwhile_for_a_truncated_on
     assert real_os.path.getsize(path) > 4 << 20  # the other process did grow it
 
 
+_CREATE = f"""
+import sys, torch
+from ecstore import ECStore, ECStoreConfig
+cfg = ECStoreConfig(local_cpu=False, local_disk=sys.argv[1], max_local_disk_size=0.01)
+with ECStore(cfg, model={MODEL!r}, dtype=torch.float16) as s:
+    s.put("theirs", torch.ones(4, 8, dtype=torch.float16))
+    s.flush()
+"""
+
+
+def test_a_store_another_process_creates_meanwhile_is_opened_not_refused(tmp_path, monkeypatch):
+    """Two workers started together on one new local_disk: one saw no
+    data.mdb, then listed the directory after the other had created the store
+    there, and refused it as a foreign non-empty directory ("not an ecstore
+    store (no data.mdb) and is not empty (data.mdb)": a CI failure of
+    test_two_processes_write_and_read_one_store). Here a real second process
+    creates the store right before this one lists the directory; this one now
+    opens that store and sees its entry."""
+    from ecstore.lmdb import env as envmod
+
+    store = tmp_path / "store"
+    store.mkdir()
+    real_os = envmod.os
+    created = []
+
+    class OsWhileAnotherCreates:
+        def __getattr__(self, name: str):
+            return getattr(real_os, name)
+
+        def listdir(self, path: str):
+            if not created:
+                created.append(path)
+                subprocess.run([sys.executable, "-c", _CREATE, path], check=True, timeout=120)
+            return real_os.listdir(path)
+
+    monkeypatch.setattr(envmod, "os", OsWhileAnotherCreates())
+    with ECStore(cfg_for(store), model=MODEL, dtype=torch.float16) as s:
+        assert created == [str(store)]  # the window was taken
+        assert torch.equal(s.get("theirs"), torch.ones(4, 8, dtype=torch.float16))
+        s.put("mine", torch.zeros(2, 8, dtype=torch.float16))
+        s.flush()
+    monkeypatch.undo()
+    with ECStore(cfg_for(store), model=MODEL, dtype=torch.float16) as s:
+        assert s.contains("mine") and s.contains("theirs")
+
+
 def test_leases_another_process_left_are_pruned_by_this_ones_next_leases(tmp_path: Path) -> None:
     # This process counts the lease table only now and then (LEASE_COUNT_EVERY):
     # keys another process added are still seen, and pruned, within that many
