@@ -717,10 +717,21 @@ class BlobFiles:
             for name in todo:
                 one(name)
         else:
-            errors = [f.exception() for f in [_syncers().submit(one, name) for name in todo]]
+            jobs: list[Future[None]] = []
+            for i, name in enumerate(todo):
+                try:
+                    jobs.append(_syncers().submit(one, name))
+                except RuntimeError:  # the interpreter is exiting (a close at exit): this thread syncs the rest
+                    rest = todo[i:]
+                    break
+            else:
+                rest = []
+            errors = [f.exception() for f in jobs]
             for err in errors:
                 if err is not None:
                     raise err
+            for name in rest:
+                one(name)
         self.sync_store_dir()
         try:
             os.fsync(dir_fd)

@@ -45,6 +45,7 @@ from ecstore.lmdb.blobfiles import DIRECT_FROM, SPARE_FROM
 from ecstore.lmdb.leases import PIN_ABSENT, Pin, PinAnswer
 from ecstore.memory import MemoryTier
 from ecstore.pool import POOL
+from ecstore.store import left_open
 from ecstore.store.calls import CallGate
 from ecstore.store.put_path import PutPath
 from ecstore.store.read_path import ReadPath
@@ -120,7 +121,9 @@ class ECStore:
         chunk_hasher: override the 64-bit identifier hash (tests force
             collisions with it); must return 16 lower-case hex digits.
 
-    Use as a context manager, or call :meth:`close` (which flushes).
+    Use as a context manager, or call :meth:`close` (which flushes); a
+    handle still open when the interpreter exits is closed then
+    (:mod:`ecstore.store.left_open`).
     """
 
     def __init__(self, config: ECStoreConfig, *, model: str, dtype: torch.dtype,
@@ -187,6 +190,8 @@ class ECStore:
             except BaseException:
                 self.close()
                 raise
+        if tiers.writer is not None or tiers.remote is not None:
+            left_open.track(self)  # closed at exit if the caller does not (pending puts written)
 
     # ------------------------------------------------------------------ tiers
     # Read-only views of the tiers, for the handle's own methods and for tests
@@ -456,6 +461,7 @@ class ECStore:
 
     def _teardown(self) -> None:
         """Flush and release the tiers: :meth:`close`, once, with no call running."""
+        left_open.forget(self)
         self._tiers.close()
 
     # ----------------------------------------------------------------- leases

@@ -145,6 +145,29 @@ def test_a_batch_syncs_on_the_sync_threads_and_reports_a_missing_file(store, mon
     files.close()
 
 
+_SYNC_AT_EXIT = """
+import atexit, sys
+from ecstore.lmdb.blobfiles import BlobFiles
+files = BlobFiles(sys.argv[1], readonly=False)
+names = [files.write(bytes([i]) * (3 << 20)).name for i in range(3)]
+files.sync(names[:2])  # the sync threads run
+def at_exit():
+    files.sync(names)
+    print("synced", flush=True)
+atexit.register(at_exit)  # as a store closed at exit does it
+"""
+
+
+def test_a_batch_synced_at_interpreter_exit_is_synced_in_the_calling_thread(store):
+    """At exit (``atexit``: a store closed there, by the connector's shutdown
+    or :mod:`ecstore.store.left_open`) the process's thread pools refuse work:
+    a batch of blob files failed ("cannot schedule new futures after
+    shutdown", every entry of the last batch logged as not made durable).
+    The calling thread now syncs what the pool refused."""
+    r = subprocess.run([sys.executable, "-c", _SYNC_AT_EXIT, store], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "synced\n", "")
+
+
 def test_a_forked_child_syncs_a_batch_on_threads_of_its_own(store):
     """The parent's sync threads do not exist in a child forked after them:
     the child makes its own (without that, its first batch waited forever

@@ -236,6 +236,45 @@ def test_flushed_entries_survive_a_process_that_dies(tmp_store_dir, children):
         assert store.contains("after")
 
 
+_LEFT_OPEN = f"""
+import sys, torch
+from ecstore import ECStore, ECStoreConfig
+cfg = ECStoreConfig(local_cpu=False, local_disk=sys.argv[1], max_local_disk_size=1)
+store = ECStore(cfg, model={MODEL!r}, dtype=torch.bfloat16)
+for i in range(12):  # small entries inline in LMDB, large ones as blob files
+    store.put(f"left-{{i}}", torch.full((4 if i % 2 else 1024, 2048), float(i), dtype=torch.bfloat16))
+print("put", flush=True)
+"""
+
+
+def test_a_handle_left_open_at_exit_is_closed_and_loses_nothing(tmp_store_dir):
+    """A script that puts and exits without ``close``: its pending puts died
+    with the writer (a daemon thread; a single put was lost every time).
+    The handle is now closed at exit (ecstore.store.left_open), as close
+    would: every entry written and durable, nothing logged."""
+    r = subprocess.run([sys.executable, "-c", _LEFT_OPEN, str(tmp_store_dir)], capture_output=True, text=True,
+                       timeout=300)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "put\n", "")
+    with open_store(tmp_store_dir, 1 << 30) as store:
+        for i in range(12):
+            want = torch.full((4 if i % 2 else 1024, 2048), float(i), dtype=torch.bfloat16)
+            assert store.verify(f"left-{i}")
+            assert_same(store.get(f"left-{i}"), want)
+
+
+def test_only_handles_with_a_background_writer_wait_for_exit_and_close_forgets_them(tmp_store_dir):
+    from ecstore.store import left_open
+
+    before = left_open.tracked()
+    memory_only = ECStore(ECStoreConfig(local_cpu=True, local_disk=None), model=MODEL, dtype=torch.bfloat16)
+    assert left_open.tracked() == before  # nothing pending at exit: not held
+    disk = open_store(tmp_store_dir, 1 << 20)
+    assert left_open.tracked() == before + 1
+    disk.close()
+    memory_only.close()
+    assert left_open.tracked() == before  # closed: not held until exit
+
+
 @pytest.mark.parametrize("roomy", [True, False], ids=["all-fit", "evicting"])
 def test_two_processes_write_and_read_one_store(tmp_store_dir, children, roomy):
     own = {name: [f"{name}-{i:02d}" for i in range(10)] for name in ("a", "b")}
@@ -421,3 +460,22 @@ def test_flush_syncs_the_file_of_an_entry_a_skipped_put_found_unsynced(tmp_store
         assert set(synced) == files, "flush() returned without syncing the producer's file"
         assert store.stats().sync_errors == 0
     producer.kill()
+
+
+def test_the_exit_does_not_wait_forever_for_a_handle_that_cannot_close(caplog):
+    """A handle whose close never returns (a call of another thread stuck)
+    must not hang the process's exit: left_open gives up after its bound."""
+    from ecstore.store import left_open
+
+    release = threading.Event()
+
+    class Stuck:
+        def close(self) -> None:
+            release.wait()
+    try:
+        with caplog.at_level("ERROR", logger="ecstore"):
+            assert left_open.close_handles([Stuck()], timeout=0.2) is False
+        assert "did not close within" in caplog.text
+    finally:
+        release.set()
+    assert left_open.close_handles([], timeout=0.2) is True
