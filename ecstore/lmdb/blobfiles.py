@@ -246,6 +246,51 @@ def _syncers() -> ThreadPoolExecutor:
     return _threads("ecstore-fsync", SYNC_THREADS)
 
 
+def _each_on_syncers(fn: Callable[[str], None], names: list[str]) -> None:
+    """``fn(name)`` for each of ``names`` on the sync threads, every one
+    finished before it returns, then the first error raised. What the pool
+    refuses (the interpreter is exiting: a store closed at exit) runs in this
+    thread; a name the pool took although it refused it (a thread that could
+    not start after the job was queued) still runs once."""
+    lock = threading.Lock()
+    runs: dict[str, threading.Event] = {}
+
+    def once(name: str) -> None:
+        with lock:
+            ran = runs.get(name)
+            if ran is None:
+                ran = runs[name] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            ran.wait()  # the other run of this name syncs it
+            return
+        try:
+            fn(name)
+        finally:
+            ran.set()
+
+    jobs: list[Future[None]] = []
+    rest: list[str] = []
+    for i, name in enumerate(names):
+        try:
+            jobs.append(_syncers().submit(once, name))
+        except RuntimeError:
+            rest = names[i:]
+            break
+    errors: list[BaseException | None] = []
+    for name in rest:
+        try:
+            once(name)
+        except Exception as e:  # noqa: BLE001 - raised below, once every job finished
+            errors.append(e)
+    errors[:0] = [f.exception() for f in jobs]
+    for err in errors:
+        if err is not None:
+            raise err
+
+
 def _preparer() -> ThreadPoolExecutor:
     """The process's one thread that makes every handle's spare files (``ecstore-spare``)."""
     return _threads("ecstore-spare", 1)
@@ -717,21 +762,7 @@ class BlobFiles:
             for name in todo:
                 one(name)
         else:
-            jobs: list[Future[None]] = []
-            for i, name in enumerate(todo):
-                try:
-                    jobs.append(_syncers().submit(one, name))
-                except RuntimeError:  # the interpreter is exiting (a close at exit): this thread syncs the rest
-                    rest = todo[i:]
-                    break
-            else:
-                rest = []
-            errors = [f.exception() for f in jobs]
-            for err in errors:
-                if err is not None:
-                    raise err
-            for name in rest:
-                one(name)
+            _each_on_syncers(one, todo)
         self.sync_store_dir()
         try:
             os.fsync(dir_fd)

@@ -256,6 +256,9 @@ def _open_env(path: str, map_size: int, readonly: bool, create: bool, policy: Fi
                 create_store_dir(path, policy)
             except OSError as e:
                 raise StoreOpenError(f"cannot create store directory {path}: {e.strerror}") from None
+        # Checked again: since the check above another process may have made
+        # the directory (create_store_dir leaves it alone) or the store files.
+        check_writable_location(path, policy, explicit_mode=explicit_mode)
     if not fresh:
         if os.path.isdir(data):
             raise StoreOpenError(f"{path} is not an ecstore store ({data} is a directory)")

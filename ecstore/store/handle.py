@@ -149,6 +149,7 @@ class ECStore:
         if not isinstance(config, ECStoreConfig):
             raise ECStoreError(f"config must be an ECStoreConfig, got {type(config).__name__}")
         self._calls = CallGate()  # the running calls close() waits for
+        self._exit_token: int | None = None  # ecstore.store.left_open's, once the tiers are open
         self._pid = os.getpid()
         self.config = config
         self.model = check_model(model)
@@ -190,8 +191,9 @@ class ECStore:
             except BaseException:
                 self.close()
                 raise
-        if tiers.writer is not None or tiers.remote is not None:
-            left_open.track(self)  # closed at exit if the caller does not (pending puts written)
+        if tiers.writer is not None or tiers.remote is not None:  # closed at exit if the caller does not
+            background = Tiers(writer=tiers.writer, disk=tiers.disk, remote=tiers.remote)
+            self._exit_token = left_open.track(self, background)
 
     # ------------------------------------------------------------------ tiers
     # Read-only views of the tiers, for the handle's own methods and for tests
@@ -461,7 +463,8 @@ class ECStore:
 
     def _teardown(self) -> None:
         """Flush and release the tiers: :meth:`close`, once, with no call running."""
-        left_open.forget(self)
+        if self._exit_token is not None:
+            left_open.forget(self._exit_token)
         self._tiers.close()
 
     # ----------------------------------------------------------------- leases

@@ -3,44 +3,70 @@
 A handle with a disk or remote tier writes in the background; its pending
 puts used to be lost with the process when the caller forgot ``close`` (the
 writer is a daemon thread), and a writer stopped inside a torch call at
-finalization could abort the interpreter. :func:`track` keeps such a handle
-(a strong reference: its writer holds its tiers anyway) until its ``close``
-calls :func:`forget`; at exit (``atexit``: after non-daemon threads were
-joined, before the buffer pool's thread stops) each one left is closed, as
-``close`` would, errors logged. Thread-safe; a forked child closes nothing
-of its parent's (``close`` there only marks the handle closed).
+finalization could abort the interpreter. :func:`track` holds the handle
+weakly and its background part (writer, LMDB and remote tiers: what its
+threads hold anyway, not the memory tier) strongly, until its ``close``
+calls :func:`forget`. At exit (``atexit``: after non-daemon threads were
+joined, before the buffer pool's thread stops) each one left is closed on a
+thread of its own, waiting at most :data:`EXIT_CLOSE_SECONDS`: a handle
+still alive as ``close`` would, one dropped without ``close`` through its
+background part. Where no thread can start at exit (Python 3.12) the closes
+run in the exiting thread, unbounded. Thread-safe; a forked child forgets
+its parent's handles (their ``close`` there would only mark them closed).
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
+import os
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import ecstore.pool  # noqa: F401 - registers its atexit hook first, so it runs after close_all
 
 log = logging.getLogger("ecstore")
 
+#: How long the exit waits for the handles left open to close (seconds):
+#: past it the process exits anyway (what was still pending is lost, logged).
+EXIT_CLOSE_SECONDS = 120.0
 
-class _Closable(Protocol):
+
+class Closable(Protocol):
     def close(self) -> None: ...
 
 
-_open: dict[int, _Closable] = {}
+@dataclass(frozen=True)
+class _Left:
+    handle: weakref.ref[Closable]
+    background: Closable
+
+    def close(self) -> None:
+        handle = self.handle()
+        (handle if handle is not None else self.background).close()
+
+
+_open: dict[int, _Left] = {}
+_tokens = itertools.count()
 _lock = threading.Lock()
 
 
-def track(handle: _Closable) -> None:
-    """Close ``handle`` at exit unless :func:`forget` is called first."""
+def track(handle: Closable, background: Closable) -> int:
+    """Close ``handle`` at exit (``background``, once the handle is
+    garbage) unless :func:`forget` gets the returned token first."""
+    token = next(_tokens)
     with _lock:
-        _open[id(handle)] = handle
+        _open[token] = _Left(weakref.ref(handle), background)
+    return token
 
 
-def forget(handle: _Closable) -> None:
-    """``handle`` is closed (or closing): nothing to do for it at exit."""
+def forget(token: int) -> None:
+    """The handle of ``token`` is closed (or closing): nothing to do for it at exit."""
     with _lock:
-        _open.pop(id(handle), None)
+        _open.pop(token, None)
 
 
 def tracked() -> int:
@@ -48,23 +74,19 @@ def tracked() -> int:
     return len(_open)
 
 
-#: How long the exit waits for the handles left open to close (seconds):
-#: past it the process exits anyway (what was still pending is lost, logged).
-EXIT_CLOSE_SECONDS = 120.0
-
-
-def close_all(timeout: float = EXIT_CLOSE_SECONDS) -> bool:
-    """Close every tracked handle, on a thread of its own, waiting up to
-    ``timeout`` seconds (an exit must not hang on a handle whose call never
-    returns); whether all closed in time. Registered with ``atexit``."""
+def close_all(timeout: float | None = None) -> bool:
+    """Close every tracked handle, waiting up to ``timeout`` seconds (None:
+    :data:`EXIT_CLOSE_SECONDS`); whether all closed in time. Registered with
+    ``atexit``."""
     with _lock:
-        left = list(_open.values())
+        left: list[Closable] = list(_open.values())
         _open.clear()
-    return close_handles(left, timeout)
+    return close_handles(left, EXIT_CLOSE_SECONDS if timeout is None else timeout)
 
 
-def close_handles(left: list[_Closable], timeout: float) -> bool:
-    """:func:`close_all`'s work for ``left``."""
+def close_handles(left: list[Closable], timeout: float) -> bool:
+    """:func:`close_all`'s work for ``left``, on a thread of its own (an exit
+    must not hang on a handle whose close never returns)."""
     if not left:
         return True
     log.debug("ecstore: closing %d store handle(s) left open at exit", len(left))
@@ -78,7 +100,7 @@ def close_handles(left: list[_Closable], timeout: float) -> bool:
     closer = threading.Thread(target=run, name="ecstore-exit-close", daemon=True)
     try:
         closer.start()
-    except RuntimeError:  # no new thread this late: close here, unbounded
+    except RuntimeError:  # no new thread this late (Python 3.12): close here, unbounded
         run()
         return True
     closer.join(timeout)
@@ -89,4 +111,11 @@ def close_handles(left: list[_Closable], timeout: float) -> bool:
     return True
 
 
+def _forget_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 atexit.register(close_all)

@@ -17,8 +17,9 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -356,6 +357,42 @@ with ECStore(cfg, model={MODEL!r}, dtype=torch.float16) as s:
 """
 
 
+class _OsWhile:
+    """env's ``os`` with ``hook(path)`` run at the first call of ``at``
+    (``listdir`` or ``path.isdir``), inside _open_env's window between its
+    checks and its use of the directory."""
+
+    def __init__(self, real: Any, at: str, hook: Callable[[str], None]) -> None:
+        self._real, self._at, self._hook, self.taken = real, at, hook, []
+        outer = self
+
+        class Path:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real.path, name)
+
+            def isdir(self, p: str) -> bool:
+                was = real.path.isdir(p)
+                outer._take("path.isdir", p)
+                return was
+        self.path = Path()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _take(self, at: str, p: str) -> None:
+        if at == self._at and not self.taken:
+            self.taken.append(p)
+            self._hook(p)
+
+    def listdir(self, p: str) -> list[str]:
+        self._take("listdir", p)
+        return self._real.listdir(p)
+
+
+def _create_elsewhere(path: str) -> None:
+    subprocess.run([sys.executable, "-c", _CREATE, path], check=True, timeout=120)
+
+
 def test_a_store_another_process_creates_meanwhile_is_opened_not_refused(tmp_path, monkeypatch):
     """Two workers started together on one new local_disk: one saw no
     data.mdb, then listed the directory after the other had created the store
@@ -368,28 +405,50 @@ def test_a_store_another_process_creates_meanwhile_is_opened_not_refused(tmp_pat
 
     store = tmp_path / "store"
     store.mkdir()
-    real_os = envmod.os
-    created = []
-
-    class OsWhileAnotherCreates:
-        def __getattr__(self, name: str):
-            return getattr(real_os, name)
-
-        def listdir(self, path: str):
-            if not created:
-                created.append(path)
-                subprocess.run([sys.executable, "-c", _CREATE, path], check=True, timeout=120)
-            return real_os.listdir(path)
-
-    monkeypatch.setattr(envmod, "os", OsWhileAnotherCreates())
+    fake = _OsWhile(envmod.os, "listdir", _create_elsewhere)
+    monkeypatch.setattr(envmod, "os", fake)
     with ECStore(cfg_for(store), model=MODEL, dtype=torch.float16) as s:
-        assert created == [str(store)]  # the window was taken
+        assert fake.taken == [str(store)]  # the window was taken
         assert torch.equal(s.get("theirs"), torch.ones(4, 8, dtype=torch.float16))
         s.put("mine", torch.zeros(2, 8, dtype=torch.float16))
         s.flush()
     monkeypatch.undo()
     with ECStore(cfg_for(store), model=MODEL, dtype=torch.float16) as s:
         assert s.contains("mine") and s.contains("theirs")
+
+
+def test_store_files_that_appear_meanwhile_get_the_owner_and_mode_checks(tmp_path, monkeypatch):
+    """The files another process created inside that window were opened
+    unchecked: a data.mdb anyone may write to, refused when it is there at
+    the open, was used when it appeared after the check."""
+    from ecstore.lmdb import env as envmod
+
+    store = tmp_path / "store"
+    store.mkdir()
+
+    def create_loose(path: str) -> None:
+        _create_elsewhere(path)
+        os.chmod(os.path.join(path, "data.mdb"), 0o666)
+    monkeypatch.setattr(envmod, "os", _OsWhile(envmod.os, "listdir", create_loose))
+    with pytest.raises(ECStoreError, match="anyone may write to it"):
+        ECStore(cfg_for(store), model=MODEL, dtype=torch.float16)
+
+
+def test_a_store_directory_another_user_makes_meanwhile_is_refused(tmp_path, monkeypatch):
+    """local_disk missing at the check, then made by another user before this
+    process creates it (a shared /tmp): create_store_dir leaves an existing
+    directory alone, and the store was created in the other user's directory."""
+    from ecstore.lmdb import env as envmod
+
+    store = tmp_path / "store"
+
+    def made_by_nobody(path: str) -> None:
+        os.mkdir(path, 0o700)
+        os.chown(path, NOBODY, NOBODY)
+    monkeypatch.setattr(envmod, "os", _OsWhile(envmod.os, "path.isdir", made_by_nobody))
+    with pytest.raises(ECStoreError, match="belongs to another user"):
+        ECStore(cfg_for(store), model=MODEL, dtype=torch.float16)
+    assert os.listdir(store) == []  # nothing created in it
 
 
 def test_leases_another_process_left_are_pruned_by_this_ones_next_leases(tmp_path: Path) -> None:

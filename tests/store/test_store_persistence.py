@@ -262,6 +262,51 @@ def test_a_handle_left_open_at_exit_is_closed_and_loses_nothing(tmp_store_dir):
             assert_same(store.get(f"left-{i}"), want)
 
 
+_DROPPED = f"""
+import gc, sys, weakref, torch
+from ecstore import ECStore, ECStoreConfig
+cfg = ECStoreConfig(local_cpu=True, local_disk=sys.argv[1], max_local_disk_size=1)
+store = ECStore(cfg, model={MODEL!r}, dtype=torch.bfloat16)
+for i in range(4):
+    store.put(f"dropped-{{i}}", torch.full((1024, 2048), float(i), dtype=torch.bfloat16))
+memory = weakref.ref(store.memory)
+del store
+gc.collect()
+print("memory tier freed" if memory() is None else "memory tier held", flush=True)
+"""
+
+
+def test_a_handle_dropped_without_close_frees_its_memory_tier_and_its_puts_are_written_at_exit(tmp_store_dir):
+    """The exit hook holds a handle weakly: one dropped without close is
+    garbage as before (holding it kept its memory tier's tensors until the
+    exit), and its background part (writer, LMDB) still writes its puts."""
+    r = subprocess.run([sys.executable, "-c", _DROPPED, str(tmp_store_dir)], capture_output=True, text=True,
+                       timeout=300)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "memory tier freed\n", "")
+    with open_store(tmp_store_dir, 1 << 30) as store:
+        for i in range(4):
+            assert_same(store.get(f"dropped-{i}"), torch.full((1024, 2048), float(i), dtype=torch.bfloat16))
+
+
+_FORK_HOLDING_THE_LOCK = """
+import os
+from ecstore.store import left_open
+with left_open._lock:  # as another thread of the parent might hold it at the fork
+    pid = os.fork()
+    if pid == 0:
+        left_open.close_all()
+        os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_child_forked_while_the_exit_hooks_lock_is_held_exits():
+    """The child inherited the lock held and waited for it for ever at its exit."""
+    r = subprocess.run([sys.executable, "-c", _FORK_HOLDING_THE_LOCK], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "0\n", "")
+
+
 def test_only_handles_with_a_background_writer_wait_for_exit_and_close_forgets_them(tmp_store_dir):
     from ecstore.store import left_open
 
