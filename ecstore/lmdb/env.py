@@ -213,6 +213,11 @@ def _check_data_file(data: str) -> None:
     pages = [struct.unpack_from("<Q", head, 136)[0]]
     if len(second) == 152 and _META.unpack_from(second, 16)[0] == _LMDB_MAGIC:
         pages.append(struct.unpack_from("<Q", second, 136)[0])
+    if max(pages) <= 1:
+        # Only the two meta pages: a new environment, maybe being written by
+        # another process now (one pwrite of both pages, the size growing by
+        # a page). LMDB reads both with pread and refuses a missing one.
+        return
     need = (max(pages) + 1) * psize
     if need > size:
         raise StoreOpenError(

@@ -347,6 +347,23 @@ def test_size_check_does_not_mistake_a_file_growing_meanwhile_for_a_truncated_on
     assert real_os.path.getsize(path) > 4 << 20  # the other process did grow it
 
 
+def test_a_new_environment_read_between_its_two_meta_pages_is_not_called_truncated(tmp_path):
+    """LMDB writes a new environment's two meta pages in one pwrite, the
+    file's size growing a page at a time: another process opening the store
+    in between saw one page whose meta names two, and refused the new store
+    as truncated. Such a file is left to LMDB, which reads both meta pages
+    with pread and refuses a missing one (MDB_INVALID: see test_faults'
+    new-environment-first-page-only), never SIGBUS."""
+    from ecstore.lmdb import env as envmod
+
+    d = tmp_path / "new"
+    lmdb.open(str(d), max_dbs=8, map_size=8 << 20).close()
+    data = d / "data.mdb"
+    assert data.stat().st_size == 8192
+    os.truncate(data, 4096)  # what the other process sees half-way through the pwrite
+    envmod._check_data_file(str(data))  # must not raise
+
+
 _CREATE = f"""
 import sys, torch
 from ecstore import ECStore, ECStoreConfig

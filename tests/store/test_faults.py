@@ -333,6 +333,11 @@ def _make_case(base: Path, case: str) -> Path:
                 txn.put(b"k", b"v", db=env.open_db(b"meta", txn=txn))
         env.close()
         return d
+    if case == "new-environment-first-page-only":  # left so by a creator that died mid-write
+        d.mkdir()
+        lmdb.open(str(d), max_dbs=8, map_size=8 * MiB).close()
+        os.truncate(d / "data.mdb", 4096)
+        return d
     src = base / "good"
     if not src.exists():
         with open_store(src, cap=16 * MiB) as s:
@@ -369,6 +374,7 @@ DAMAGED = {
     "truncated-to-2-pages": "StoreOpenError",
     "truncated-to-half": "StoreOpenError",
     "truncated-by-one-page": "StoreOpenError",
+    "new-environment-first-page-only": "StoreOpenError",
     "garbage": "StoreOpenError",
     "garbage-after-meta-pages": "StoreOpenError",
     "newer-schema": "SchemaError",
