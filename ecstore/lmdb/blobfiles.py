@@ -254,6 +254,7 @@ def _each_on_syncers(fn: Callable[[str], None], names: list[str]) -> None:
     not start after the job was queued) still runs once."""
     lock = threading.Lock()
     runs: dict[str, threading.Event] = {}
+    failed: dict[str, BaseException] = {}
 
     def once(name: str) -> None:
         with lock:
@@ -264,10 +265,16 @@ def _each_on_syncers(fn: Callable[[str], None], names: list[str]) -> None:
             else:
                 mine = False
         if not mine:
-            ran.wait()  # the other run of this name syncs it
+            ran.wait()  # the other run of this name syncs it: its error is this one's
+            err = failed.get(name)
+            if err is not None:
+                raise err
             return
         try:
             fn(name)
+        except BaseException as e:
+            failed[name] = e
+            raise
         finally:
             ran.set()
 

@@ -168,6 +168,34 @@ def test_a_batch_synced_at_interpreter_exit_is_synced_in_the_calling_thread(stor
     assert (r.returncode, r.stdout, r.stderr) == (0, "synced\n", "")
 
 
+def test_a_sync_the_pool_took_after_refusing_it_still_reports_its_error(store, monkeypatch):
+    """submit queues a job before it starts a thread: a refusal from the
+    thread's start (RuntimeError) leaves the job queued, and a busy worker
+    may run it before the caller's own run of that name, which then waited
+    and returned: the file's sync error was lost. (The refusal is simulated
+    on the real pool: a thread that cannot start is not made on purpose.)"""
+    from concurrent import futures
+
+    from ecstore.lmdb import blobfiles as bf
+
+    real = bf._syncers()
+
+    class RefusesAfterQueueing:
+        def submit(self, fn, name):
+            job = real.submit(fn, name)  # queued: a worker runs it
+            if name == "b":
+                futures.wait([job])  # ... before the caller's own run of "b"
+                raise RuntimeError("can't start new thread")
+            return job
+
+    def sync(name: str) -> None:
+        if name == "b":
+            raise StoreFullError("EIO on b")
+    monkeypatch.setattr(bf, "_syncers", lambda: RefusesAfterQueueing())
+    with pytest.raises(StoreFullError, match="EIO on b"):
+        bf._each_on_syncers(sync, ["a", "b", "c"])
+
+
 def test_a_forked_child_syncs_a_batch_on_threads_of_its_own(store):
     """The parent's sync threads do not exist in a child forked after them:
     the child makes its own (without that, its first batch waited forever

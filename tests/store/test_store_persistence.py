@@ -288,6 +288,37 @@ def test_a_handle_dropped_without_close_frees_its_memory_tier_and_its_puts_are_w
             assert_same(store.get(f"dropped-{i}"), torch.full((1024, 2048), float(i), dtype=torch.bfloat16))
 
 
+_CLOSED_DURING_THE_EXIT = f"""
+import gc, sys, torch
+from ecstore import ECStore, ECStoreConfig
+from ecstore.store import left_open
+cfg = ECStoreConfig(local_cpu=False, local_disk=sys.argv[1], max_local_disk_size=1)
+store = ECStore(cfg, model={MODEL!r}, dtype=torch.bfloat16)
+store.put("closed-late", torch.ones(8, 16, dtype=torch.bfloat16))
+real = left_open.close_handles
+
+def closed_meanwhile(left, timeout):  # after close_all took the handles, before their turn
+    global store
+    left_open.close_handles = real
+    store.close()
+    del store
+    gc.collect()
+    return real(left, timeout)
+left_open.close_handles = closed_meanwhile
+print(left_open.close_all(), flush=True)
+"""
+
+
+def test_a_handle_closed_and_dropped_while_the_exit_closes_is_not_closed_twice(tmp_store_dir):
+    """Its background part was closed a second time ("closing a store left
+    open at exit failed: ... is closed" logged)."""
+    r = subprocess.run([sys.executable, "-c", _CLOSED_DURING_THE_EXIT, str(tmp_store_dir)], capture_output=True,
+                       text=True, timeout=300)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "True\n", "")
+    with open_store(tmp_store_dir, 1 << 30) as store:
+        assert store.contains("closed-late")
+
+
 _FORK_HOLDING_THE_LOCK = """
 import os
 from ecstore.store import left_open
