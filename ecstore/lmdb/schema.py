@@ -107,6 +107,10 @@ def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: i
     if version is not None and version >= target:
         check_meta(env, path, begin)
         return version
+    if readonly and version is None:
+        raise SchemaError(
+            f"store at {path} is empty: no ecstore schema yet (another process may be creating it at this "
+            f"moment: try again; or one died before writing it: open it read-write once)")
     if readonly:
         raise SchemaError(
             f"store at {path} has schema version {version or 0}, older than {target}; "

@@ -165,6 +165,19 @@ def test_readonly_open_of_an_old_store_refuses_and_does_not_migrate(tmp_store_di
         assert store.disk.schema_version == 1
 
 
+def test_readonly_open_of_a_store_being_created_says_so(tmp_store_dir):
+    """A read-only open (ecstore-dump) of a store another process is creating
+    at that moment, LMDB's file made and the schema not yet written, said the
+    store had schema version 0 and must be upgraded."""
+    lmdb.open(str(tmp_store_dir), max_dbs=8).close()  # what the creator has made so far
+    before = file_state(tmp_store_dir)
+    with pytest.raises(SchemaError, match="is empty: no ecstore schema yet .*creating it at this moment"):
+        open_store(tmp_store_dir, readonly=True)
+    assert file_state(tmp_store_dir) == before
+    with open_store(tmp_store_dir) as store:  # the creator goes on
+        assert store.disk.schema_version == schema.current_version()
+
+
 @pytest.mark.parametrize("readonly", [False, True])
 def test_newer_schema_is_refused_and_the_file_is_untouched(tmp_store_dir, readonly):
     with open_store(tmp_store_dir) as store:
