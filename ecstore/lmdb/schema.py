@@ -113,7 +113,7 @@ def ensure_schema(env: lmdb.Environment, *, readonly: bool, path: str, target: i
             f"moment: try again; or one died before writing it: open it read-write once)")
     if readonly:
         raise SchemaError(
-            f"store at {path} has schema version {version or 0}, older than {target}; "
+            f"store at {path} has schema version {version}, older than {target}; "
             f"open it once read-write to upgrade it (read-only access does not migrate)"
         )
     with begin(write=True) as txn:

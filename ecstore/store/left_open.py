@@ -43,18 +43,18 @@ class Closable(Protocol):
 class _Left:
     handle: weakref.ref[Closable]
     background: Closable
-    closed: bool = False  # the handle's own close began (forget): nothing left to close
+    closed: bool = False  # the handle's own close began (forget), or the background was closed
 
     def close(self) -> None:
         handle = self.handle()
         if handle is not None:
             handle.close()  # idempotent; waits for a close running in another thread
         elif not self.closed:
+            self.closed = True
             self.background.close()
 
 
-_open: dict[int, _Left] = {}
-_closing: dict[int, _Left] = {}  # taken by close_all, not yet closed
+_open: dict[int, _Left] = {}  # by token, until the handle's close calls forget
 _tokens = itertools.count()
 _lock = threading.Lock()
 
@@ -71,7 +71,7 @@ def track(handle: Closable, background: Closable) -> int:
 def forget(token: int) -> None:
     """The handle of ``token`` is closed (or closing): nothing to do for it at exit."""
     with _lock:
-        left = _open.pop(token, None) or _closing.get(token)
+        left = _open.pop(token, None)
         if left is not None:
             left.closed = True
 
@@ -86,9 +86,7 @@ def close_all(timeout: float | None = None) -> bool:
     :data:`EXIT_CLOSE_SECONDS`); whether all closed in time. Registered with
     ``atexit``."""
     with _lock:
-        _closing.update(_open)
-        left: list[Closable] = list(_open.values())
-        _open.clear()
+        left: list[Closable] = list(_open.values())  # kept in _open: a close meanwhile still marks its entry
     return close_handles(left, EXIT_CLOSE_SECONDS if timeout is None else timeout)
 
 
@@ -123,7 +121,6 @@ def _forget_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread of the parent may have held it
     _open.clear()
-    _closing.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
