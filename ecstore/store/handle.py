@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from ecstore.config import ECStoreConfig
-from ecstore.errors import THIS_PROCESS, ECStoreError, StoreFullError, check_same_process
+from ecstore.errors import THIS_PROCESS, ECStoreError, StoreFullError, StoreOpenError, check_same_process
 from ecstore.format import Record, codec, split_read
 from ecstore.identity import EncoderIdentity, library_identity, qualify, split_stored
 from ecstore.key import (
@@ -165,6 +165,18 @@ class ECStore:
         #: stats, verify, delete and close all go through it).
         self._tiers = tiers = Tiers(memory=MemoryTier(config.cpu_capacity_bytes) if config.local_cpu else None)
         self._legacy = False
+        try:
+            self._open_tiers(config, tiers, readonly=readonly, seams=seams)
+        except BaseException:  # an open that fails leaves nothing open: no env, no thread
+            self.close()
+            raise
+        if tiers.writer is not None or tiers.remote is not None:  # closed at exit if the caller does not
+            background = Tiers(writer=tiers.writer, disk=tiers.disk, remote=tiers.remote)
+            self._exit_token = left_open.track(self, background)
+
+    def _open_tiers(self, config: ECStoreConfig, tiers: Tiers, *, readonly: bool, seams: OpenSeams) -> None:
+        """Open the disk tier, its writer and the remote tier into ``tiers``
+        (``_open``'s part that can fail; ``_open`` closes what it opened)."""
         if config.local_disk:
             tiers.disk = LMDBTier(config.local_disk, config.disk_capacity_bytes, readonly=readonly,
                                   schema_target=seams.schema_target, map_size_bytes=seams.map_size_bytes,
@@ -174,26 +186,23 @@ class ECStore:
                                   spare_writes_from=SPARE_FROM if config.spare_blob_files else None)
             self._legacy = tiers.disk.record_version == codec.LEGACY_RECORD_VERSION
             if not readonly:
-                tiers.writer = Writer(tiers.disk, self.model, config.write_queue_bytes,
-                                      max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
-                                      namespace=(self.namespace, self.identity.canonical()))
-                tiers.writer.start()
+                writer = Writer(tiers.disk, self.model, config.write_queue_bytes,
+                                max(1, min(MAX_BATCH_BYTES, config.disk_capacity_bytes // 8)),
+                                namespace=(self.namespace, self.identity.canonical()))
+                try:
+                    writer.start()
+                except RuntimeError as e:  # the process is at its thread limit
+                    raise StoreOpenError(f"{config.local_disk}: cannot start the store's writer thread ({e})") from e
+                tiers.writer = writer  # only a started writer: close() stops and joins it
                 if config.pooled_blobs:  # what pending writes held stays faulted for the next burst
                     POOL.keep_at_least(config.write_queue_bytes)
-        self._reads = ReadPath(tiers, model=self.model, dtype=dtype)
+        self._reads = ReadPath(tiers, model=self.model, dtype=self.dtype)
         self._puts = PutPath(tiers, self._reads, self._counters, pooled=config.pooled_blobs)
         if config.remote_url:
             from ecstore.remote import open_remote
 
-            try:
-                tiers.remote = open_remote(config, model=self.model, dtype=dtype, readonly=readonly,
-                                           clock=seams.remote_clock)
-            except BaseException:
-                self.close()
-                raise
-        if tiers.writer is not None or tiers.remote is not None:  # closed at exit if the caller does not
-            background = Tiers(writer=tiers.writer, disk=tiers.disk, remote=tiers.remote)
-            self._exit_token = left_open.track(self, background)
+            tiers.remote = open_remote(config, model=self.model, dtype=self.dtype, readonly=readonly,
+                                       clock=seams.remote_clock)
 
     # ------------------------------------------------------------------ tiers
     # Read-only views of the tiers, for the handle's own methods and for tests

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from ecstore import ECStore, ECStoreConfig
 from ecstore.errors import ECStoreError
 from ecstore.lmdb import LMDBTier
 from ecstore.lmdb.env import _SharedEnv
+from ecstore.store import handle as handle_mod
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 MODEL = "org/files"
@@ -157,6 +159,51 @@ def test_tampered_meta_is_a_clear_error_and_nothing_is_rewritten(tmp_path: Path,
     with pytest.raises(ECStoreError, match=needle):
         LMDBTier(str(store), 0, readonly=True, create=False)
     assert not _SharedEnv._open
+
+
+# --------------------------------------------------------------------------
+# An open that fails after LMDB opened releases what it opened
+# --------------------------------------------------------------------------
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ecstore-writer"]
+
+
+def test_an_open_whose_writer_thread_cannot_start_releases_the_store(tmp_path, monkeypatch):
+    """Regression: a process at its thread limit got the bare RuntimeError of
+    ``Thread.start`` from ``ECStore(...)``, and the LMDB environment the open
+    had just made stayed open in the process for good (no handle held it)."""
+    store = tmp_path / "store"
+    make_store(store)
+    started = threading.Thread.start
+
+    def cannot_start(thread: threading.Thread) -> None:
+        if thread.name == "ecstore-writer":
+            raise RuntimeError("can't start new thread")
+        started(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    open_fails(store, "cannot start the store's writer thread", "can't start new thread", str(store))
+    monkeypatch.undo()
+    with ECStore(cfg_for(store), model=MODEL, dtype=torch.float16) as s:  # nothing lost, nothing held
+        assert torch.equal(s.get("img-1"), tensor_for(1))
+
+
+def test_an_open_interrupted_after_its_writer_started_stops_the_writer(tmp_path, monkeypatch):
+    """Regression: an exception after the writer thread started (Ctrl-C while
+    the open ends) left the thread running and the environment open."""
+    store = tmp_path / "store"
+    make_store(store)
+    before = _writer_threads()
+
+    def interrupted(nbytes: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(handle_mod.POOL, "keep_at_least", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ECStore(cfg_for(store, pooled_blobs=True), model=MODEL, dtype=torch.float16)
+    assert not _SharedEnv._open, "the interrupted open left the environment open"
+    assert _writer_threads() == before, "the interrupted open left its writer thread running"
 
 
 # --------------------------------------------------------------------------
