@@ -122,6 +122,24 @@ class SchedulerSide:
             self.store is not None and self._verified is not None and self.store.has_remote_tier
             and self.store.has_disk_tier) else None
         self._vllm_holds: set[str] = set()  # allocated in vLLM's encoder cache, not freed since
+        # this step: items vLLM cannot encode that ensure_cache_available let
+        # through because vLLM's encoder cache held them (no lookup). vLLM
+        # asks has_cache_item for one only once it evicted it, in this very
+        # pass, to make room for another item (see _evicted_in_the_pass).
+        self._passed_as_held: set[str] = set()
+        # identifier -> the requests that read its load while that is in
+        # flight (the loading one, and those vLLM serves the same allocation
+        # to): a failed load fails them all; the count is its loads in flight.
+        self._load_readers: dict[str, set[str]] = {}
+        self._loads_in_flight: dict[str, int] = {}
+        # vLLM runs no EC connector load for encoder-decoder models (their
+        # model runners skip the connector's context): a yes would skip the
+        # encoder and leave the decoder without encoder outputs.
+        self._encoder_decoder = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
+        if self._encoder_decoder:
+            log.warning("ecstore: %s is an encoder-decoder model; vLLM loads no encoder output through an "
+                        "EC connector for such models, so ecstore looks nothing up for it (its encoder "
+                        "always runs)", getattr(vllm_config.model_config, "model", "the model"))
         self._foreign = ForeignNamespaces(self.store) if (
             is_consumer and self.store is not None and self.store.has_disk_tier) else None
         # vLLM 0.33 with Model Runner V2: (req_id -> mm_feature indices) whose
@@ -137,6 +155,11 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
+        if self._encoder_decoder:
+            return False  # nothing would be loaded (see __init__)
+        self._vllm_holds.discard(identifier)  # vLLM asks only for an item its encoder cache does not hold
+        if identifier in self._passed_as_held:
+            return self._evicted_in_the_pass(identifier)
         if identifier in self._step_hits:  # (consumers only; never a kept-out identifier)
             # Already answered yes this step (and pinned, if local): asked
             # again by vLLM right after ensure_cache_available's lookup, or
@@ -230,6 +253,20 @@ class SchedulerSide:
             self._foreign.on_miss(identifier)  # held under another identity? logged once
         return found
 
+    def _evicted_in_the_pass(self, identifier: str) -> bool:
+        """``has_cache_item`` for an item vLLM cannot encode that its encoder
+        cache held when ``ensure_cache_available`` passed the request, and
+        that it evicted since, in this scheduling pass, to make room for
+        another item: a no would have vLLM encode an item it holds no inputs
+        for (the model runner raises: the engine stops). Yes, with nothing
+        pinned: vLLM keeps the worker's tensor of an entry it evicts and
+        allocates again in the same pass (``get_freed_mm_hashes``), and the
+        worker finds it there; if the request is not allocated after all,
+        the tensor is freed and the next lookup asks the store."""
+        self._passed_as_held.discard(identifier)
+        self._step_hits[identifier] = False
+        return True
+
     def _kept_out(self, identifier: str) -> bool:
         """Per-process names and (unless shared) client uuids are never looked up."""
         why = kept_out(identifier, self.cfg.share_client_uuids)
@@ -320,6 +357,8 @@ class SchedulerSide:
         if identifier in self._step_hits:
             pinned = self._step_hits.pop(identifier)
             recomputable = self._inputs.at_hand(feature)
+            self._load_readers.setdefault(identifier, set()).add(request.request_id)
+            self._loads_in_flight[identifier] = self._loads_in_flight.get(identifier, 0) + 1
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
                                         self._width(feature.modality), index=index,
@@ -360,10 +399,14 @@ class SchedulerSide:
                 self._expected_rows[feature.identifier] = int(request.get_num_encoder_embeds(i))
             except Exception:  # an older Request without it: rows are checked by the worker  # noqa: BLE001
                 pass
-        if not self.is_consumer:
+        if not self.is_consumer or self._encoder_decoder:
             return True
         self._deferrable = set()
         pending = [f for f in features if not placeholder_computed(f, num_computed_tokens)]
+        for feature in pending:  # reads a load in flight (vLLM serves it the same allocation)
+            readers = self._load_readers.get(feature.identifier)
+            if readers is not None:
+                readers.add(request.request_id)
         for feature in pending:
             if feature.identifier in self._poisoned:
                 return self._fail(request, f"vLLM's encoder cache holds a stand-in for {feature.identifier}, "
@@ -385,7 +428,11 @@ class SchedulerSide:
                 continue
             identifier = feature.identifier
             self._verify_first.add(identifier)
-            if identifier in self._vllm_holds or self.has_cache_item(identifier):
+            if identifier in self._vllm_holds:
+                if not has_inputs:
+                    self._passed_as_held.add(identifier)
+                continue
+            if self.has_cache_item(identifier):
                 continue
             if identifier in self._verifying:
                 deferred = True  # stored, being verified off this thread: asked again next step
@@ -440,6 +487,7 @@ class SchedulerSide:
         self._deferrable = set()
         self._producer_hits.clear()
         self._verify_first.clear()
+        self._passed_as_held.clear()
         self._step_verified.clear()
         self._step_widths.clear()
         if self._verifications is not None:
@@ -552,9 +600,15 @@ class SchedulerSide:
             self._unavailable.add(req_id)
             self._failed_reqs.add(req_id)
             self._poisoned.add(identifier)
+            for reader in self._load_readers.get(identifier, ()):  # served the same stand-in
+                if reader not in self._failed_reqs:
+                    log.error("ecstore: request %s failed: it read the failed load of %s", reader, identifier)
+                    self._unavailable.add(reader)
+                    self._failed_reqs.add(reader)
             if self.memory_only:
                 self.mirror.pop(identifier, None)
             done.append((req_id, identifier))
+        self._loads_reported(done)
         for identifier in wm.cleared:
             # Gone from vLLM's encoder cache (freed, or the cache was reset):
             # a stand-in, or an entry a worker loaded.
@@ -562,6 +616,17 @@ class SchedulerSide:
             self._vllm_holds.discard(identifier)
         self._finish_loads(done)
         self.stats.merge(wm.stats)
+
+    def _loads_reported(self, done: list[tuple[str, str]]) -> None:
+        """The worker reported these (request, identifier) loads: once no load
+        of an identifier is in flight, its readers are forgotten."""
+        for _, identifier in done:
+            left = self._loads_in_flight.get(identifier, 0) - 1
+            if left > 0:
+                self._loads_in_flight[identifier] = left
+            else:
+                self._loads_in_flight.pop(identifier, None)
+                self._load_readers.pop(identifier, None)
 
     def _finish_loads(self, done: list[tuple[str, str]]) -> None:
         """Release the lease each reported (request, identifier) load held."""
@@ -598,6 +663,8 @@ class SchedulerSide:
         # A request that ends before its load was reported (aborted) must not
         # keep its entries pinned.
         self._failed_reqs.discard(request.request_id)
+        for readers in self._load_readers.values():
+            readers.discard(request.request_id)
         self._req_items.pop(request.request_id, None)
         self._released.pop(request.request_id, None)
         self._finish_loads([(request.request_id, f.identifier)

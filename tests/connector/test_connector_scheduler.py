@@ -369,6 +369,64 @@ def test_a_failed_load_fails_no_request_that_has_read_the_item_already(tiny_qwen
     assert len(eng.tokens["r3"]) == 20
 
 
+def test_an_item_vllm_evicts_while_scheduling_its_request_is_served_the_tensor_vllm_kept(
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
+    """Regression (it stopped the engine): ensure_cache_available passed a
+    request's item A, which vLLM cannot encode, because vLLM's encoder cache
+    held it; making room for the request's other item D evicted A in the same
+    scheduling pass, has_cache_item then missed (A had left the store), and
+    vLLM scheduled A to be encoded with no inputs: the model runner raised.
+    A is announced as a load instead; vLLM kept the worker's tensor of A (an
+    entry it evicts and allocates again in one pass), which the request reads."""
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_consumer", dict(disk_extra, local_cpu=False),
+                                 max_num_batched_tokens=64))
+    held = [A, B, C]  # vLLM's encoder cache holds three of these images
+    with open_store(eng.connector) as st:
+        for h in (*held, D):
+            st.put(h, encoder_output(h))
+        st.flush()
+    for i, h in enumerate(held):  # loaded (verified first), then freeable in vLLM's cache, A the oldest
+        eng.scheduler.add_request(vo.make_request(f"r{i}", [h], max_tokens=1, inputs=False))
+        eng.run()
+    assert list(eng.scheduler.encoder_cache_manager.freeable) == held
+    with open_store(eng.connector) as st:  # A leaves the store (another process's eviction, a delete)
+        assert st.delete(A)
+    eng.scheduler.add_request(vo.make_request("r9", [D, A], max_tokens=3, inputs=False))
+    assert "r9" not in eng.step().num_scheduled_tokens  # waits a step: D is verified off the scheduler thread
+    out = eng.step()  # room for D evicts A (and B, which is freed)
+    assert out.scheduled_encoder_inputs == {}, "vLLM was left to encode an item it holds no inputs for"
+    assert sorted((r, i) for r, i, *_ in load_specs(out)) == [("r9", A), ("r9", D)]
+    assert out.free_encoder_mm_hashes == [B]
+    assert torch.equal(eng.encoder_cache[A], encoder_output(A))
+    eng.run()
+    assert eng.finished["r9"] == FinishReason.LENGTH
+    assert eng.totals().get("load_failures", 0) == 0
+    assert leased(eng.connector, A, B, C, D) == set()
+
+
+def test_a_request_served_a_failed_load_in_the_same_step_fails_with_it(tiny_qwen2_5_vl_dir, disk_extra, engines):
+    """Regression: r1 and r2 both need A, which vLLM cannot encode, in the
+    same step; r1's load of A fails on the worker (the entry went bad after
+    its verification), and vLLM serves r2 the same allocation: the zero
+    stand-in. Only r1 was failed; r2 ran to its end on zeros. Every request
+    that read the failed load fails with it."""
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_consumer", dict(disk_extra, local_cpu=False),
+                                 max_num_batched_tokens=256))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    for r in ("r1", "r2"):
+        eng.scheduler.add_request(vo.make_request(r, [A], max_tokens=4, inputs=False))
+    assert not eng.step().num_scheduled_tokens  # both wait a step: A is verified off the scheduler thread
+    damage_blob(eng.connector, A)  # after the verification, record unchanged
+    out = eng.step()
+    assert set(out.num_scheduled_tokens) == {"r1", "r2"} and len(load_specs(out)) == 1
+    assert not eng.encoder_cache[A].any()  # the stand-in, read by both
+    eng.run()
+    assert eng.finished == {"r1": FinishReason.ERROR, "r2": FinishReason.ERROR}
+    assert leased(eng.connector, A) == set()
+
+
 def test_entry_whose_record_is_damaged_past_its_identifier_is_computed_and_not_left_leased(
         tiny_model_dir, disk_extra, engines, caplog):
     """A record whose identifier still reads (so ``pin_if_present`` leases
