@@ -209,6 +209,7 @@ def test_step_end_waits_for_the_commit(tiny_model_dir, disk_extra):
     reader = Reader(disk_extra["local_disk"], cfg.model_config.model, sched.identity)
     holder = subprocess.Popen([sys.executable, str(HELPERS / "lmdb_lock_holder.py"), disk_extra["local_disk"]],
                               text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    told = False  # the holder was told to release (it exits then: its stdin may be gone)
     try:
         assert holder.stdout.readline().strip() == "locked"
         worker.bind_connector_metadata(sched.build_connector_meta(vo.SchedulerOutput.make_empty()))
@@ -224,13 +225,14 @@ def test_step_end_waits_for_the_commit(tiny_model_dir, disk_extra):
             assert reader.contains(A), "step ended with its save not committed"
         holder.stdin.write("go\n")
         holder.stdin.flush()
+        told = True
         assert holder.stdout.readline().strip() == "released"
         step_end.join(timeout=120)
         assert ended.is_set()
         assert reader.contains(A)
         worker.clear_connector_metadata()
     finally:
-        if holder.poll() is None:
+        if not told and holder.poll() is None:  # (a holder told already may be exiting: a write would break)
             holder.stdin.write("go\n")
             holder.stdin.flush()
         holder.wait(timeout=60)
