@@ -258,12 +258,16 @@ class SchedulerSide:
         cache held when ``ensure_cache_available`` passed the request, and
         that it evicted since, in this scheduling pass, to make room for
         another item: a no would have vLLM encode an item it holds no inputs
-        for (the model runner raises: the engine stops). Yes, with nothing
-        pinned: vLLM keeps the worker's tensor of an entry it evicts and
-        allocates again in the same pass (``get_freed_mm_hashes``), and the
-        worker finds it there; if the request is not allocated after all,
-        the tensor is freed and the next lookup asks the store."""
+        for (the model runner raises: the engine stops). The store is asked
+        first (a verified, pinned yes as for any lookup); failing that, yes
+        with nothing pinned: vLLM keeps the worker's tensor of an entry it
+        evicts and allocates again in the same pass (``get_freed_mm_hashes``)
+        and the worker serves it if its rows fit; where the worker holds none
+        that fits (vLLM's encoder cache was reset since, a client uuid reused
+        for another size), the load fails there and fails the request."""
         self._passed_as_held.discard(identifier)
+        if self.has_cache_item(identifier):
+            return True
         self._step_hits[identifier] = False
         return True
 

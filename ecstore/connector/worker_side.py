@@ -137,7 +137,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         for spec in meta.loads:
             held = encoder_cache.get(spec.identifier)
-            if held is not None and held is not self._standins.get(spec.identifier):
+            if held is not None and held is not self._standins.get(spec.identifier) \
+                    and int(held.shape[0]) == spec.num_embeds:  # another size: a uuid reused, not this item
                 self._loaded.append((spec.req_id, spec.identifier))
                 continue
             tensor, reason = None, "not in the store (evicted, or dropped as corrupt: see above)"

@@ -404,6 +404,66 @@ def test_an_item_vllm_evicts_while_scheduling_its_request_is_served_the_tensor_v
     assert leased(eng.connector, A, B, C, D) == set()
 
 
+def test_a_tensor_vllm_kept_of_another_size_is_not_served_for_an_item_it_evicted_while_scheduling(
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
+    """Regression (review of the fix above): the identifier A comes back with
+    half the rows (a client uuid reused for a smaller image) while vLLM's
+    encoder cache holds the earlier A; D evicts A in the scheduling pass. The
+    worker served the tensor vLLM kept (the wrong image: its first rows) as a
+    good load. It is not served: the stored A does not fit either, so the
+    load fails and fails the request, and the engine goes on."""
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_consumer", dict(disk_extra, local_cpu=False),
+                                 max_num_batched_tokens=64))
+    held = [A, B, C]
+    with open_store(eng.connector) as st:
+        for h in (*held, D):
+            st.put(h, encoder_output(h))
+        st.flush()
+    for i, h in enumerate(held):
+        eng.scheduler.add_request(vo.make_request(f"r{i}", [h], max_tokens=1, inputs=False))
+        eng.run()
+    assert list(eng.scheduler.encoder_cache_manager.freeable) == held
+    half = SHAPE[0] // 2
+    eng.scheduler.add_request(vo.make_request("r9", [D, A], max_tokens=3, inputs=False, rows={A: half}))
+    assert "r9" not in eng.step().num_scheduled_tokens  # waits a step: D is verified off the scheduler thread
+    out = eng.step()
+    assert out.scheduled_encoder_inputs == {}
+    assert sorted((r, i, n) for r, i, n, _ in load_specs(out)) == [("r9", A, half), ("r9", D, SHAPE[0])]
+    assert not eng.encoder_cache[A].any() and eng.encoder_cache[A].shape[0] == half  # a stand-in, not A's rows
+    eng.run()
+    assert eng.finished["r9"] == FinishReason.ERROR
+    assert eng.totals()["load_failures"] == 1
+
+
+def test_after_vllm_resets_its_encoder_cache_an_item_it_held_and_the_store_lost_fails_its_request(
+        tiny_qwen2_5_vl_dir, disk_extra, engines):
+    """After ``reset_encoder_cache`` (weights updated) the scheduler side
+    still counts A as held by vLLM (vLLM tells the connector nothing) and
+    passes a request that needs A without asking the store; A has left the
+    store meanwhile. vLLM asked has_cache_item, the lookup missed and vLLM
+    scheduled A to be encoded with no inputs: the engine stopped. Now A's
+    load is announced, fails on the worker and fails the request."""
+    eng = engines(vo.vllm_config(tiny_qwen2_5_vl_dir, "ec_consumer", dict(disk_extra, local_cpu=False)))
+    with open_store(eng.connector) as st:
+        st.put(A, encoder_output(A))
+        st.flush()
+    eng.scheduler.add_request(vo.make_request("r0", [A], max_tokens=1, inputs=False))
+    eng.run()
+    eng.scheduler.reset_encoder_cache()
+    eng.encoder_cache.clear()  # as the model runner's reset_encoder_cache
+    with open_store(eng.connector) as st:
+        assert st.delete(A)
+    eng.scheduler.add_request(vo.make_request("r2", [A], max_tokens=3, inputs=False))
+    out = eng.step()
+    assert out.scheduled_encoder_inputs == {}, "vLLM was left to encode an item it holds no inputs for"
+    eng.run()
+    assert eng.finished["r2"] == FinishReason.ERROR
+    eng.scheduler.add_request(vo.make_request("r3", [A], max_tokens=3, inputs=False))
+    eng.run()
+    assert eng.finished["r3"] == FinishReason.ERROR  # failed before any token: A is neither held nor stored
+    assert "r3" not in eng.tokens or eng.tokens["r3"] == []
+
+
 def test_a_request_served_a_failed_load_in_the_same_step_fails_with_it(tiny_qwen2_5_vl_dir, disk_extra, engines):
     """Regression: r1 and r2 both need A, which vLLM cannot encode, in the
     same step; r1's load of A fails on the worker (the entry went bad after

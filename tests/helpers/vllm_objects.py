@@ -198,7 +198,7 @@ def feature_template(name: str, inputs: bool) -> tuple[MultiModalFeatureSpec, in
 
 def make_request(req_id: str, identifiers: Sequence[str], *, max_tokens: int = 3,
                  text_tokens: Sequence[int] = (10, 11, 12), inputs: bool = True,
-                 model: str | None = None) -> Request:
+                 model: str | None = None, rows: Mapping[str, int] | None = None) -> Request:
     """A request with one image per identifier, then ``text_tokens``; each
     image's feature is vLLM's own (:func:`feature_template`) under the
     given identifier. ``inputs``: vLLM holds the processed pixels (it can
@@ -207,16 +207,20 @@ def make_request(req_id: str, identifiers: Sequence[str], *, max_tokens: int = 3
     connector can provide. ``model``: the tiny model the features come from
     (default: BLIP-2 for full items, :data:`METADATA_MODEL` for
     metadata-only ones; use a config of the same model). Each image takes
-    :data:`EMBEDS_PER_IMAGE` tokens with the defaults."""
+    :data:`EMBEDS_PER_IMAGE` tokens with the defaults; ``rows`` gives some
+    identifiers another number (an image of another size under the same
+    identifier: a client uuid reused; only for metadata-only items, whose
+    placeholder alone says how many)."""
     name = model or (BLIP2 if inputs else METADATA_MODEL)
     template, token = feature_template(name, inputs)
-    rows = template.mm_position.length
+    assert not (rows and inputs), "processed inputs fix an item's size"
     prompt: list[int] = []
     features = []
     for ident in identifiers:
+        n = (rows or {}).get(ident, template.mm_position.length)
         features.append(replace(template, identifier=ident, mm_hash=ident,
-                                mm_position=replace(template.mm_position, offset=len(prompt))))
-        prompt += [token] * rows
+                                mm_position=replace(template.mm_position, offset=len(prompt), length=n)))
+        prompt += [token] * n
     prompt += list(text_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return Request(req_id, prompt, params, None, mm_features=features)
