@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ecstore.testing.tiny_build import build_cached, saved_files
+from ecstore.testing.tiny_build import build_cached, saved_files, train_tokenizer
+from ecstore.testing.tiny_spec import _dist_version
 
 BUILDER_VERSION = 1
 #: Whisper's special tokens the processor and vLLM's prompt handling look up.
@@ -21,18 +22,21 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|transcr
                   "<|notimestamps|>", "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>"]
 SPEC: dict[str, Any] = {"vocab_size": 320, "num_mel_bins": 80, "d_model": 64, "layers": 1, "heads": 2,
                         "ffn_dim": 64, "max_source_positions": 1500, "max_target_positions": 64}
+EOS = "<|endoftext|>"  # also Whisper's pad, bos and unk
 #: The decoder prompt a transcription starts from.
 DECODER_PROMPT = "<|startoftranscript|>"
 
 
 def _spec_hash(seed: int) -> str:
-    text = json.dumps({"builder": BUILDER_VERSION, "spec": SPEC, "seed": seed}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """Hash of everything that determines the files (stored in the marker), as the other tiny models'."""
+    payload = {"builder": BUILDER_VERSION, "model": "whisper", "spec": SPEC, "tokens": SPECIAL_TOKENS,
+               "seed": int(seed), "transformers": _dist_version("transformers"),
+               "tokenizers": _dist_version("tokenizers"), "torch": _dist_version("torch")}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _build_into(tmp: Path, seed: int) -> list[str]:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         WhisperConfig,
         WhisperFeatureExtractor,
@@ -41,20 +45,17 @@ def _build_into(tmp: Path, seed: int) -> list[str]:
         WhisperTokenizer,
     )
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world the quick brown fox"] * 20, trainer)
-    tok.save(str(tmp / "tokenizer.json"))
-    ids: dict[str, Any] = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    bpe = train_tokenizer(special_tokens=SPECIAL_TOKENS, corpus=["hello world the quick brown fox"] * 20,
+                          vocab_size=300, pad_token=EOS, eos_token=EOS, bos_token=EOS, unk_token=None,
+                          extra_special_tokens={}, chat_template="")
+    bpe.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}  # train_tokenizer gives them ids 0.. in order
     config = WhisperConfig(
         vocab_size=SPEC["vocab_size"], num_mel_bins=SPEC["num_mel_bins"], d_model=SPEC["d_model"],
         encoder_layers=SPEC["layers"], decoder_layers=SPEC["layers"], encoder_attention_heads=SPEC["heads"],
         decoder_attention_heads=SPEC["heads"], encoder_ffn_dim=SPEC["ffn_dim"], decoder_ffn_dim=SPEC["ffn_dim"],
         max_source_positions=SPEC["max_source_positions"], max_target_positions=SPEC["max_target_positions"],
-        pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids[EOS], bos_token_id=ids[EOS], eos_token_id=ids[EOS],
         decoder_start_token_id=ids["<|startoftranscript|>"])
     rng_state = torch.random.get_rng_state()
     try:
@@ -64,8 +65,8 @@ def _build_into(tmp: Path, seed: int) -> list[str]:
         torch.random.set_rng_state(rng_state)
     model.to(torch.float32).eval().save_pretrained(str(tmp), safe_serialization=True)
     extractor = WhisperFeatureExtractor(feature_size=SPEC["num_mel_bins"])
-    tokenizer = WhisperTokenizer(tokenizer_file=str(tmp / "tokenizer.json"), unk_token="<|endoftext|>",
-                                 bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer = WhisperTokenizer(tokenizer_file=str(tmp / "tokenizer.json"), unk_token=EOS, bos_token=EOS,
+                                 eos_token=EOS, pad_token=EOS)
     WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer).save_pretrained(str(tmp))
     return saved_files(tmp)
 
