@@ -19,7 +19,7 @@ import logging
 import os
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ecstore.config import ECStoreConfig
@@ -43,6 +43,16 @@ from ecstore.lmdb.leases import Pin, PinAnswer
 from ecstore.store import ECStore
 
 log = logging.getLogger("ecstore")
+
+
+@dataclass
+class _LoadsInFlight:
+    """One identifier's loads announced and not yet reported, and the
+    requests that read them (the loading ones, and those vLLM serves the same
+    allocation): a failed load fails them all."""
+
+    loads: int = 0
+    readers: set[str] = field(default_factory=set)
 
 
 class SchedulerSide:
@@ -127,11 +137,7 @@ class SchedulerSide:
         # asks has_cache_item for one only once it evicted it, in this very
         # pass, to make room for another item (see _evicted_in_the_pass).
         self._passed_as_held: set[str] = set()
-        # identifier -> the requests that read its load while that is in
-        # flight (the loading one, and those vLLM serves the same allocation
-        # to): a failed load fails them all; the count is its loads in flight.
-        self._load_readers: dict[str, set[str]] = {}
-        self._loads_in_flight: dict[str, int] = {}
+        self._loads_in_flight: dict[str, _LoadsInFlight] = {}
         # vLLM runs no EC connector load for encoder-decoder models (their
         # model runners skip the connector's context): a yes would skip the
         # encoder and leave the decoder without encoder outputs.
@@ -361,8 +367,9 @@ class SchedulerSide:
         if identifier in self._step_hits:
             pinned = self._step_hits.pop(identifier)
             recomputable = self._inputs.at_hand(feature)
-            self._load_readers.setdefault(identifier, set()).add(request.request_id)
-            self._loads_in_flight[identifier] = self._loads_in_flight.get(identifier, 0) + 1
+            flight = self._loads_in_flight.setdefault(identifier, _LoadsInFlight())
+            flight.loads += 1
+            flight.readers.add(request.request_id)
             self._loads.append(LoadSpec(request.request_id, identifier,
                                         request.get_num_encoder_embeds(index),
                                         self._width(feature.modality), index=index,
@@ -407,14 +414,13 @@ class SchedulerSide:
             return True
         self._deferrable = set()
         pending = [f for f in features if not placeholder_computed(f, num_computed_tokens)]
-        for feature in pending:  # reads a load in flight (vLLM serves it the same allocation)
-            readers = self._load_readers.get(feature.identifier)
-            if readers is not None:
-                readers.add(request.request_id)
         for feature in pending:
             if feature.identifier in self._poisoned:
                 return self._fail(request, f"vLLM's encoder cache holds a stand-in for {feature.identifier}, "
                                            "whose load failed; retry once vLLM has evicted it")
+            flight = self._loads_in_flight.get(feature.identifier)
+            if flight is not None:  # reads that load (vLLM serves it the same allocation)
+                flight.readers.add(request.request_id)
         # A failed load is reported to vLLM only after the step's tokens were
         # processed (a request ending in that step would end normally, on the
         # stand-in), so items vLLM could not encode again are verified before
@@ -604,7 +610,8 @@ class SchedulerSide:
             self._unavailable.add(req_id)
             self._failed_reqs.add(req_id)
             self._poisoned.add(identifier)
-            for reader in self._load_readers.get(identifier, ()):  # served the same stand-in
+            flight = self._loads_in_flight.get(identifier)
+            for reader in flight.readers if flight is not None else ():  # served the same stand-in
                 if reader not in self._failed_reqs:
                     log.error("ecstore: request %s failed: it read the failed load of %s", reader, identifier)
                     self._unavailable.add(reader)
@@ -625,12 +632,11 @@ class SchedulerSide:
         """The worker reported these (request, identifier) loads: once no load
         of an identifier is in flight, its readers are forgotten."""
         for _, identifier in done:
-            left = self._loads_in_flight.get(identifier, 0) - 1
-            if left > 0:
-                self._loads_in_flight[identifier] = left
-            else:
-                self._loads_in_flight.pop(identifier, None)
-                self._load_readers.pop(identifier, None)
+            flight = self._loads_in_flight.get(identifier)
+            if flight is not None:
+                flight.loads -= 1
+                if flight.loads <= 0:
+                    del self._loads_in_flight[identifier]
 
     def _finish_loads(self, done: list[tuple[str, str]]) -> None:
         """Release the lease each reported (request, identifier) load held."""
@@ -667,8 +673,8 @@ class SchedulerSide:
         # A request that ends before its load was reported (aborted) must not
         # keep its entries pinned.
         self._failed_reqs.discard(request.request_id)
-        for readers in self._load_readers.values():
-            readers.discard(request.request_id)
+        for flight in self._loads_in_flight.values():
+            flight.readers.discard(request.request_id)
         self._req_items.pop(request.request_id, None)
         self._released.pop(request.request_id, None)
         self._finish_loads([(request.request_id, f.identifier)
