@@ -14,8 +14,6 @@ from helpers import vllm_objects as vo
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.engine.arg_utils import EngineArgs
-from vllm.renderers.inputs.preprocess import parse_model_prompt
-from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.request import Request
 
@@ -36,15 +34,11 @@ def whisper_dir() -> Path:
 
 def _request(cfg, req_id: str, uuid: str) -> Request:
     """The Request vLLM's engine core gets for one audio clip with a client uuid."""
-    ip = InputProcessor(cfg)
     audio = (np.sin(np.arange(16000) / 7.0).astype(np.float32), 16000)
     prompt = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": audio},
                                  "multi_modal_uuids": {"audio": [uuid]}},
               "decoder_prompt": tiny_whisper.DECODER_PROMPT}
-    (engine_input,) = ip.renderer.render_cmpl([parse_model_prompt(ip.model_config, prompt)],
-                                              ip.renderer.default_cmpl_tok_params)
-    ecr = ip.process_inputs(req_id, engine_input, SamplingParams(max_tokens=2, ignore_eos=True), ("generate",))
-    return Request.from_engine_core_request(ecr, block_hasher=None)
+    return vo.request_from_prompt(InputProcessor(cfg), req_id, prompt, max_tokens=2)
 
 
 def test_an_encoder_decoder_models_stored_item_is_encoded_not_announced_as_a_load(

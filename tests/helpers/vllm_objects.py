@@ -6,7 +6,9 @@
   ``EngineArgs.create_engine_config``, as ``vllm.LLM`` does);
 * :func:`processed_request` - a request as vLLM's input processor builds it
   (the renderer and the model's multimodal processor, as ``LLM.generate``),
-  from real items: pixels, or an EPD consumer's metadata-only item;
+  from real items: pixels, or an EPD consumer's metadata-only item
+  (:func:`request_from_prompt`: the same from any prompt dict, e.g. an
+  encoder-decoder model's);
 * :func:`make_request` - a request whose prompt holds one image placeholder
   per identifier, each item's ``MultiModalFeatureSpec`` copied from one vLLM
   really built for the model (:func:`feature_template`: ``data``, modality
@@ -162,8 +164,15 @@ def processed_request(name: str, req_id: str, mm_data: Mapping[str, Any], *,
         prompt["multi_modal_uuids"] = {m: list(u) for m, u in uuids.items()}
     if mm_processor_kwargs is not None:
         prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+    return request_from_prompt(ip, req_id, prompt, max_tokens=max_tokens)
+
+
+def request_from_prompt(ip: InputProcessor, req_id: str, prompt: Mapping[str, Any], *,
+                        max_tokens: int = 3) -> Request:
+    """The ``Request`` vLLM's engine core gets for ``prompt`` (a prompt dict as
+    ``LLM.generate`` takes it), rendered and processed by ``ip`` (greedy)."""
     renderer = ip.renderer
-    (engine_input,) = renderer.render_cmpl([parse_model_prompt(ip.model_config, prompt)],
+    (engine_input,) = renderer.render_cmpl([parse_model_prompt(ip.model_config, dict(prompt))],
                                           renderer.default_cmpl_tok_params)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ecr = ip.process_inputs(req_id, engine_input, params, ("generate",))
